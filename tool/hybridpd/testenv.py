@@ -1,0 +1,332 @@
+"""CPU-only virtual environments for running vLLM's own unit tests.
+
+One environment per pinned vLLM release, at ``<cache_dir>/envs/<version>-cpu/``.
+It holds a CPU torch, the release's ``requirements/common.txt`` and the few test-only
+packages the selected upstream test files import at module level (see
+``TEST_PACKAGES``). vLLM itself is **not** installed: the tests select a source tree
+with ``PYTHONPATH=<tree>`` and find vLLM's metadata in the sdist's in-tree
+``vllm.egg-info`` (see :mod:`hybridpd.pytestrun`). The same environment therefore
+serves the stock and the patched tree of a release.
+
+Invariants:
+
+- An environment is reused only when its marker file (``MARKER_NAME``) exists and
+  records the same input hash. The marker is written last, atomically, so a build that
+  was interrupted is never reused; it is deleted and rebuilt instead.
+- The input hash covers everything that decides what gets installed: the release
+  version, the text of ``requirements/common.txt`` after relaxations, the torch spec,
+  the test requirement lines, the Python version and ``ENV_SCHEMA``.
+- Packages come from pip with pip's own configuration (``pip.conf``, ``PIP_*``
+  variables: indexes, find-links, constraints, certificates). No index host is named
+  here. uv is not used: it does not read pip's configuration files, and translating
+  them (``find-links``, ``extra-index-url``, ``constraint``) is one more thing to get
+  wrong for a build that happens once per release and is cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+#: Bump when the way an environment is built changes, so old environments are rebuilt.
+ENV_SCHEMA = 1
+
+#: File written into the venv when (and only when) it is complete.
+MARKER_NAME = "hybridpd-env.json"
+
+#: Environment variable that overrides the default torch requirement.
+TORCH_ENV_VAR = "HYBRIDPD_TORCH"
+
+#: Default torch requirement.
+#:
+#: Why 2.13.0: the unit tests we run load no compiled vLLM extension, so they do not
+#: need the exact torch a release was built against (0.20.2 pins 2.11, 0.32.0 2.13,
+#: 0.33.0 2.14); they need *a* torch that imports without a GPU and that vLLM's Python
+#: accepts. 2.13.0 is the version whose CPU build (``2.13.0+cpu``) this project's
+#: machines serve from local find-links, and pip prefers ``2.13.0+cpu`` over a plain
+#: ``2.13.0`` from an index (a local version label sorts higher), so the spec yields the
+#: CPU build wherever that wheel is offered. Where it is not (plain PyPI), it yields
+#: the CUDA build, which also imports on a CPU-only machine but weighs several GB; set
+#: ``HYBRIDPD_TORCH=torch==2.13.0+cpu`` and point pip (``PIP_EXTRA_INDEX_URL``) at a
+#: CPU wheel index there. The build checks that the installed torch imports and logs
+#: whether it is a CUDA build.
+DEFAULT_TORCH_SPEC = "torch==2.13.0"
+
+#: Test-only packages, with the reason each is needed. Versions are taken from the
+#: release's own test lock file (``TEST_LOCK_FILES``) when it pins them. This is the
+#: minimum for the files in :mod:`hybridpd.upstream`, not the whole test lock file.
+TEST_PACKAGES: dict[str, str] = {
+    "pytest": "the runner",
+    "pytest-asyncio": "async tests in the connector unit tests",
+    "pytest-timeout": "per-test timeout, so one hung test cannot eat the run",
+    "tblib": "imported at module level by tests/conftest.py",
+    "ray": "imported at module level by tests/v1/kv_connector/unit/test_nixl_connector.py",
+}
+
+#: Lock files a release may carry for its test dependencies, first match wins.
+TEST_LOCK_FILES = (
+    "requirements/test/cpu.txt",
+    "requirements/test/cuda.txt",
+    "requirements/test.txt",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Relaxation:
+    """One requirement line of ``requirements/common.txt`` we deliberately change.
+
+    ``package`` names the requirement (PEP 503 normalised comparison); the line is
+    replaced by ``replacement`` (an empty string drops it). Applied only when the line is
+    present, so a relaxation that no longer matches a release is a no-op, not an error.
+    """
+
+    package: str
+    replacement: str
+    reason: str
+
+
+#: Every change we make to a release's common.txt. Keep it short and say why.
+RELAXATIONS: tuple[Relaxation, ...] = (
+    # vLLM 0.33.0 asks for certifi>=2026.10.19, newer than any certifi the package
+    # index serves (2026.10.18 is the newest); the line alone makes the install fail.
+    # certifi only supplies a CA bundle, which no unit test depends on.
+    Relaxation(
+        package="certifi",
+        replacement="certifi",
+        reason="0.33.0 pins certifi>=2026.10.19, newer than the index serves",
+    ),
+)
+
+
+class TestEnvError(RuntimeError):
+    """The environment could not be built."""
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def _requirement_name(line: str) -> str | None:
+    """The project name of a requirement line, or None for comments and options."""
+    stripped = line.split("#", 1)[0].strip()
+    if not stripped or stripped.startswith("-"):
+        return None
+    m = _REQ_NAME.match(stripped)
+    return _normalise(m.group(1)) if m else None
+
+
+def relax_requirements(text: str) -> tuple[str, list[Relaxation]]:
+    """Apply ``RELAXATIONS`` to the text of a requirements file.
+
+    Returns the new text and the relaxations that matched a line.
+    """
+    by_name = {_normalise(r.package): r for r in RELAXATIONS}
+    applied: list[Relaxation] = []
+    out: list[str] = []
+    for line in text.splitlines():
+        name = _requirement_name(line)
+        relax = by_name.get(name) if name else None
+        if relax is None:
+            out.append(line)
+            continue
+        applied.append(relax)
+        out.append(f"{relax.replacement}  # hybridpd relaxed: {line.strip()}")
+    return "\n".join(out) + "\n", applied
+
+
+def test_requirements(source_tree: Path) -> list[str]:
+    """Requirement lines for ``TEST_PACKAGES``, pinned as the release's lock file pins them."""
+    pins: dict[str, str] = {}
+    for rel in TEST_LOCK_FILES:
+        lock = source_tree / rel
+        if not lock.is_file():
+            continue
+        for line in lock.read_text().splitlines():
+            m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;#]+)", line)
+            if m:
+                pins[_normalise(m.group(1))] = m.group(2).split("+", 1)[0]
+        break
+    return [f"{p}=={pins[_normalise(p)]}" if _normalise(p) in pins else p for p in TEST_PACKAGES]
+
+
+def resolve_torch_spec(torch_spec: str | None = None) -> str:
+    """The torch requirement to install: the argument, else ``$HYBRIDPD_TORCH``, else the default."""
+    return torch_spec or os.environ.get(TORCH_ENV_VAR) or DEFAULT_TORCH_SPEC
+
+
+def env_dir(cache_dir: Path, version: str) -> Path:
+    """Where the environment for ``version`` lives."""
+    return cache_dir / "envs" / f"{version}-cpu"
+
+
+def venv_python(venv: Path) -> Path:
+    """The interpreter of a venv."""
+    return venv / "bin" / "python"
+
+
+def env_inputs(
+    version: str,
+    source_tree: Path,
+    torch_spec: str | None = None,
+    extra_requirements: Sequence[str] = (),
+    python: str | None = None,
+) -> dict:
+    """Everything that decides the content of the environment, plus its hash (``"hash"``)."""
+    common = source_tree / "requirements" / "common.txt"
+    if not common.is_file():
+        raise TestEnvError(f"{common} not found: is {source_tree} a vLLM source tree?")
+    relaxed, applied = relax_requirements(common.read_text())
+    python = python or sys.executable
+    py_version = subprocess.run(
+        [python, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    inputs = {
+        "schema": ENV_SCHEMA,
+        "version": version,
+        "python": py_version,
+        "torch_spec": resolve_torch_spec(torch_spec),
+        "common_txt": relaxed,
+        "relaxations": [dataclasses.asdict(r) for r in applied],
+        "test_requirements": test_requirements(source_tree),
+        "extra_requirements": list(extra_requirements),
+    }
+    blob = json.dumps(inputs, sort_keys=True).encode()
+    inputs["hash"] = hashlib.sha256(blob).hexdigest()[:16]
+    return inputs
+
+
+def read_marker(venv: Path) -> dict | None:
+    """The marker of a complete environment, or None."""
+    try:
+        return json.loads((venv / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _run(cmd: Sequence[str], log_file: Path, log: Callable[[str], None], what: str) -> None:
+    log(f"testenv: {what}")
+    with log_file.open("a") as fh:
+        fh.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        fh.flush()
+        proc = subprocess.run(list(map(str, cmd)), stdout=fh, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise TestEnvError(f"{what} failed (exit {proc.returncode}); see {log_file}")
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def ensure_test_env(
+    version: str,
+    source_tree: Path,
+    cache_dir: Path,
+    torch_spec: str | None = None,
+    log: Callable[[str], None] = _noop,
+    *,
+    extra_requirements: Sequence[str] = (),
+    python: str | None = None,
+) -> Path:
+    """Return a complete CPU test environment for ``version``, building it if needed.
+
+    ``source_tree`` is a vLLM source tree of that release (stock or patched: only its
+    ``requirements/`` files are read). ``torch_spec`` overrides ``$HYBRIDPD_TORCH`` and
+    ``DEFAULT_TORCH_SPEC``. ``extra_requirements`` are added to the final install (for
+    example ``torchvision==0.28.0``); they change the hash. The build log goes to
+    ``<cache_dir>/envs/<version>-cpu.build.log``. Concurrent callers for the same
+    version serialise on a lock file; the second one reuses the first one's result.
+
+    Raises :class:`TestEnvError` when a pip step fails or torch does not import.
+    """
+    source_tree = Path(source_tree)
+    cache_dir = Path(cache_dir)
+    inputs = env_inputs(version, source_tree, torch_spec, extra_requirements, python)
+    venv = env_dir(cache_dir, version)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = venv.parent / f"{venv.name}.lock"
+    with lock_path.open("w") as lock_fh:
+        fcntl.flock(lock_fh, fcntl.LOCK_EX)
+        marker = read_marker(venv)
+        if marker and marker.get("hash") == inputs["hash"] and venv_python(venv).exists():
+            log(f"testenv: reusing {venv} (inputs {inputs['hash']})")
+            return venv
+        if venv.exists():
+            why = "inputs changed" if marker else "no completion marker"
+            log(f"testenv: removing {venv} ({why})")
+            shutil.rmtree(venv)
+        _build(venv, inputs, python or sys.executable, log)
+        return venv
+
+
+def _build(venv: Path, inputs: dict, python: str, log: Callable[[str], None]) -> None:
+    start = time.monotonic()
+    log_file = venv.parent / f"{venv.name}.build.log"
+    log_file.write_text(f"hybridpd test env build {datetime.now(timezone.utc).isoformat()}\n")
+    log(f"testenv: building {venv} for vLLM {inputs['version']} (log {log_file})")
+    for r in inputs["relaxations"]:
+        log(f"testenv: relaxed {r['package']}: {r['reason']}")
+
+    _run([python, "-m", "venv", venv], log_file, log, "create venv")
+    py = venv_python(venv)
+    pip = [py, "-m", "pip", "install", "--progress-bar", "off"]
+    torch_spec = inputs["torch_spec"]
+    # Torch first and alone: later requirements (xgrammar, compressed-tensors...) depend
+    # on torch, and with torch already satisfied pip does not pick a build of its own.
+    _run(pip + [torch_spec], log_file, log, f"install {torch_spec}")
+    torch_info = _torch_info(py)
+    log(f"testenv: torch {torch_info['version']} (cuda build: {torch_info['cuda']})")
+
+    req_file = venv / "hybridpd-requirements.txt"
+    req_file.write_text(inputs["common_txt"])
+    # torch_spec again so the resolver keeps the torch we just installed.
+    _run(
+        pip + ["-r", req_file, torch_spec, *inputs["test_requirements"],
+               *inputs["extra_requirements"]],
+        log_file, log, "install requirements/common.txt + test packages",
+    )
+    after = _torch_info(py)
+    if after["version"] != torch_info["version"]:
+        raise TestEnvError(
+            f"requirements replaced torch {torch_info['version']} by {after['version']}"
+        )
+    freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True)
+    (venv / "hybridpd-freeze.txt").write_text(freeze.stdout)
+
+    marker = dict(inputs)
+    marker.pop("common_txt")  # kept beside it as hybridpd-requirements.txt
+    marker.update(
+        torch=after,
+        built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        build_seconds=round(time.monotonic() - start, 1),
+    )
+    tmp = venv / (MARKER_NAME + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    tmp.replace(venv / MARKER_NAME)
+    log(f"testenv: done in {marker['build_seconds']} s: {venv}")
+
+
+def _torch_info(py: Path) -> dict:
+    """Version and CUDA flavour of the torch in a venv; raises if it does not import."""
+    proc = subprocess.run(
+        [str(py), "-c", "import json, torch; print(json.dumps("
+         "{'version': torch.__version__, 'cuda': torch.version.cuda}))"],
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise TestEnvError(f"torch does not import in {py}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
