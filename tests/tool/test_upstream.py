@@ -1,0 +1,176 @@
+"""upstream: selection, the regression rule, baselines; testenv's pure parts (offline, fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridpd import testenv, upstream
+from hybridpd.pytestrun import SuiteResult
+
+SDISTS = Path("/tmp/sd")  # extracted release sdists, where a machine has them
+
+
+# --- selection ------------------------------------------------------------------------
+
+def test_reduced_is_a_subset_without_the_big_files() -> None:
+    for version, full in upstream.FULL_SELECTION.items():
+        reduced = upstream.REDUCED_SELECTION[version]
+        assert set(reduced) < set(full)
+        assert not any(f.endswith(("test_scheduler.py", "test_nixl_connector.py"))
+                       for f in reduced)
+
+
+@pytest.mark.parametrize("version", sorted(upstream.FULL_SELECTION))
+def test_selected_files_exist_in_the_release(version: str) -> None:
+    tree = SDISTS / f"vllm-{version}"
+    if not tree.is_dir():
+        pytest.skip(f"{tree} not here")
+    assert [f for f in upstream.selection(version) if not (tree / f).is_file()] == []
+
+
+# --- comparison -----------------------------------------------------------------------
+
+STOCK = {
+    "t.py::a": "passed",
+    "t.py::b": "passed",
+    "t.py::c": "failed",
+    "t.py::d": "skipped",
+    "t.py::e": "passed",
+    "t.py::f": "error",
+    "u.py::g": "passed",
+}
+PATCHED = {
+    "t.py::a": "passed",      # same
+    "t.py::b": "failed",      # regression
+    "t.py::c": "passed",      # fix
+    # d missing: regression although it was skipped
+    "t.py::e": "skipped",     # regression: a pass turned into a skip
+    "t.py::f": "failed",      # failed before, fails now: not a regression
+    "t.py::h": "failed",      # new: listed, not judged
+}
+
+
+def test_compare_rule() -> None:
+    c = upstream.compare(STOCK, PATCHED)
+    assert c.regressions == {
+        "t.py::b": ("passed", "failed"),
+        "t.py::d": ("skipped", "missing"),
+        "t.py::e": ("passed", "skipped"),
+        "u.py::g": ("passed", "missing"),
+    }
+    assert c.fixes == {"t.py::c": ("failed", "passed")}
+    assert c.new == {"t.py::h": "failed"}
+    assert not c.ok and c.compared == 7
+
+
+def test_compare_restricted_to_files_run() -> None:
+    c = upstream.compare(STOCK, PATCHED, files=["t.py"])
+    assert "u.py::g" not in c.regressions and c.compared == 6
+
+
+def test_collection_error_on_patched_is_a_regression() -> None:
+    c = upstream.compare({"t.py::a": "passed"}, {"t.py": "error"})
+    assert c.regressions == {"t.py::a": ("passed", "missing")}
+
+
+def test_identical_runs_are_ok() -> None:
+    assert upstream.compare(STOCK, STOCK).ok
+
+
+# --- baselines ------------------------------------------------------------------------
+
+def _result(outcomes: dict[str, str], status: str = "failures") -> SuiteResult:
+    r = SuiteResult(outcomes=dict(outcomes), status=status, exit_code=1,
+                    wall_seconds=12.5, command=["pytest", "t.py"])
+    for o in outcomes.values():
+        key = {"passed": "passed", "failed": "failed", "error": "errors"}.get(o, "skipped")
+        setattr(r, key, getattr(r, key) + 1)
+    r.file_seconds = {"t.py": 3.0, "u.py": 1.0}
+    return r
+
+
+def test_baseline_round_trip_and_compare(tmp_path: Path) -> None:
+    path = upstream.write_baseline(_result(STOCK), "9.9.9", ["t.py", "u.py"],
+                                   tree="vllm-9.9.9.tar.gz sha256 x",
+                                   env={"torch": "2.13.0+cpu"}, path=tmp_path / "b.json")
+    doc = upstream.load_baseline("9.9.9", path)
+    assert doc["outcomes"] == STOCK
+    assert doc["counts"] == {"passed": 4, "failed": 1, "skipped": 1, "errors": 1}
+    assert doc["per_file"]["u.py"] == {"passed": 1, "failed": 0, "skipped": 0,
+                                       "errors": 0, "seconds": 1.0}
+    assert doc["produced"]["command"] == ["pytest", "t.py"]
+    assert doc["produced"]["wall_seconds"] == 12.5
+    assert list(doc["outcomes"]) == sorted(doc["outcomes"])  # stable diffs
+    c = upstream.compare_to_baseline(_result(PATCHED), doc)
+    assert set(c.regressions) == {"t.py::b", "t.py::d", "t.py::e", "u.py::g"}
+
+
+def test_crashed_run_is_not_recorded(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="crashed"):
+        upstream.write_baseline(_result({}, status="crashed"), "9.9.9", [], tree="x",
+                                path=tmp_path / "b.json")
+
+
+def test_committed_baselines_are_well_formed() -> None:
+    for path in sorted(upstream.BASELINE_DIR.glob("*-stock.json")):
+        version = path.name[: -len("-stock.json")]
+        doc = upstream.load_baseline(version)
+        counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+        for o in doc["outcomes"].values():
+            counts[{"error": "errors", "xfailed": "skipped"}.get(o, o)] += 1
+        assert counts == doc["counts"], path
+        assert doc["files"] == list(upstream.selection(version)), path
+
+
+def test_report_lists_regressions(tmp_path: Path) -> None:
+    report = upstream.UpstreamReport(
+        "9.9.9", ["t.py"], _result(PATCHED), upstream.compare(STOCK, PATCHED),
+        baseline=tmp_path / "b.json")
+    text = upstream.format_report(report)
+    assert "REGRESSION t.py::b: passed -> failed" in text and not report.ok
+
+
+# --- testenv (the environment the gate runs in) -----------------------------------------
+
+def test_relaxation_rewrites_only_the_named_line() -> None:
+    text = "certifi >= 2026.10.19\ncertifi-extra==1\nnumpy\n# certifi comment\n"
+    out, applied = testenv.relax_requirements(text)
+    lines = out.splitlines()
+    assert lines[0].startswith("certifi  # hybridpd relaxed: certifi >= 2026.10.19")
+    assert lines[1:] == ["certifi-extra==1", "numpy", "# certifi comment"]
+    assert [r.package for r in applied] == ["certifi"]
+    assert testenv.relax_requirements("numpy\n") == ("numpy\n", [])
+
+
+def test_test_requirements_take_the_release_pins(tmp_path: Path) -> None:
+    lock = tmp_path / "requirements" / "test" / "cuda.txt"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("pytest==8.3.5\n    # via -r x\nray[cgraph]==2.48.0\ntorchvision==0.26.0+cu130\n")
+    reqs = testenv.test_requirements(tmp_path)
+    assert "pytest==8.3.5" in reqs and "ray==2.48.0" in reqs
+    assert "tblib" in reqs  # not pinned there: left unpinned
+
+
+def test_env_inputs_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "common.txt").write_text("numpy\n")
+    monkeypatch.delenv(testenv.TORCH_ENV_VAR, raising=False)
+    a = testenv.env_inputs("1.0", tmp_path)
+    assert a["torch_spec"] == testenv.DEFAULT_TORCH_SPEC
+    assert a["hash"] == testenv.env_inputs("1.0", tmp_path)["hash"]
+    monkeypatch.setenv(testenv.TORCH_ENV_VAR, "torch==2.13.0+cpu")
+    b = testenv.env_inputs("1.0", tmp_path)
+    assert b["torch_spec"] == "torch==2.13.0+cpu" and b["hash"] != a["hash"]
+    assert testenv.env_inputs("1.0", tmp_path, torch_spec="torch")["torch_spec"] == "torch"
+
+
+def test_half_built_env_is_not_reused(tmp_path: Path) -> None:
+    venv = testenv.env_dir(tmp_path, "1.0")
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    assert testenv.read_marker(venv) is None
+    (venv / testenv.MARKER_NAME).write_text(json.dumps({"hash": "x"}))
+    assert testenv.read_marker(venv) == {"hash": "x"}

@@ -1,0 +1,287 @@
+"""vLLM's own unit tests as a regression gate for the patch series.
+
+The claim we prove: on every pin, the patched tree passes every selected upstream test
+that the stock tree passes. "Selected" means the test files of ``FULL_SELECTION`` that
+exercise what the series touches (scheduler, KV cache manager and coordinator, the
+LMCache / Multi / NIXL connectors); ``REDUCED_SELECTION`` is the quick subset for CI.
+
+Two ways to get the stock side:
+
+- run it (:func:`run_upstream` with a ``stock_tree``): one pytest process per tree, all
+  files in it (the ~30 s vLLM import is paid once per tree);
+- read a committed baseline, ``data/upstream/<version>-stock.json``, recorded once with
+  :func:`write_baseline` (how it was produced is stored in it).
+
+Comparison rule (:func:`compare`), by pytest node id:
+
+- a **regression** is a test that passed on stock and did not pass on patched
+  (failed, error, skipped, or missing), or a test id present on stock that is missing on
+  patched whatever its stock outcome (a vanished test proves nothing);
+- a **fix** is a test that did not pass on stock and passes on patched;
+- **new** tests exist only on patched; they are listed, not judged.
+
+When the patched run covers fewer files than the stock side, only the stock ids of the
+files that ran are compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import hfsnap
+from .pytestrun import SuiteResult, run_pytest
+
+BASELINE_DIR = Path(__file__).parent / "data" / "upstream"
+BASELINE_SCHEMA = 1
+
+_CORE = (
+    "tests/v1/core/test_prefix_caching.py",
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_scheduler.py",
+)
+_MAMBA_ALIGN = ("tests/v1/core/test_mamba_align_chunk_split.py",)  # first in 0.2x; absent in 0.20.2
+_CONNECTORS = (
+    "tests/v1/kv_connector/unit/test_lmcache_connector.py",
+    "tests/v1/kv_connector/unit/test_multi_connector.py",
+    "tests/v1/kv_connector/unit/test_nixl_connector.py",
+    "tests/v1/kv_connector/unit/test_nixl_connector_hma.py",
+)
+
+#: Per pin, every upstream test file the gate runs. A file listed for a pin exists in
+#: that pin's sdist (checked by tests/tool/test_upstream.py against the trees when present).
+FULL_SELECTION: dict[str, tuple[str, ...]] = {
+    "0.20.2": _CORE + _CONNECTORS,
+    "0.32.0": _CORE + _MAMBA_ALIGN + _CONNECTORS,
+    "0.33.0": _CORE + _MAMBA_ALIGN + _CONNECTORS,
+}
+
+#: Quick CI subset: the files closest to the series' patches that run in a few minutes
+#: on 2 CPU cores. Left out: test_scheduler.py and test_nixl_connector.py, the two
+#: large files (minutes each); the full gate and the committed baselines cover them.
+#: Kept: the prefix-caching / KV-cache-utils / single-type-manager tests (coordinator,
+#: find_longest_cache_hit), the Mamba-align split where present, the LMCache and
+#: Multi connector tests and the NIXL HMA tests (hybrid groups across a connector).
+REDUCED_SELECTION: dict[str, tuple[str, ...]] = {
+    version: tuple(f for f in files if not f.endswith(("/test_scheduler.py",
+                                                        "/test_nixl_connector.py")))
+    for version, files in FULL_SELECTION.items()
+}
+
+#: Models whose config-only snapshots the selected tests need (see hybridpd.hfsnap).
+MODELS = (
+    "facebook/opt-125m",
+    "facebook/opt-350m",
+    "Qwen/Qwen3-0.6B",
+    "Qwen/Qwen1.5-7B",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "google/gemma-3-1b-it",
+    "llava-hf/llava-1.5-7b-hf",
+    "meta-llama/Llama-3.2-1B-Instruct",
+)
+
+
+def selection(version: str, reduced: bool = False) -> tuple[str, ...]:
+    """The test files for ``version``; KeyError for a version with no selection."""
+    return (REDUCED_SELECTION if reduced else FULL_SELECTION)[version]
+
+
+def _file_of(test_id: str) -> str:
+    return test_id.split("::", 1)[0]
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Result of :func:`compare`. ``regressions`` maps id -> (stock, patched outcome)."""
+
+    regressions: dict[str, tuple[str, str]]
+    fixes: dict[str, tuple[str, str]]
+    new: dict[str, str]
+    compared: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions
+
+
+def compare(stock: Mapping[str, str], patched: Mapping[str, str],
+            files: Iterable[str] | None = None) -> Comparison:
+    """Compare outcomes by test id (rule in the module docstring).
+
+    ``files`` restricts the stock ids to those test files (a collection error is
+    recorded under the file path itself, so it belongs to its file too).
+    """
+    if files is not None:
+        keep = set(files)
+        stock = {k: v for k, v in stock.items() if _file_of(k) in keep}
+    regressions: dict[str, tuple[str, str]] = {}
+    fixes: dict[str, tuple[str, str]] = {}
+    for test_id, before in sorted(stock.items()):
+        after = patched.get(test_id, "missing")
+        if after == "missing" or (before == "passed" and after != "passed"):
+            regressions[test_id] = (before, after)
+        elif before != "passed" and after == "passed":
+            fixes[test_id] = (before, after)
+    new = {k: v for k, v in sorted(patched.items()) if k not in stock}
+    return Comparison(regressions, fixes, new, compared=len(stock))
+
+
+# --- baselines ------------------------------------------------------------------------
+
+def baseline_path(version: str, base_dir: Path = BASELINE_DIR) -> Path:
+    return Path(base_dir) / f"{version}-stock.json"
+
+
+def baseline_dict(result: SuiteResult, version: str, files: Sequence[str], *,
+                  tree: str, env: Mapping | None = None) -> dict:
+    """The JSON document recording a stock run (schema ``BASELINE_SCHEMA``)."""
+    per_file = result.per_file_counts()
+    return {
+        "schema": BASELINE_SCHEMA,
+        "vllm_version": version,
+        "tree": tree,
+        "files": list(files),
+        "produced": {
+            "by": "hybridpd.upstream.write_baseline",
+            "command": result.command,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "wall_seconds": result.wall_seconds,
+            "status": result.status,
+            "exit_code": result.exit_code,
+            "host": {"machine": platform.machine(), "python": platform.python_version()},
+            "env": dict(env or {}),
+        },
+        "counts": result.counts(),
+        "per_file": {
+            f: {**per_file.get(f, {}), "seconds": result.file_seconds.get(f, 0.0)}
+            for f in files
+        },
+        "outcomes": dict(sorted(result.outcomes.items())),
+    }
+
+
+def write_baseline(result: SuiteResult, version: str, files: Sequence[str], *,
+                   tree: str, env: Mapping | None = None,
+                   path: Path | None = None) -> Path:
+    """Write the stock baseline for ``version``; returns its path.
+
+    Refuses a run that crashed or timed out: a baseline must list every test.
+    """
+    if result.status in ("crashed", "timeout", "interrupted"):
+        raise ValueError(f"refusing to record a {result.status} run: {result.reason}")
+    path = Path(path) if path else baseline_path(version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = baseline_dict(result, version, files, tree=tree, env=env)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def load_baseline(version: str, path: Path | None = None) -> dict:
+    """Read a baseline; FileNotFoundError when none is committed for ``version``."""
+    doc = json.loads(Path(path or baseline_path(version)).read_text())
+    if doc.get("schema") != BASELINE_SCHEMA:
+        raise ValueError(f"baseline schema {doc.get('schema')} != {BASELINE_SCHEMA}")
+    return doc
+
+
+def compare_to_baseline(patched: SuiteResult, baseline: Mapping,
+                        files: Iterable[str] | None = None) -> Comparison:
+    """Compare a patched run with a stock baseline (restricted to ``files`` if given)."""
+    return compare(baseline["outcomes"], patched.outcomes, files)
+
+
+# --- running --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class UpstreamReport:
+    """Stock vs patched on one pin. ``stock`` is None when a baseline stood in for it."""
+
+    version: str
+    files: list[str]
+    patched: SuiteResult
+    comparison: Comparison
+    stock: SuiteResult | None = None
+    baseline: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No regression, and the patched pytest process finished normally."""
+        return self.comparison.ok and self.patched.status in ("ok", "failures", "no-tests")
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def run_upstream(
+    venv: Path,
+    stock_tree: Path | None,
+    patched_tree: Path,
+    files: Sequence[str],
+    out_dir: Path,
+    *,
+    version: str,
+    hf_home: Path | None = None,
+    baseline: Path | None = None,
+    test_timeout: int | None = 600,
+    session_timeout: float | None = None,
+    log: Callable[[str], None] = _noop,
+) -> UpstreamReport:
+    """Run ``files`` on the patched tree and compare with stock.
+
+    With ``stock_tree`` the stock tree runs first (sequentially: never two pytest
+    processes at once); otherwise the baseline (``baseline`` or the committed one for
+    ``version``) stands in. ``hf_home`` defaults to ``<out_dir>/hf`` and receives the
+    config snapshots of ``MODELS``. Logs and JUnit files land in ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    hf_home = Path(hf_home) if hf_home else out_dir / "hf"
+    hfsnap.write_snapshots(hf_home, MODELS)
+    common = dict(hf_home=hf_home, test_timeout=test_timeout,
+                  session_timeout=session_timeout, log=log)
+    stock_result = None
+    baseline_file = None
+    if stock_tree is not None:
+        stock_result = run_pytest(venv, stock_tree, files, out_dir, label="stock", **common)
+        stock_outcomes = stock_result.outcomes
+    else:
+        baseline_file = Path(baseline) if baseline else baseline_path(version)
+        stock_outcomes = load_baseline(version, baseline_file)["outcomes"]
+    patched = run_pytest(venv, patched_tree, files, out_dir, label="patched", **common)
+    comparison = compare(stock_outcomes, patched.outcomes, files)
+    return UpstreamReport(version, list(files), patched, comparison, stock_result, baseline_file)
+
+
+def format_report(report: UpstreamReport, limit: int = 20) -> str:
+    """Human summary: counts per side, then regressions (at most ``limit`` listed)."""
+    lines = [f"vLLM {report.version}: {len(report.files)} upstream test file(s)"]
+    if report.stock is not None:
+        s = report.stock
+        lines.append(f"  stock:   {s.status:9} {s.counts()} in {s.wall_seconds} s")
+    else:
+        lines.append(f"  stock:   baseline {report.baseline}")
+    p = report.patched
+    lines.append(f"  patched: {p.status:9} {p.counts()} in {p.wall_seconds} s")
+    if p.reason:
+        lines.append(f"           {p.reason}")
+    c = report.comparison
+    lines.append(f"  compared {c.compared} test(s): {len(c.regressions)} regression(s), "
+                 f"{len(c.fixes)} fix(es), {len(c.new)} new")
+    for test_id, (before, after) in list(c.regressions.items())[:limit]:
+        lines.append(f"  REGRESSION {test_id}: {before} -> {after}")
+    if len(c.regressions) > limit:
+        lines.append(f"  ... and {len(c.regressions) - limit} more")
+    return "\n".join(lines)
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    """Call ``fn`` and return its result with the wall time in seconds."""
+    start = time.monotonic()
+    value = fn()
+    return value, round(time.monotonic() - start, 1)
