@@ -1,0 +1,60 @@
+"""Errors hybridpd reports to its user.
+
+Every error is a :class:`click.ClickException` with a one-line message, so the CLI
+prints ``Error: <message>`` and exits with a meaningful code: 1 for a failed
+operation or check, 2 for bad usage (click's own ``UsageError``).
+"""
+
+from __future__ import annotations
+
+import click
+
+
+class HybridpdError(click.ClickException):
+    """Base class: an expected failure, reported without a traceback (exit 1)."""
+
+    exit_code = 1
+
+
+class GitError(HybridpdError):
+    """A git command failed in a way the caller did not anticipate."""
+
+
+class SeriesError(HybridpdError):
+    """``series.toml`` is missing, malformed or inconsistent."""
+
+
+class UnknownPinError(HybridpdError):
+    """A version that ``series.toml`` does not pin."""
+
+
+class PackageIndexError(HybridpdError):
+    """A release file could not be found on, or fetched from, a package index."""
+
+
+class ChecksumError(HybridpdError):
+    """A downloaded file does not have the sha256 that ``series.toml`` records."""
+
+
+class CheckoutError(HybridpdError):
+    """A source tree could not be created."""
+
+
+class DirtyTreeError(HybridpdError):
+    """A checkout has uncommitted or untracked changes."""
+
+
+class PatchCommitError(HybridpdError):
+    """A checkout's commits after the pin tag do not match the patch series."""
+
+
+class ApplyError(HybridpdError):
+    """The patch series does not apply; the checkout was left as it was."""
+
+
+class ExportError(HybridpdError):
+    """A checkout's commits cannot be exported as the patch series."""
+
+
+class CheckFailed(HybridpdError):
+    """``hybridpd check`` found problems."""

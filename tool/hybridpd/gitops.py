@@ -1,0 +1,378 @@
+"""Git verbs, through GitPython.
+
+Everything here is project agnostic: it knows nothing about vLLM, pins or the patch
+series. Functions take a repository path, run one git operation, and return a plain
+result (a sha, a list of paths, bytes). Policy -- which patches, in what order, what a
+trailer means -- lives in the callers.
+
+Invariants every call keeps:
+
+* Commits this module creates have a fixed committer (and, for :func:`commit_all`, a
+  fixed author) with a fixed date, so the same tree and the same patches give the same
+  commit hashes on every machine.
+* The user's git configuration cannot change what is committed or exported: the
+  settings that would (line-ending conversion, signing, hooks, diff prefixes) are
+  overridden on every command line, and the export flags are spelled out.
+* A failing command raises :class:`~hybridpd.errors.GitError` with git's first error
+  line, unless the verb's contract is to report failure as a value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from hybridpd.errors import GitError
+
+#: The identity of commits made by this module (see the module invariants).
+IDENTITY_NAME = "hybridpd"
+IDENTITY_EMAIL = "hybridpd@localhost"
+IDENTITY_DATE = "2000-01-01T00:00:00Z"
+
+_FIXED_COMMITTER = {
+    "GIT_COMMITTER_NAME": IDENTITY_NAME,
+    "GIT_COMMITTER_EMAIL": IDENTITY_EMAIL,
+    "GIT_COMMITTER_DATE": IDENTITY_DATE,
+}
+_FIXED_AUTHOR = {
+    "GIT_AUTHOR_NAME": IDENTITY_NAME,
+    "GIT_AUTHOR_EMAIL": IDENTITY_EMAIL,
+    "GIT_AUTHOR_DATE": IDENTITY_DATE,
+}
+
+# Passed as ``-c`` to every command. user.* lets git run on machines without an
+# identity; the others keep user configuration out of committed and exported bytes.
+_CONFIG = (
+    f"user.name={IDENTITY_NAME}",
+    f"user.email={IDENTITY_EMAIL}",
+    "core.autocrlf=false",
+    "core.hooksPath=/dev/null",
+    "commit.gpgsign=false",
+    "tag.gpgsign=false",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "advice.detachedHead=false",
+    "init.defaultBranch=main",
+)
+
+# One commit as a byte-stable mbox message: no commit hash, stat, numbering, version
+# signature or config-dependent diff options, so the output depends only on the commit.
+_FORMAT_PATCH_FLAGS = (
+    "--stdout",
+    "--keep-subject",
+    "--no-stat",
+    "--no-signature",
+    "--zero-commit",
+    "--full-index",
+    "--no-numbered",
+    "--no-renames",
+    "--binary",
+    "--no-notes",
+    "--no-thread",
+    "--no-to",
+    "--no-cc",
+    "--no-add-header",
+    "--no-base",
+    "--no-signoff",
+    "--no-attach",
+    "--no-color",
+    "--no-ext-diff",
+    "--unified=3",
+    "--inter-hunk-context=0",
+    "--diff-algorithm=myers",
+    "--indent-heuristic",
+    "--src-prefix=a/",
+    "--dst-prefix=b/",
+    f"-O{os.devnull}",
+)
+
+_FIELD = "\x1f"
+_RECORD = "\x1e"
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A commit with its subject and trailers, as ``git log`` parses them."""
+
+    sha: str
+    subject: str
+    trailers: tuple[tuple[str, str], ...]
+
+    def trailer_values(self, key: str) -> list[str]:
+        """Values of every trailer named ``key`` (case-insensitive), in order."""
+        return [v for k, v in self.trailers if k.lower() == key.lower()]
+
+
+@dataclass(frozen=True)
+class Result:
+    """Outcome of a command whose failure the caller handles."""
+
+    status: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+
+def run(repo: Path, *args: str, env: Mapping[str, str] | None = None) -> Result:
+    """Run ``git <args>`` in ``repo`` and return its outcome without raising."""
+    status, stdout, stderr = _execute(repo, args, env)
+    return Result(status, stdout.decode("utf-8", errors="replace"), stderr)
+
+
+def check(repo: Path, *args: str, env: Mapping[str, str] | None = None) -> str:
+    """Run ``git <args>`` in ``repo``; return stdout, raise GitError on failure."""
+    return check_bytes(repo, *args, env=env).decode("utf-8", errors="replace")
+
+
+def check_bytes(repo: Path, *args: str, env: Mapping[str, str] | None = None) -> bytes:
+    """Like :func:`check`, but return stdout exactly as git wrote it."""
+    status, stdout, stderr = _execute(repo, args, env)
+    if status != 0:
+        raise GitError(f"git {args[0]} failed in {repo}: {first_error_line(stderr)}")
+    return stdout
+
+
+def first_error_line(stderr: str) -> str:
+    """The most telling line of git's stderr (an ``error:``/``fatal:`` line if any)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith(("fatal:", "error:")):
+            return line
+    return lines[0] if lines else "(no message)"
+
+
+def _execute(
+    repo: Path, args: Sequence[str], env: Mapping[str, str] | None
+) -> tuple[int, bytes, str]:
+    config = [arg for setting in _CONFIG for arg in ("-c", setting)]
+    status, stdout, stderr = git.Git(repo).execute(
+        ["git", *config, *args],
+        with_extended_output=True,
+        with_exceptions=False,
+        stdout_as_string=False,
+        strip_newline_in_stdout=False,
+        env=dict(env or {}),
+    )
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode("utf-8", errors="replace")
+    return status, stdout or b"", stderr or ""
+
+
+# Creating repositories ----------------------------------------------------------
+
+
+def init(repo: Path, branch: str) -> None:
+    """Make ``repo`` (an existing directory) a new repository on ``branch``."""
+    check(repo, "init", "--quiet", f"--initial-branch={branch}")
+
+
+def commit_all(repo: Path, message: str) -> str:
+    """Commit every file in the work tree, ignored ones included; return the sha.
+
+    Author and committer are the fixed identity, so the same tree and message give
+    the same commit hash wherever this runs.
+    """
+    check(repo, "add", "--all", "--force")
+    check(
+        repo,
+        "commit",
+        "--quiet",
+        "--allow-empty",
+        "--no-verify",
+        f"--message={message}",
+        env={**_FIXED_AUTHOR, **_FIXED_COMMITTER},
+    )
+    return head(repo)
+
+
+def clone(url: str, dest: Path, ref: str) -> None:
+    """Shallow-clone ``ref`` (a branch or tag) of ``url`` into ``dest``.
+
+    ``dest`` must not exist or be empty; its parent must exist.
+    """
+    dest = dest.absolute()
+    check(dest.parent, "clone", "--quiet", "--depth=1", f"--branch={ref}", url, str(dest))
+
+
+def create_branch(repo: Path, name: str) -> None:
+    """Create branch ``name`` at HEAD and switch to it."""
+    check(repo, "checkout", "--quiet", "-b", name)
+
+
+def add_excludes(repo: Path, patterns: Iterable[str]) -> None:
+    """Append ignore patterns to the repository's ``info/exclude`` (local, untracked)."""
+    path = repo / check(repo, "rev-parse", "--git-path", "info/exclude").strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.writelines(f"{pattern}\n" for pattern in patterns)
+
+
+def tag(repo: Path, name: str, rev: str = "HEAD") -> None:
+    """Create the lightweight tag ``name`` at ``rev`` (no tagger date: reproducible)."""
+    check(repo, "tag", name, rev)
+
+
+# Reading state ------------------------------------------------------------------
+
+
+def head(repo: Path) -> str:
+    """The sha of HEAD."""
+    return check(repo, "rev-parse", "--verify", "HEAD").strip()
+
+
+def resolve(repo: Path, rev: str) -> str | None:
+    """The commit sha ``rev`` names, or None if it names no commit."""
+    result = run(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    return result.stdout.strip() if result.ok else None
+
+
+def is_repo(path: Path) -> bool:
+    """Whether ``path`` is the top level of a git work tree."""
+    result = run(path, "rev-parse", "--show-toplevel")
+    return result.ok and Path(result.stdout.strip()).resolve() == path.resolve()
+
+
+def status(repo: Path) -> list[str]:
+    """``git status --porcelain`` lines, untracked files included (ignored ones not)."""
+    out = check(repo, "status", "--porcelain=v1", "--untracked-files=all")
+    return out.splitlines()
+
+
+def is_dirty(repo: Path) -> bool:
+    """Whether the work tree or index differs from HEAD, or has untracked files."""
+    return bool(status(repo))
+
+
+def tag_commits(repo: Path) -> dict[str, str]:
+    """Map every tag name to the commit it points at (annotated tags peeled)."""
+    out = check(
+        repo,
+        "for-each-ref",
+        "--format=%(refname:strip=2) %(objectname) %(*objectname)",
+        "refs/tags",
+    )
+    tags = {}
+    for line in out.splitlines():
+        name, obj, peeled = (line.split(" ") + [""])[:3]
+        tags[name] = peeled or obj
+    return tags
+
+
+def first_parent_history(repo: Path, rev: str = "HEAD") -> list[str]:
+    """Shas from ``rev`` back to the root, following first parents only."""
+    return check(repo, "rev-list", "--first-parent", rev).split()
+
+
+def commits(repo: Path, rev_range: str) -> list[Commit]:
+    """Commits in ``rev_range`` (e.g. ``v1.0..HEAD``), oldest first, with trailers."""
+    out = check(
+        repo,
+        "log",
+        "--reverse",
+        f"--format=%H{_FIELD}%s{_FIELD}%(trailers:only,unfold){_RECORD}",
+        rev_range,
+    )
+    result = []
+    for record in out.split(_RECORD):
+        if not record.strip():
+            continue
+        sha, subject, trailer_block = record.strip("\n").split(_FIELD)
+        result.append(Commit(sha, subject, _parse_trailers(trailer_block)))
+    return result
+
+
+def _parse_trailers(block: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for line in block.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
+
+
+def conflicted_files(repo: Path) -> list[str]:
+    """Paths with unresolved merge conflicts in the index."""
+    return check(repo, "diff", "--name-only", "--diff-filter=U").splitlines()
+
+
+def patch_files(repo: Path, patch: Path) -> list[str]:
+    """Paths a patch (a diff or mbox file) touches, in the order it touches them."""
+    out = check(repo, "apply", "--numstat", "-z", str(patch))
+    return [entry.split("\t", 2)[2] for entry in out.split("\0") if entry.count("\t") >= 2]
+
+
+# Applying and exporting patches -------------------------------------------------
+
+
+def am(
+    repo: Path,
+    patch_paths: Sequence[Path],
+    three_way: bool = True,
+    keep_cr: bool = True,
+) -> Result:
+    """``git am`` the mbox files, in order; return the outcome without raising.
+
+    Subjects keep bracketed prefixes such as ``[Core]`` (only ``[PATCH...]`` is
+    stripped) and whitespace is applied verbatim, so an exported commit re-applies to
+    an identical commit. On failure the am session is left in progress; see
+    :func:`am_abort`.
+    """
+    args = ["am", "--quiet", "--keep-non-patch", "--no-scissors", "--whitespace=nowarn"]
+    if three_way:
+        args.append("--3way")
+    if keep_cr:
+        args.append("--keep-cr")
+    return run(repo, *args, *(str(p) for p in patch_paths), env=_FIXED_COMMITTER)
+
+
+def am_in_progress(repo: Path) -> bool:
+    """Whether a ``git am`` session is waiting to be continued or aborted."""
+    path = check(repo, "rev-parse", "--git-path", "rebase-apply").strip()
+    return (repo / path).is_dir()
+
+
+def am_abort(repo: Path) -> None:
+    """Abort the ``git am`` session in progress, if any."""
+    if am_in_progress(repo):
+        check(repo, "am", "--abort")
+
+
+def reset_hard(repo: Path, rev: str) -> None:
+    """Point the current branch, index and work tree at ``rev``."""
+    check(repo, "reset", "--quiet", "--hard", rev)
+
+
+def amend_trailer(repo: Path, key: str, value: str) -> str:
+    """Add the trailer ``key: value`` to HEAD's message; return the new HEAD sha."""
+    check(
+        repo,
+        "commit",
+        "--quiet",
+        "--amend",
+        "--no-edit",
+        "--no-verify",
+        f"--trailer={key}: {value}",
+        env=_FIXED_COMMITTER,
+    )
+    return head(repo)
+
+
+def format_patch(repo: Path, commit: str) -> bytes:
+    """``commit`` as a byte-stable mbox message (see ``_FORMAT_PATCH_FLAGS``)."""
+    return check_bytes(repo, "format-patch", *_FORMAT_PATCH_FLAGS, "-1", commit)
+
+
+def reverse_applies(repo: Path, patch: Path) -> bool:
+    """Whether the work tree already contains the change ``patch`` makes.
+
+    True when the patch can be applied in reverse without conflicts, i.e. every
+    postimage it describes is present.
+    """
+    return run(repo, "apply", "--reverse", "--check", "--whitespace=nowarn", str(patch)).ok
