@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hybridpd.errors import SeriesError, UnknownPinError
+from hybridpd.series import load, locate
+
+SHA = "0" * 64
+VALID = f'''
+schema = 1
+package = "proj"
+upstream_git = "file:///x.git"
+default_pin = "1.0"
+
+[[pins]]
+version = "1.0"
+tag = "v1.0"
+sdist = "proj-1.0.tar.gz"
+sha256 = "{SHA}"
+
+[[pins]]
+version = "2.0"
+tag = "v2.0"
+sdist = "proj-2.0.tar.gz"
+sha256 = "{SHA}"
+
+[[patches]]
+id = "first"
+title = "t"
+why = "w"
+design = "d"
+upstream = "example/proj#1"
+removal = "r"
+[patches.pins."1.0"]
+state = "carried"
+[patches.pins."2.0"]
+state = "upstream"
+release = "1.5"
+
+[[patches]]
+id = "second"
+title = "t"
+why = "w"
+design = "d"
+upstream = "example/proj#2"
+removal = "r"
+[patches.pins."1.0"]
+state = "carried"
+[patches.pins."2.0"]
+state = "carried"
+'''
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "patches" / "series.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_load_keeps_record_order_and_states(tmp_path: Path) -> None:
+    series = load(write(tmp_path, VALID))
+    one, two = series.pins
+    assert [p.id for p in series.patches] == ["first", "second"]
+    assert [p.id for p in series.carried(one)] == ["first", "second"]
+    assert [p.id for p in series.carried(two)] == ["second"]
+    assert series.state(two, "first").release == "1.5"
+    assert series.patch_path(one, "first") == tmp_path / "patches" / "1.0" / "first.patch"
+
+
+def test_pin_accepts_v_prefix_and_lists_known_pins(tmp_path: Path) -> None:
+    series = load(write(tmp_path, VALID))
+    assert series.pin("v2.0").version == "2.0"
+    with pytest.raises(UnknownPinError, match=r"3\.0 is not a pinned version \(pins: 1\.0, 2\.0\)"):
+        series.pin("3.0")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ('why = "w"\n', 'why = ""\n', 'patches\\[0\\] \\(id "first"\\): field "why" is missing'),
+        ('id = "second"', 'id = "Second_"', 'field "id" must match'),
+        ('id = "second"', 'id = "first"', 'duplicate "id"'),
+        (
+            'state = "carried"\n[patches.pins."2.0"]\nstate = "carried"',
+            'state = "carried"',
+            'pins."2.0" is missing',
+        ),
+        (
+            '[patches.pins."2.0"]\nstate = "carried"',
+            '[patches.pins."2.0"]\nstate = "carried"\n[patches.pins."9.9"]\nstate = "carried"',
+            'pins."9.9" is not a pinned version',
+        ),
+        ('state = "upstream"', 'state = "gone"', "state must be one of carried, upstream"),
+        ('release = "1.5"\n', "", "release is required for an upstream patch"),
+        ('default_pin = "1.0"', 'default_pin = "0.1"', '"default_pin" 0.1 is not a pin'),
+        (f'sha256 = "{SHA}"', 'sha256 = "abc"', 'field "sha256" must be 64'),
+        ("schema = 1", "schema = 2", 'field "schema" must be 1'),
+    ],
+)
+def test_invalid_series_names_the_field(tmp_path: Path, old: str, new: str, message: str) -> None:
+    assert old in VALID
+    with pytest.raises(SeriesError, match=message):
+        load(write(tmp_path, VALID.replace(old, new, 1)))
+
+
+def test_locate_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, VALID)
+    nested = tmp_path / "a" / "b"
+    nested.mkdir(parents=True)
+    assert locate(cwd=nested) == path
+    assert locate(tmp_path) == path
+    assert locate(path) == path
+    other = write(tmp_path / "other", VALID)
+    monkeypatch.setenv("HYBRIDPD_SERIES", str(other))
+    assert locate(cwd=nested) == other
+    with pytest.raises(SeriesError, match="no series file"):
+        locate(tmp_path / "missing")
+
+
+def test_locate_falls_back_to_the_source_checkout(tmp_path: Path) -> None:
+    assert locate(cwd=tmp_path) == Path(__file__).parents[2] / "patches" / "series.toml"

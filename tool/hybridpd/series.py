@@ -1,0 +1,248 @@
+"""The patch series: pinned releases and logical patches, read from ``series.toml``.
+
+``series.toml`` is the single source of truth for which releases are pinned and which
+patches exist, in what order, and what each patch's state is on each pin. Patch files
+live next to it, in ``<series dir>/<version>/<id>.patch``; their order is the order of
+the ``[[patches]]`` records, never anything in a file name.
+
+A :class:`Series` returned by :func:`load` is complete and consistent: every required
+field is present, ids are unique, and every patch has a state on every pin. Whether
+the patch *files* agree with the records is a separate question, answered by
+``hybridpd check`` (:mod:`hybridpd.export`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+from hybridpd.errors import SeriesError, UnknownPinError
+
+SCHEMA = 1
+SERIES_FILE = "series.toml"
+SERIES_ENV = "HYBRIDPD_SERIES"
+
+State = Literal["carried", "upstream"]
+STATES: tuple[State, ...] = ("carried", "upstream")
+
+_ID = re.compile(r"[a-z0-9][a-z0-9-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_PATCH_FIELDS = ("id", "title", "why", "design", "upstream", "removal")
+_PIN_FIELDS = ("version", "tag", "sdist", "sha256")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A pinned upstream release: its version, git tag and source distribution."""
+
+    version: str
+    tag: str
+    sdist: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PinState:
+    """A patch's state on one pin; ``release`` is set exactly when it is upstream."""
+
+    state: State
+    release: str | None = None
+
+
+@dataclass(frozen=True)
+class Patch:
+    """The record of one logical patch; ``pins`` has a state for every pin."""
+
+    id: str
+    title: str
+    why: str
+    design: str
+    upstream: str
+    removal: str
+    pins: Mapping[str, PinState]
+
+
+@dataclass(frozen=True)
+class Series:
+    """A loaded, validated ``series.toml``; ``patches`` are in apply order."""
+
+    path: Path
+    package: str
+    upstream_git: str
+    default_pin: str
+    pins: tuple[Pin, ...]
+    patches: tuple[Patch, ...]
+
+    @property
+    def dir(self) -> Path:
+        """The directory holding ``series.toml`` and the per-pin patch directories."""
+        return self.path.parent
+
+    def pin(self, version: str) -> Pin:
+        """The pin for ``version`` ("0.20.2" or "v0.20.2"); UnknownPinError if none."""
+        wanted = version.removeprefix("v")
+        for pin in self.pins:
+            if pin.version == wanted:
+                return pin
+        known = ", ".join(p.version for p in self.pins)
+        raise UnknownPinError(f"{version} is not a pinned version (pins: {known})")
+
+    def patch(self, patch_id: str) -> Patch | None:
+        """The record with ``patch_id``, or None."""
+        return next((p for p in self.patches if p.id == patch_id), None)
+
+    def patch_dir(self, pin: Pin) -> Path:
+        """Where the patch files for ``pin`` live."""
+        return self.dir / pin.version
+
+    def patch_path(self, pin: Pin, patch_id: str) -> Path:
+        """The file of patch ``patch_id`` for ``pin`` (which may not exist)."""
+        return self.patch_dir(pin) / f"{patch_id}.patch"
+
+    def state(self, pin: Pin, patch_id: str) -> PinState:
+        """The state of patch ``patch_id`` on ``pin``; KeyError for an unknown id."""
+        patch = self.patch(patch_id)
+        if patch is None:
+            raise KeyError(patch_id)
+        return patch.pins[pin.version]
+
+    def carried(self, pin: Pin) -> list[Patch]:
+        """The patches carried on ``pin``, in apply order."""
+        return [p for p in self.patches if p.pins[pin.version].state == "carried"]
+
+    def relative(self, path: Path) -> str:
+        """``path`` relative to the directory above the series dir, for messages."""
+        try:
+            return str(path.relative_to(self.dir.parent))
+        except ValueError:
+            return str(path)
+
+
+def locate(explicit: Path | None = None, cwd: Path | None = None) -> Path:
+    """Find ``series.toml``.
+
+    In order: ``explicit`` (a file, or a directory holding ``series.toml`` or
+    ``patches/series.toml``); ``$HYBRIDPD_SERIES``; ``patches/series.toml`` in ``cwd``
+    or a parent; the source checkout this package is installed from (editable).
+    """
+    given = explicit or (Path(os.environ[SERIES_ENV]) if os.environ.get(SERIES_ENV) else None)
+    if given is not None:
+        for candidate in (given, given / SERIES_FILE, given / "patches" / SERIES_FILE):
+            if candidate.is_file():
+                return candidate
+        raise SeriesError(f"no series file at {given}")
+    start = (cwd or Path.cwd()).resolve()
+    for directory in (start, *start.parents):
+        candidate = directory / "patches" / SERIES_FILE
+        if candidate.is_file():
+            return candidate
+    installed = Path(__file__).resolve().parents[2] / "patches" / SERIES_FILE
+    if installed.is_file():
+        return installed
+    raise SeriesError(f"no patches/{SERIES_FILE} above {start}; pass --series or set {SERIES_ENV}")
+
+
+def load(path: Path) -> Series:
+    """Read and validate the series file at ``path``; SeriesError names the bad field."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise SeriesError(f"{path}: {exc}") from exc
+    return _Parser(path).series(data)
+
+
+class _Parser:
+    """Turns the TOML document into a :class:`Series`, failing on the first problem."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> SeriesError:
+        return SeriesError(f"{self.path}: {where}: {problem}")
+
+    def text(self, table: Mapping[str, Any], key: str, where: str) -> str:
+        value = table.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(where, f'field "{key}" is missing or empty')
+        return value
+
+    def series(self, data: Mapping[str, Any]) -> Series:
+        if data.get("schema") != SCHEMA:
+            raise self.fail("top level", f'field "schema" must be {SCHEMA}')
+        pins = self.pins(data.get("pins"))
+        versions = [p.version for p in pins]
+        default_pin = self.text(data, "default_pin", "top level")
+        if default_pin not in versions:
+            raise self.fail("top level", f'"default_pin" {default_pin} is not a pin')
+        return Series(
+            path=self.path,
+            package=self.text(data, "package", "top level"),
+            upstream_git=self.text(data, "upstream_git", "top level"),
+            default_pin=default_pin,
+            pins=pins,
+            patches=self.patches(data.get("patches", []), versions),
+        )
+
+    def pins(self, raw: Any) -> tuple[Pin, ...]:
+        if not isinstance(raw, list) or not raw:
+            raise self.fail("top level", "at least one [[pins]] entry is required")
+        pins: list[Pin] = []
+        for index, table in enumerate(raw):
+            where = f"pins[{index}]"
+            if not isinstance(table, dict):
+                raise self.fail(where, "must be a table")
+            pin = Pin(*(self.text(table, key, where) for key in _PIN_FIELDS))
+            if not _SHA256.fullmatch(pin.sha256):
+                raise self.fail(where, 'field "sha256" must be 64 lowercase hex digits')
+            if any(p.version == pin.version for p in pins):
+                raise self.fail(where, f'duplicate "version" {pin.version}')
+            pins.append(pin)
+        return tuple(pins)
+
+    def patches(self, raw: Any, versions: list[str]) -> tuple[Patch, ...]:
+        if not isinstance(raw, list):
+            raise self.fail("top level", "[[patches]] must be an array of tables")
+        patches: list[Patch] = []
+        for index, table in enumerate(raw):
+            if not isinstance(table, dict):
+                raise self.fail(f"patches[{index}]", "must be a table")
+            raw_id = table.get("id")
+            where = f'patches[{index}] (id "{raw_id}")' if raw_id else f"patches[{index}]"
+            fields = {key: self.text(table, key, where) for key in _PATCH_FIELDS}
+            if not _ID.fullmatch(fields["id"]):
+                raise self.fail(where, 'field "id" must match [a-z0-9][a-z0-9-]*')
+            if any(p.id == fields["id"] for p in patches):
+                raise self.fail(where, 'duplicate "id"')
+            patches.append(Patch(**fields, pins=self.states(table.get("pins"), versions, where)))
+        return tuple(patches)
+
+    def states(self, raw: Any, versions: list[str], where: str) -> dict[str, PinState]:
+        if not isinstance(raw, dict):
+            raise self.fail(where, 'field "pins" is missing (a state per pin is required)')
+        for version in raw:
+            if version not in versions:
+                raise self.fail(where, f'pins."{version}" is not a pinned version')
+        states = {}
+        for version in versions:
+            table = raw.get(version)
+            field = f'pins."{version}"'
+            if not isinstance(table, dict):
+                raise self.fail(where, f"{field} is missing (every pin needs a state)")
+            state = table.get("state")
+            if state not in STATES:
+                raise self.fail(where, f"{field}.state must be one of {', '.join(STATES)}")
+            release = table.get("release")
+            if state == "upstream" and not (isinstance(release, str) and release.strip()):
+                raise self.fail(where, f"{field}.release is required for an upstream patch")
+            states[version] = PinState(state, release if state == "upstream" else None)
+        return states
