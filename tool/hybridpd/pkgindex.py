@@ -1,0 +1,284 @@
+"""Find and download release files on the package indexes pip is configured to use.
+
+No index host is written here: the indexes are the ones pip would use -- its
+environment variables, then its configuration (``pip config list``), then pip's own
+built-in default -- so a mirror, proxy or air-gapped ``file://`` index set up for pip
+works unchanged. Project pages are read as PEP 691 JSON when the index offers it and
+as PEP 503 HTML otherwise. Only the standard library's ``urllib`` is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import ssl
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from email.message import Message
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any, Protocol
+
+import click
+
+from hybridpd import __version__
+from hybridpd.errors import ChecksumError, PackageIndexError
+
+_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
+_JSON_TYPE = "application/vnd.pypi.simple.v1+json"
+# pip config sections, lowest precedence first; ":env:" holds PIP_* variables.
+_SECTIONS = ("global", "install", "download", ":env:")
+_DEFAULT_TIMEOUT = 15.0
+_CHUNK = 1 << 20
+
+
+class _Response(Protocol):
+    """What both urllib's HTTP and file responses offer."""
+
+    headers: Message
+
+    def read(self, size: int = -1) -> bytes: ...
+
+    def geturl(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class PipSettings:
+    """The parts of pip's configuration that say where and how to fetch files."""
+
+    index_urls: tuple[str, ...]
+    cert: str | None = None
+    timeout: float = _DEFAULT_TIMEOUT
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """Verification context honouring pip's ``cert`` (CA bundle) setting."""
+        return ssl.create_default_context(cafile=self.cert)
+
+
+@dataclass(frozen=True)
+class IndexFile:
+    """A file listed on a project page; ``sha256`` is None if the index gives none."""
+
+    filename: str
+    url: str
+    sha256: str | None
+
+
+def pip_settings() -> PipSettings:
+    """Read the index URLs (index-url first, then extra-index-urls), cert and timeout.
+
+    Precedence, highest first: ``PIP_*`` environment variables, then ``pip config``
+    keys by section (``download``, ``install``, ``global``), then pip's default index.
+    """
+    sections = parse_config_list(_pip_config_list())
+    values: dict[str, str] = {}
+    for section in _SECTIONS:
+        values.update(sections.get(section, {}))
+    env = {
+        "index-url": os.environ.get("PIP_INDEX_URL"),
+        "extra-index-url": os.environ.get("PIP_EXTRA_INDEX_URL"),
+        "cert": os.environ.get("PIP_CERT"),
+        "timeout": os.environ.get("PIP_TIMEOUT") or os.environ.get("PIP_DEFAULT_TIMEOUT"),
+    }
+    values.update({key: value for key, value in env.items() if value})
+    index = values.get("index-url") or _pip_default_index()
+    extras = values.get("extra-index-url", "").split()
+    timeout = values.get("timeout") or values.get("default-timeout")
+    return PipSettings(
+        index_urls=tuple(dict.fromkeys([index, *extras])),
+        cert=values.get("cert") or None,
+        timeout=float(timeout) if timeout else _DEFAULT_TIMEOUT,
+    )
+
+
+def parse_config_list(text: str) -> dict[str, dict[str, str]]:
+    """Parse ``pip config list`` output (``section.key='value'`` lines) by section.
+
+    Keys are normalized as pip does (``index_url`` is ``index-url``).
+    """
+    sections: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"(:env:|[\w-]+)\.([\w-]+)=(.*)", line.strip())
+        if match:
+            section, key, raw = match.groups()
+            sections.setdefault(section, {})[key.replace("_", "-")] = _unquote(raw)
+    return sections
+
+
+def _unquote(raw: str) -> str:
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    return raw
+
+
+def _pip_config_list() -> str:
+    """``pip config list`` of the running interpreter ('' if pip cannot say)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def _pip_default_index() -> str:
+    try:
+        from pip._internal.models.index import PyPI
+    except ImportError as exc:
+        raise PackageIndexError(
+            "no package index configured and pip is not importable; set PIP_INDEX_URL"
+        ) from exc
+    return PyPI.simple_url
+
+
+def find_file(package: str, filename: str, settings: PipSettings) -> IndexFile:
+    """Find ``filename`` on the project page of ``package``, trying each index in turn.
+
+    Indexes that do not have the project, or cannot be reached, are skipped; the
+    error lists what each index said when none has the file.
+    """
+    tried = []
+    for index in settings.index_urls:
+        try:
+            files = project_files(index, package, settings)
+        except PackageIndexError as exc:
+            tried.append(f"{index}: {exc.message}")
+            continue
+        for entry in files:
+            if entry.filename == filename:
+                return entry
+        tried.append(f"{index}: no {filename}")
+    raise PackageIndexError(f"{filename} not found ({'; '.join(tried)})")
+
+
+def project_files(index: str, package: str, settings: PipSettings) -> list[IndexFile]:
+    """The files on ``index``'s page for ``package`` (PEP 691 JSON or PEP 503 HTML)."""
+    url = f"{index.rstrip('/')}/{_normalize(package)}/"
+    with _open(url, settings, accept=_ACCEPT) as response:
+        body = response.read()
+        base = response.geturl()
+        content_type = response.headers.get_content_type()
+    if content_type == _JSON_TYPE:
+        return _files_from_json(json.loads(body), base)
+    return _files_from_html(body.decode("utf-8", errors="replace"), base)
+
+
+def _normalize(name: str) -> str:
+    """PEP 503 project name normalization."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _files_from_json(page: Mapping[str, Any], base: str) -> list[IndexFile]:
+    return [
+        IndexFile(f["filename"], urllib.parse.urljoin(base, f["url"]), f["hashes"].get("sha256"))
+        for f in page.get("files", [])
+    ]
+
+
+class _AnchorParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchors: list[tuple[str, str]] = []
+        self._href: str | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self._href = dict(attrs).get("href")
+            self._text = []
+
+    def handle_data(self, data: str) -> None:
+        if self._href is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "a" and self._href is not None:
+            self.anchors.append((self._href, "".join(self._text).strip()))
+            self._href = None
+
+
+def _files_from_html(html: str, base: str) -> list[IndexFile]:
+    parser = _AnchorParser()
+    parser.feed(html)
+    files = []
+    for href, text in parser.anchors:
+        url, _, fragment = urllib.parse.urljoin(base, href).partition("#")
+        name = text or urllib.parse.unquote(url.rsplit("/", 1)[-1])
+        digest = dict(urllib.parse.parse_qsl(fragment)).get("sha256")
+        files.append(IndexFile(name, url, digest))
+    return files
+
+
+@contextlib.contextmanager
+def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Response]:
+    """Open ``url``; a ``file://`` directory reads its ``index.html``, as pip does."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file" and Path(urllib.request.url2pathname(parsed.path)).is_dir():
+        url = urllib.parse.urljoin(url.rstrip("/") + "/", "index.html")
+    request = urllib.request.Request(
+        url, headers={"Accept": accept, "User-Agent": f"hybridpd/{__version__}"}
+    )
+    context = settings.ssl_context() if parsed.scheme == "https" else None
+    try:
+        with urllib.request.urlopen(request, timeout=settings.timeout, context=context) as r:
+            yield r
+    except urllib.error.HTTPError as exc:
+        raise PackageIndexError(f"HTTP {exc.code} for {url}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise PackageIndexError(f"cannot read {url}: {reason}") from exc
+
+
+def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
+    """Download ``url`` to ``dest``, which appears only if its sha256 is ``sha256``.
+
+    The file is streamed to a temporary file next to ``dest`` and moved into place
+    after verification, so ``dest`` is never partial; on any failure the temporary
+    file is removed.
+    """
+    with _open(url, settings) as response:
+        size = int(response.headers.get("Content-Length") or 0)
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        tmp = Path(tmp_name)
+        try:
+            digest = hashlib.sha256()
+            with os.fdopen(fd, "wb") as out, _progress(dest.name, size) as advance:
+                for chunk in iter(lambda: response.read(_CHUNK), b""):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    advance(len(chunk))
+            if digest.hexdigest() != sha256:
+                raise ChecksumError(
+                    f"{dest.name} from {url} has sha256 {digest.hexdigest()}, "
+                    f"series.toml expects {sha256}"
+                )
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def _progress(name: str, size: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr when it is a terminal, else a one-line message."""
+    if size and sys.stderr.isatty():
+        with click.progressbar(length=size, label=f"downloading {name}", file=sys.stderr) as bar:
+            yield bar.update
+        return
+    megabytes = f" ({size / 1e6:.1f} MB)" if size else ""
+    click.echo(f"downloading {name}{megabytes}", err=True)
+    yield lambda _n: None
