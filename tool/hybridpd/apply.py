@@ -1,0 +1,204 @@
+"""Apply the patch series to a checkout, and report where a checkout stands.
+
+A checkout's pin is the pinned release whose tag is the nearest first-parent ancestor
+of HEAD. Every commit after that tag is one applied patch and carries the trailer
+``Hybridpd-Patch: <id>``; that trailer, not the subject or the file name, is how a
+patch is recognized. Applied patches form an in-order subsequence of the pin's carried
+patches; the carried patches they skip are ones whose change the tree already has.
+
+:func:`apply` is atomic (on failure the checkout is exactly as it was) and idempotent
+(a fully applied checkout is left untouched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridpd import gitops
+from hybridpd.errors import (
+    ApplyError,
+    DirtyTreeError,
+    GitError,
+    PatchCommitError,
+    UnknownPinError,
+)
+from hybridpd.series import Patch, Pin, Series
+
+TRAILER = "Hybridpd-Patch"
+_SHOWN_DIRTY = 5
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What :func:`apply` did on ``pin``.
+
+    ``applied``: patches applied by this call; ``already``: applied before it;
+    ``upstream``: carried patches skipped because the tree already has their change.
+    """
+
+    pin: str
+    applied: tuple[str, ...]
+    already: tuple[str, ...]
+    upstream: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Status:
+    """Where a checkout stands against the series (the ``status --json`` contract).
+
+    ``upstream`` lists the records in state upstream for the pin, then carried
+    patches whose change the tree already has (detected by reverse-applying them).
+    """
+
+    pin: str
+    applied: tuple[str, ...]
+    pending: tuple[str, ...]
+    upstream: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The carried patches of a checkout, split by what has happened to them."""
+
+    applied: list[str]
+    skipped: list[str]  # before the last applied one, not applied
+    remaining: list[Patch]  # after the last applied one
+
+
+def checkout_pin(series: Series, repo: Path) -> Pin:
+    """The pin ``repo`` was checked out at (see the module docstring)."""
+    if not repo.is_dir() or not gitops.is_repo(repo):
+        raise UnknownPinError(f"{repo} is not a git checkout (see hybridpd checkout)")
+    tags = gitops.tag_commits(repo)
+    pins_by_commit = {tags[pin.tag]: pin for pin in series.pins if pin.tag in tags}
+    for sha in gitops.first_parent_history(repo):
+        if sha in pins_by_commit:
+            return pins_by_commit[sha]
+    known = ", ".join(pin.tag for pin in series.pins)
+    raise UnknownPinError(f"{repo}: HEAD does not descend from a pinned release tag ({known})")
+
+
+def patch_commits(repo: Path, pin: Pin) -> list[tuple[str, gitops.Commit]]:
+    """The commits after ``pin``'s tag, oldest first, each with its patch id.
+
+    Raises PatchCommitError for a commit without exactly one ``Hybridpd-Patch``
+    trailer: the series cannot say what it is.
+    """
+    result = []
+    for commit in gitops.commits(repo, f"{pin.tag}..HEAD"):
+        ids = commit.trailer_values(TRAILER)
+        if len(ids) != 1:
+            raise PatchCommitError(
+                f'commit {commit.sha[:12]} "{commit.subject}" needs exactly one '
+                f'"{TRAILER}: <id>" trailer (git commit --amend --trailer '
+                f'"{TRAILER}: <id>", or git rebase -i for an older commit)'
+            )
+        result.append((ids[0], commit))
+    return result
+
+
+def apply(series: Series, repo: Path) -> ApplyResult:
+    """Apply ``repo``'s pin's carried patches that are not applied yet, in order.
+
+    Refuses a dirty tree. Each patch is ``git am --3way``'d as one commit; a patch
+    whose change is already present is skipped and reported upstream. On any failure
+    HEAD, index and work tree are restored and ApplyError names the patch and files.
+    """
+    pin = checkout_pin(series, repo)
+    dirty = gitops.status(repo)
+    if dirty:
+        shown = ", ".join(line.strip() for line in dirty[:_SHOWN_DIRTY])
+        more = f" and {len(dirty) - _SHOWN_DIRTY} more" if len(dirty) > _SHOWN_DIRTY else ""
+        raise DirtyTreeError(
+            f"{repo} has uncommitted changes ({shown}{more}); commit or stash them"
+        )
+    plan = _plan(series, repo, pin)
+    missing = [
+        i for i in plan.skipped if not gitops.reverse_applies(repo, series.patch_path(pin, i))
+    ]
+    if missing:
+        raise ApplyError(
+            f"{repo}: {', '.join(missing)} not applied but later patches are; "
+            "start from a fresh checkout"
+        )
+    original_head = gitops.head(repo)
+    applied: list[str] = []
+    upstream = list(plan.skipped)
+    try:
+        for patch in plan.remaining:
+            (applied if _apply_one(series, repo, pin, patch) else upstream).append(patch.id)
+    except BaseException:
+        _restore(repo, original_head, dirty)
+        raise
+    return ApplyResult(pin.version, tuple(applied), tuple(plan.applied), tuple(upstream))
+
+
+def status(series: Series, repo: Path) -> Status:
+    """Report applied, pending and upstream patches of ``repo`` (changes nothing)."""
+    pin = checkout_pin(series, repo)
+    plan = _plan(series, repo, pin)
+    present: list[str] = []
+    pending: list[str] = []
+    for patch_id in [*plan.skipped, *(p.id for p in plan.remaining)]:
+        path = series.patch_path(pin, patch_id)
+        found = path.is_file() and gitops.reverse_applies(repo, path)
+        (present if found else pending).append(patch_id)
+    recorded = [p.id for p in series.patches if p.pins[pin.version].state == "upstream"]
+    return Status(pin.version, tuple(plan.applied), tuple(pending), (*recorded, *present))
+
+
+def _plan(series: Series, repo: Path, pin: Pin) -> _Plan:
+    carried = series.carried(pin)
+    order = {patch.id: index for index, patch in enumerate(carried)}
+    applied = [patch_id for patch_id, _ in patch_commits(repo, pin)]
+    last = -1
+    for patch_id in applied:
+        if patch_id not in order:
+            raise PatchCommitError(
+                f"{repo}: applied patch {patch_id} is not carried on {pin.version} in series.toml"
+            )
+        if order[patch_id] <= last:
+            raise PatchCommitError(
+                f"{repo}: applied patch {patch_id} is out of series order (or applied twice)"
+            )
+        last = order[patch_id]
+    skipped = [p.id for p in carried[: last + 1] if p.id not in applied]
+    return _Plan(applied, skipped, carried[last + 1 :])
+
+
+def _apply_one(series: Series, repo: Path, pin: Pin, patch: Patch) -> bool:
+    """Apply ``patch`` as one commit with its trailer; False if already present."""
+    path = series.patch_path(pin, patch.id)
+    shown = series.relative(path)
+    if not path.is_file():
+        raise ApplyError(f"{shown}: missing (patch {patch.id} is carried on {pin.version})")
+    if gitops.reverse_applies(repo, path):
+        return False
+    before = gitops.head(repo)
+    result = gitops.am(repo, [path])
+    if not result.ok:
+        files = gitops.conflicted_files(repo) or gitops.patch_files(repo, path)
+        raise ApplyError(
+            f"patch {patch.id} ({shown}) does not apply to {pin.version}: "
+            f"conflicts in {', '.join(files)}; checkout left unchanged"
+        )
+    after = gitops.head(repo)
+    if after == before:
+        return False  # the 3-way merge found the change already present
+    if gitops.resolve(repo, f"{after}~1") != before:
+        raise ApplyError(f"{shown} holds more than one commit; a patch must be one commit")
+    ids = gitops.commits(repo, f"{before}..{after}")[0].trailer_values(TRAILER)
+    if not ids:
+        gitops.amend_trailer(repo, TRAILER, patch.id)
+    elif ids != [patch.id]:
+        raise ApplyError(f'{shown} has trailer "{TRAILER}: {ids[0]}", expected {patch.id}')
+    return True
+
+
+def _restore(repo: Path, head: str, status_before: list[str]) -> None:
+    """Put ``repo`` back at ``head`` and check the work tree is as it was."""
+    gitops.am_abort(repo)
+    gitops.reset_hard(repo, head)
+    if gitops.head(repo) != head or gitops.status(repo) != status_before:
+        raise GitError(f"{repo}: could not restore the checkout to {head[:12]}; inspect it")

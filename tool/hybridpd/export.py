@@ -1,0 +1,149 @@
+"""Export a checkout's patch commits as patch files, and check the committed series.
+
+The patch files are the byte-stable output of :func:`export`: one ``<id>.patch`` per
+patch commit, written by ``git format-patch`` with every config-dependent detail
+pinned down (see :func:`hybridpd.gitops.format_patch`). Exporting the same commits
+twice gives identical bytes, and so does re-applying the files and exporting again.
+That makes :func:`check` possible: a fresh checkout, apply and export must reproduce
+the committed files exactly.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridpd import checkout as checkout_mod
+from hybridpd import gitops
+from hybridpd.apply import apply, checkout_pin, patch_commits
+from hybridpd.errors import ApplyError, ExportError
+from hybridpd.series import Pin, Series
+
+#: Makes a fresh checkout of a pin at a path that does not exist yet.
+FreshCheckout = Callable[[Series, Pin, Path], object]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export` did to the pin's patch directory, by patch id.
+
+    ``unrecorded`` lists exported patches that have no record in ``series.toml``;
+    export writes their files but never edits the records.
+    """
+
+    pin: str
+    written: tuple[str, ...]
+    unchanged: tuple[str, ...]
+    removed: tuple[str, ...]
+    unrecorded: tuple[str, ...]
+
+
+def export(series: Series, repo: Path, out_dir: Path | None = None) -> ExportResult:
+    """Write ``repo``'s patch commits to ``out_dir`` (default: the pin's patch dir).
+
+    Files of patches that no longer have a commit are removed; a commit without a
+    ``Hybridpd-Patch`` trailer is an error (nothing is written then).
+    """
+    pin = checkout_pin(series, repo)
+    out_dir = out_dir or series.patch_dir(pin)
+    exported: dict[str, bytes] = {}
+    for patch_id, commit in patch_commits(repo, pin):
+        if patch_id in exported:
+            raise ExportError(
+                f"patch {patch_id} is on more than one commit (second: {commit.sha[:12]})"
+            )
+        exported[patch_id] = gitops.format_patch(repo, commit.sha)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, unchanged = [], []
+    for patch_id, content in exported.items():
+        path = out_dir / f"{patch_id}.patch"
+        if path.is_file() and path.read_bytes() == content:
+            unchanged.append(patch_id)
+        else:
+            path.write_bytes(content)
+            written.append(patch_id)
+    removed = sorted(p.stem for p in out_dir.glob("*.patch") if p.stem not in exported)
+    for patch_id in removed:
+        (out_dir / f"{patch_id}.patch").unlink()
+    unrecorded = [i for i in exported if series.patch(i) is None]
+    return ExportResult(
+        pin.version, tuple(written), tuple(unchanged), tuple(removed), tuple(unrecorded)
+    )
+
+
+def check(
+    series: Series,
+    fresh_checkout: FreshCheckout | None = None,
+    round_trip: bool = True,
+) -> list[str]:
+    """Problems with the committed series, one line each; empty means all good.
+
+    For every pin: each carried patch has a file, each file has a carried record, no
+    upstream patch still has a file. Then, if ``round_trip`` and the pin's files are
+    in order, a fresh checkout (``fresh_checkout``, by default from the sdist) is
+    patched and exported, and the result must equal the committed files byte for byte.
+    """
+    fresh_checkout = fresh_checkout or _sdist_checkout
+    problems = _stray_directories(series)
+    for pin in series.pins:
+        pin_problems = _file_problems(series, pin)
+        if not pin_problems and round_trip and series.carried(pin):
+            pin_problems = _round_trip_problems(series, pin, fresh_checkout)
+        problems += pin_problems
+    return problems
+
+
+def _sdist_checkout(series: Series, pin: Pin, dest: Path) -> None:
+    checkout_mod.checkout(series, pin.version, dest, source="sdist")
+
+
+def _stray_directories(series: Series) -> list[str]:
+    versions = {pin.version for pin in series.pins}
+    return [
+        f"{series.relative(d)}/: patch directory for {d.name}, which is not a pin"
+        for d in sorted(series.dir.iterdir())
+        if d.is_dir() and d.name not in versions and any(d.glob("*.patch"))
+    ]
+
+
+def _file_problems(series: Series, pin: Pin) -> list[str]:
+    problems = []
+    for patch in series.patches:
+        path = series.patch_path(pin, patch.id)
+        state = patch.pins[pin.version]
+        if state.state == "carried" and not path.is_file():
+            problems.append(f"{series.relative(path)}: missing (carried on {pin.version})")
+        if state.state == "upstream" and path.exists():
+            problems.append(
+                f"{series.relative(path)}: patch is upstream in {pin.version} "
+                f"(since {state.release}); delete the file"
+            )
+    for path in sorted(series.patch_dir(pin).glob("*.patch")):
+        if series.patch(path.stem) is None:
+            problems.append(f"{series.relative(path)}: no record in series.toml")
+    return problems
+
+
+def _round_trip_problems(series: Series, pin: Pin, fresh_checkout: FreshCheckout) -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="hybridpd-check-") as tmp:
+        repo, out_dir = Path(tmp) / "src", Path(tmp) / "export"
+        fresh_checkout(series, pin, repo)
+        try:
+            result = apply(series, repo)
+        except ApplyError as exc:
+            return [f"{pin.version}: {exc.message}"]
+        problems = [
+            f"{series.relative(series.patch_path(pin, i))}: already in {pin.version}; "
+            "mark it upstream and delete the file"
+            for i in result.upstream
+        ]
+        export(series, repo, out_dir)
+        for patch_id in result.applied:
+            committed = series.patch_path(pin, patch_id)
+            if committed.read_bytes() != (out_dir / f"{patch_id}.patch").read_bytes():
+                problems.append(
+                    f"{series.relative(committed)}: not up to date (run hybridpd export)"
+                )
+        return problems
