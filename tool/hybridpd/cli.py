@@ -1,0 +1,251 @@
+"""The ``hybridpd`` command line.
+
+Each command parses its options, calls one library function, and renders the result:
+human text by default, JSON with ``--json``. The JSON shapes are contracts that
+scripts and CI depend on; change them only compatibly.
+
+To add a command from another module, define it there with ``@click.command()``,
+take the shared state with ``@click.pass_obj`` (a :class:`State`), and register it in
+the "Commands defined in other modules" section at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hybridpd import __version__
+from hybridpd import series as series_mod
+from hybridpd.apply import apply as apply_series
+from hybridpd.apply import status as checkout_status
+from hybridpd.checkout import SOURCES, Source
+from hybridpd.checkout import checkout as make_checkout
+from hybridpd.errors import CheckFailed
+from hybridpd.export import check as check_series
+from hybridpd.export import export as export_series
+from hybridpd.series import Series
+
+
+@dataclass
+class State:
+    """Shared by all commands (``ctx.obj``); the series is loaded on first use."""
+
+    series_option: Path | None
+
+    @functools.cached_property
+    def series(self) -> Series:
+        return series_mod.load(series_mod.locate(self.series_option))
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+def _dir_option(**kwargs: Any) -> Any:
+    return click.option(
+        "--dir",
+        "repo",
+        type=click.Path(file_okay=False, path_type=Path),
+        **kwargs,
+    )
+
+
+_checkout_dir = _dir_option(
+    default=".",
+    show_default=True,
+    help="The checkout (made by `hybridpd checkout`).",
+)
+_json_flag = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hybridpd")
+@click.option(
+    "--series",
+    "series_path",
+    type=click.Path(exists=True, path_type=Path),
+    help="series.toml, or a directory holding it or patches/series.toml. Default: "
+    "$HYBRIDPD_SERIES, else patches/series.toml in the current directory or a "
+    "parent, else the hybridpd source checkout.",
+)
+@click.pass_context
+def main(ctx: click.Context, series_path: Path | None) -> None:
+    """Manage the hybridpd patch series against pinned vLLM releases.
+
+    Typical flow: `checkout` a pin, `apply` the series, change or add patch commits
+    (each with a `Hybridpd-Patch: <id>` trailer), `export` them back to
+    patches/<pin>/, and let `check` prove the committed files are current.
+    """
+    ctx.obj = State(series_path)
+
+
+@main.command()
+@click.argument("version")
+@_dir_option(required=True, help="Directory to create (must not exist, or be empty).")
+@click.option(
+    "--source",
+    type=click.Choice(SOURCES),
+    default="auto",
+    show_default=True,
+    help="sdist: the release's sdist from the package index pip uses, verified "
+    "against series.toml; git: a shallow clone of the release tag; auto: git, "
+    "falling back to the sdist.",
+)
+@click.option(
+    "--git-url",
+    metavar="URL",
+    help="Repository to clone (default: upstream_git in series.toml).",
+)
+@click.pass_obj
+def checkout(state: State, version: str, repo: Path, source: Source, git_url: str | None) -> None:
+    """Check out a pinned release as a git tree.
+
+    VERSION is a pinned version, e.g. 0.20.2 or v0.20.2. The tree is on branch
+    `hybridpd`, with the release commit tagged v<VERSION>. On failure nothing is
+    left behind.
+    """
+    result = make_checkout(state.series, version, repo, source=source, git_url=git_url)
+    click.echo(
+        f"checked out {result.pin.version} ({result.source}) at {result.dest}, "
+        f"commit {result.head[:12]} tagged {result.pin.tag}"
+    )
+
+
+@main.command()
+@_checkout_dir
+@_json_flag
+@click.pass_obj
+def apply(state: State, repo: Path, as_json: bool) -> None:
+    """Apply the pin's carried patches that are not applied yet.
+
+    Each patch becomes one commit. A patch whose change the tree already has is
+    skipped and reported as upstream. On a conflict the checkout is restored
+    exactly and the error names the patch and files. Running it again is a no-op.
+    """
+    result = apply_series(state.series, repo)
+    if as_json:
+        _echo_json(
+            {
+                "pin": result.pin,
+                "applied": list(result.applied),
+                "already": list(result.already),
+                "upstream": list(result.upstream),
+            }
+        )
+        return
+    for patch_id in result.applied:
+        click.echo(f"applied   {patch_id}")
+    for patch_id in result.upstream:
+        click.echo(f"upstream  {patch_id} (its change is already in the tree; skipped)")
+    if not result.applied:
+        click.echo(f"already applied ({len(result.already)} patches on {result.pin})")
+
+
+@main.command()
+@_checkout_dir
+@_json_flag
+@click.pass_obj
+def status(state: State, repo: Path, as_json: bool) -> None:
+    """Show the applied, pending and upstream patches of a checkout."""
+    result = checkout_status(state.series, repo)
+    if as_json:
+        _echo_json(
+            {
+                "pin": result.pin,
+                "applied": list(result.applied),
+                "pending": list(result.pending),
+                "upstream": list(result.upstream),
+            }
+        )
+        return
+    click.echo(f"pin {result.pin}")
+    groups = {"applied": result.applied, "pending": result.pending, "upstream": result.upstream}
+    for label, ids in groups.items():
+        for patch_id in ids:
+            click.echo(f"  {label:<9} {patch_id}")
+
+
+@main.command(name="list")
+@click.option("--pin", "version", metavar="VERSION", help="Only this pin.")
+@_json_flag
+@click.pass_obj
+def list_(state: State, version: str | None, as_json: bool) -> None:
+    """List the pins and each patch's state on them, in apply order."""
+    series = state.series
+    pins = [series.pin(version)] if version else list(series.pins)
+    if as_json:
+        _echo_json({"pins": [_pin_json(series, pin) for pin in pins]})
+        return
+    for pin in pins:
+        click.echo(f"{pin.version}  tag {pin.tag}  sdist {pin.sdist}")
+        for patch in series.patches:
+            pin_state = patch.pins[pin.version]
+            since = f" (since {pin_state.release})" if pin_state.release else ""
+            click.echo(f"  {pin_state.state:<9} {patch.id}{since}: {patch.title}")
+
+
+def _pin_json(series: Series, pin: series_mod.Pin) -> dict[str, Any]:
+    patches = []
+    for patch in series.patches:
+        state = patch.pins[pin.version]
+        entry = {"id": patch.id, "title": patch.title, "state": state.state}
+        if state.release:
+            entry["release"] = state.release
+        patches.append(entry)
+    return {"version": pin.version, "tag": pin.tag, "sha256": pin.sha256, "patches": patches}
+
+
+@main.command()
+@_checkout_dir
+@click.pass_obj
+def export(state: State, repo: Path) -> None:
+    """Write the checkout's patch commits to patches/<pin>/<id>.patch.
+
+    Output is byte-stable. Files of patches no longer in the checkout are removed;
+    series.toml is never edited, but patches without a record are reported.
+    """
+    series = state.series
+    result = export_series(series, repo)
+    for label, ids in (("wrote", result.written), ("removed", result.removed)):
+        for patch_id in ids:
+            click.echo(f"{label:<9} {result.pin}/{patch_id}.patch")
+    click.echo(f"{len(result.unchanged)} unchanged, in {series.relative(series.dir / result.pin)}")
+    for patch_id in result.unrecorded:
+        click.echo(f"warning: {patch_id} has no [[patches]] record in series.toml", err=True)
+
+
+@main.command()
+@click.option(
+    "--no-apply",
+    is_flag=True,
+    help="Only compare records with files; skip the fresh checkout, apply and export.",
+)
+@_json_flag
+@click.pass_obj
+def check(state: State, no_apply: bool, as_json: bool) -> None:
+    """Check that the patch files match series.toml and a fresh export.
+
+    Records and files must agree for every pin. For each pin with carried
+    patches, a fresh sdist checkout is patched and exported; the result must
+    equal the committed files byte for byte. Exits 1 and lists the problems
+    otherwise.
+    """
+    problems = check_series(state.series, round_trip=not no_apply)
+    if as_json:
+        _echo_json({"ok": not problems, "problems": problems})
+    else:
+        for problem in problems:
+            click.echo(problem)
+    if problems:
+        raise CheckFailed(f"{len(problems)} problem(s) found")
+    if not as_json:
+        click.echo("ok")
+
+
+# Commands defined in other modules ------------------------------------------------
+# main.add_command(<command>)
