@@ -1,0 +1,268 @@
+"""Small builders of real vLLM objects for the patch tests.
+
+Every patch test builds real vLLM classes (KVCacheConfig, KVCacheManager,
+Scheduler, connectors) from a few arguments, so that each test reads as a
+scenario: build, act, assert the one thing that matters. Nothing here copies
+vLLM logic; what crosses a process or device boundary (the LMCache engine, a
+remote KV transfer) is the only thing faked.
+
+The model is a tiny local OPT config written to a temporary directory: the
+scheduler and the KV cache manager never run the model, they only need a
+ModelConfig that resolves offline. The hybrid layout itself comes from the
+KVCacheConfig: one full-attention group plus Mamba groups in
+``mamba_cache_mode="align"``, the layout of Qwen3.5 (three Gated-DeltaNet
+layers for every full-attention layer).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 16
+EOS_TOKEN_ID = 2
+
+_TINY_OPT_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "ffn_dim": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 4096,
+    "vocab_size": 1024,
+    "word_embed_proj_dim": 64,
+    "do_layer_norm_before": True,
+    "bos_token_id": 2,
+    "eos_token_id": EOS_TOKEN_ID,
+    "pad_token_id": 1,
+    "torch_dtype": "float32",
+}
+
+_request_ids = count(1)
+_hash_initialized = False
+
+
+def tiny_model_dir() -> str:
+    """A local directory holding only a config.json, resolvable offline."""
+    path = Path(tempfile.mkdtemp(prefix="hybridpd-tiny-opt-"))
+    (path / "config.json").write_text(json.dumps(_TINY_OPT_CONFIG))
+    return str(path)
+
+
+def hybrid_kv_cache_config(
+    num_blocks: int = 1000,
+    block_size: int = BLOCK_SIZE,
+    num_mamba_groups: int = 3,
+) -> KVCacheConfig:
+    """One full-attention group and ``num_mamba_groups`` Mamba groups in
+    align mode (Qwen3.5's layout)."""
+    full = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    mamba = MambaSpec(
+        block_size=block_size,
+        shapes=((1, 1),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+    )
+    groups = [KVCacheGroupSpec(["attn.0"], full)]
+    groups += [
+        KVCacheGroupSpec([f"linear_attn.{i}"], mamba) for i in range(num_mamba_groups)
+    ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def vllm_config(
+    kv_role: str | None = "kv_both",
+    kv_connector: str | None = "NixlConnector",
+    kv_connector_extra_config: dict[str, Any] | None = None,
+    mamba_cache_mode: str = "align",
+    block_size: int = BLOCK_SIZE,
+    max_num_batched_tokens: int = 1024,
+    enable_prefix_caching: bool = True,
+) -> VllmConfig:
+    """A VllmConfig of a PD instance with the hybrid allocator enabled.
+
+    ``kv_role=None`` builds an instance without any KV connector.
+    """
+    model_config = ModelConfig(
+        model=tiny_model_dir(),
+        dtype="float32",
+        seed=0,
+        skip_tokenizer_init=True,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=4096,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=enable_prefix_caching,
+        mamba_cache_mode=mamba_cache_mode,
+    )
+    kv_transfer_config = None
+    if kv_role is not None:
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=kv_connector,
+            kv_role=kv_role,
+            kv_connector_extra_config=kv_connector_extra_config or {},
+        )
+    return VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer_config,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def scheduler(
+    config: VllmConfig, kv_cache_config: KVCacheConfig | None = None
+) -> Scheduler:
+    """A real Scheduler (with its real KV connector, if configured)."""
+    kv_cache_config = kv_cache_config or hybrid_kv_cache_config()
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=config.cache_config.block_size,
+    )
+
+
+def request(
+    prompt_token_ids: Sequence[int],
+    kv_transfer_params: dict[str, Any] | None = None,
+    block_size: int = BLOCK_SIZE,
+    max_tokens: int = 8,
+) -> Request:
+    """A request whose block hashes are computed as the engine does."""
+    global _hash_initialized
+    if not _hash_initialized:
+        init_none_hash(sha256)
+        _hash_initialized = True
+    sampling_params = SamplingParams(max_tokens=max_tokens)
+    sampling_params.update_from_generation_config({}, EOS_TOKEN_ID)
+    req = Request(
+        request_id=f"req-{next(_request_ids)}",
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=sampling_params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+    req.kv_transfer_params = kv_transfer_params
+    return req
+
+
+def remote_prefill_params(num_remote_blocks: int) -> dict[str, Any]:
+    """kv_transfer_params a PD proxy hands the decode instance (NIXL format)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill-engine",
+        "remote_request_id": f"prefill-{next(_request_ids)}",
+        "remote_block_ids": list(range(num_remote_blocks)),
+        "remote_host": "127.0.0.1",
+        "remote_port": 1234,
+        "tp_size": 1,
+    }
+
+
+def prompt(num_tokens: int, seed: int = 0) -> list[int]:
+    """Deterministic token ids; different seeds give different prompts."""
+    return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(num_tokens)]
+
+
+def model_runner_output(
+    reqs: Sequence[Request],
+    finished_recving: set[str] | None = None,
+    invalid_block_ids: set[int] | None = None,
+    token_id: int = 7,
+):
+    """What the worker returns for one step: one sampled token per request,
+    plus the connector's report of finished or failed KV loads."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    kv_connector_output = None
+    if finished_recving is not None or invalid_block_ids is not None:
+        kv_connector_output = KVConnectorOutput(
+            finished_recving=finished_recving,
+            invalid_block_ids=invalid_block_ids or set(),
+        )
+    req_ids = [r.request_id for r in reqs]
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[[token_id] for _ in req_ids],
+        kv_connector_output=kv_connector_output,
+    )
+
+
+def step(
+    sched: Scheduler,
+    finished_recving: set[str] | None = None,
+    invalid_block_ids: set[int] | None = None,
+):
+    """One engine step: schedule, let the worker produce a token for every
+    scheduled request, feed the output back. Returns the scheduler output."""
+    output = sched.schedule()
+    reqs = [sched.requests[rid] for rid in output.num_scheduled_tokens]
+    sched.update_from_output(
+        output, model_runner_output(reqs, finished_recving, invalid_block_ids)
+    )
+    return output
+
+
+def run_local_prefill(sched: Scheduler, req: Request) -> None:
+    """Schedule ``req`` and compute its whole prompt in one step, as a prefill
+    instance does; its blocks (and Mamba state) end up in the prefix cache."""
+    sched.add_request(req)
+    output = step(sched)
+    assert output.num_scheduled_tokens[req.request_id] == req.num_prompt_tokens
+    assert req.num_computed_tokens == req.num_prompt_tokens
+
+
+def receive_remote_prefill(sched: Scheduler, req: Request) -> None:
+    """Drive a remote-prefill request through a decode instance: the connector
+    loads its KV asynchronously, the worker reports the load finished, and the
+    scheduler caches the received blocks and schedules the request."""
+    sched.add_request(req)
+    output = step(sched)
+    assert req.request_id not in output.num_scheduled_tokens
+    step(sched, finished_recving={req.request_id})
+    output = step(sched)
+    assert req.request_id in output.num_scheduled_tokens
