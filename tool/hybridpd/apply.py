@@ -178,7 +178,13 @@ def _apply_one(series: Series, repo: Path, pin: Pin, patch: Patch) -> bool:
     before = gitops.head(repo)
     result = gitops.am(repo, [path])
     if not result.ok:
-        files = gitops.conflicted_files(repo) or gitops.patch_files(repo, path)
+        # A 3-way merge that ran leaves its conflicts in the index. Without the
+        # preimage blobs it never starts; then name the paths plain apply rejects.
+        files = (
+            gitops.conflicted_files(repo)
+            or gitops.rejected_files(repo, path)
+            or gitops.patch_files(repo, path)
+        )
         raise ApplyError(
             f"patch {patch.id} ({shown}) does not apply to {pin.version}: "
             f"conflicts in {', '.join(files)}; checkout left unchanged"

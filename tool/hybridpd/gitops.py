@@ -20,6 +20,7 @@ Invariants every call keeps:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,6 +301,19 @@ def _parse_trailers(block: str) -> tuple[tuple[str, str], ...]:
 def conflicted_files(repo: Path) -> list[str]:
     """Paths with unresolved merge conflicts in the index."""
     return check(repo, "diff", "--name-only", "--diff-filter=U").splitlines()
+
+
+_REJECTED = re.compile(
+    r"^error: (.+): (?:patch does not apply|already exists in (?:index|working directory)"
+    r"|does not exist in index|does not match index|No such file or directory)$",
+    re.MULTILINE,
+)
+
+
+def rejected_files(repo: Path, patch: Path) -> list[str]:
+    """Paths of ``patch`` that do not apply to the work tree (``git apply --check``)."""
+    stderr = run(repo, "apply", "--check", "--whitespace=nowarn", str(patch)).stderr
+    return list(dict.fromkeys(_REJECTED.findall(stderr)))
 
 
 def patch_files(repo: Path, patch: Path) -> list[str]:

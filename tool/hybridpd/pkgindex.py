@@ -41,6 +41,10 @@ _DEFAULT_TIMEOUT = 15.0
 _CHUNK = 1 << 20
 
 
+class _NotFound(PackageIndexError):
+    """The URL names nothing (HTTP 404, or a missing ``file://`` path)."""
+
+
 class _Response(Protocol):
     """What both urllib's HTTP and file responses offer."""
 
@@ -166,12 +170,18 @@ def find_file(package: str, filename: str, settings: PipSettings) -> IndexFile:
 
 
 def project_files(index: str, package: str, settings: PipSettings) -> list[IndexFile]:
-    """The files on ``index``'s page for ``package`` (PEP 691 JSON or PEP 503 HTML)."""
+    """The files on ``index``'s page for ``package`` (PEP 691 JSON or PEP 503 HTML).
+
+    An index without a page for ``package`` has no files; an unreachable one raises.
+    """
     url = f"{index.rstrip('/')}/{_normalize(package)}/"
-    with _open(url, settings, accept=_ACCEPT) as response:
-        body = response.read()
-        base = response.geturl()
-        content_type = response.headers.get_content_type()
+    try:
+        with _open(url, settings, accept=_ACCEPT) as response:
+            body = response.read()
+            base = response.geturl()
+            content_type = response.headers.get_content_type()
+    except _NotFound:
+        return []
     if content_type == _JSON_TYPE:
         return _files_from_json(json.loads(body), base)
     return _files_from_html(body.decode("utf-8", errors="replace"), base)
@@ -237,9 +247,13 @@ def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Res
         with urllib.request.urlopen(request, timeout=settings.timeout, context=context) as r:
             yield r
     except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise _NotFound(url) from exc
         raise PackageIndexError(f"HTTP {exc.code} for {url}") from exc
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
+        if isinstance(reason, FileNotFoundError):
+            raise _NotFound(url) from exc
         raise PackageIndexError(f"cannot read {url}: {reason}") from exc
 
 
