@@ -51,6 +51,8 @@ state = "carried"
 state = "carried"
 '''
 
+pytestmark = pytest.mark.usefixtures("isolated")
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "patches" / "series.toml"

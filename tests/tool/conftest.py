@@ -1,0 +1,28 @@
+"""Shared fixtures. Tests of the series tooling use ``isolated`` (via ``pytestmark``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Point caches, pip and git at nothing outside ``tmp_path``.
+
+    pip's index is an empty ``file://`` directory unless a test sets its own, so a
+    test can never reach a real index. Git runs without any global identity, which
+    also proves hybridpd does not need one.
+    """
+    empty_index = tmp_path / "empty-index"
+    empty_index.mkdir()
+    monkeypatch.setenv("HYBRIDPD_CACHE", str(tmp_path / "cache"))
+    for name in list(os.environ):
+        if name.startswith("PIP_") or name in ("HYBRIDPD_SERIES", "GIT_DIR", "GIT_WORK_TREE"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", empty_index.as_uri())
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")

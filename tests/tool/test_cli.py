@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from builders import FIX_ADD, Project, standard_project
+from click.testing import CliRunner, Result
+from hybridpd.cli import main
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+
+def run(series_path: Path, *args: str) -> Result:
+    return CliRunner().invoke(main, ["--series", str(series_path), *args])
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Project:
+    project, _ = standard_project(tmp_path, FIX_ADD)
+    project.record("landed", {"1.0": "upstream:0.5", "2.0": "upstream:1.5"})
+    project.write()
+    return project
+
+
+def test_list_json_contract(project: Project) -> None:
+    result = run(project.series_path, "list", "--pin", "v2.0", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "pins": [
+            {
+                "version": "2.0",
+                "tag": "v2.0",
+                "sha256": project.releases["2.0"].sha256,
+                "patches": [
+                    {"id": "fix-add", "title": "title of fix-add", "state": "carried"},
+                    {"id": "feature", "title": "title of feature", "state": "carried"},
+                    {
+                        "id": "landed",
+                        "title": "title of landed",
+                        "state": "upstream",
+                        "release": "1.5",
+                    },
+                ],
+            }
+        ]
+    }
+
+
+def test_checkout_apply_status_flow(project: Project, tmp_path: Path) -> None:
+    repo = tmp_path / "v2"
+    result = run(project.series_path, "checkout", "v2.0", "--dir", str(repo), "--source", "sdist")
+    assert result.exit_code == 0, result.output
+    assert "checked out 2.0 (sdist)" in result.stdout
+
+    status = run(project.series_path, "status", "--dir", str(repo), "--json")
+    assert json.loads(status.stdout) == {
+        "pin": "2.0",
+        "applied": [],
+        "pending": ["feature"],
+        "upstream": ["landed", "fix-add"],
+    }
+
+    applied = run(project.series_path, "apply", "--dir", str(repo))
+    assert applied.exit_code == 0, applied.output
+    assert applied.stdout.splitlines() == [
+        "applied   feature",
+        "upstream  fix-add (its change is already in the tree; skipped)",
+    ]
+    again = run(project.series_path, "apply", "--dir", str(repo), "--json")
+    assert json.loads(again.stdout) == {
+        "pin": "2.0",
+        "applied": [],
+        "already": ["feature"],
+        "upstream": ["fix-add"],
+    }
+    assert "already applied" in run(project.series_path, "apply", "--dir", str(repo)).stdout
+
+
+def test_check_exits_1_with_the_problem_list(project: Project) -> None:
+    problem = "patches/2.0/fix-add.patch: already in 2.0; mark it upstream and delete the file"
+    result = run(project.series_path, "check", "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {"ok": False, "problems": [problem]}
+    human = run(project.series_path, "check")
+    assert (human.exit_code, human.stdout, human.stderr) == (
+        1,
+        f"{problem}\n",
+        "Error: 1 problem(s) found\n",
+    )
+    assert run(project.series_path, "check", "--no-apply").stdout == "ok\n"
+
+
+def test_errors_are_one_line_with_exit_code_1(project: Project, tmp_path: Path) -> None:
+    result = run(project.series_path, "checkout", "9.9", "--dir", str(tmp_path / "x"))
+    assert result.exit_code == 1
+    assert result.stderr == "Error: 9.9 is not a pinned version (pins: 1.0, 2.0)\n"
+
+
+def test_usage_errors_exit_2(project: Project) -> None:
+    assert run(project.series_path, "checkout", "1.0").exit_code == 2
+    assert (
+        run(project.series_path, "checkout", "1.0", "--dir", "d", "--source", "ftp").exit_code == 2
+    )
+
+
+@pytest.mark.parametrize("command", ["checkout", "apply", "status", "list", "export", "check"])
+def test_every_command_has_help(command: str) -> None:
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0
+    assert result.stdout.startswith(f"Usage: main {command} [OPTIONS]")

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from builders import FIX_ADD, Project, commit_patch, standard_project
+from hybridpd import gitops
+from hybridpd.apply import apply
+from hybridpd.errors import PatchCommitError
+from hybridpd.export import check, export
+from hybridpd.series import Pin, Series
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.patch"))}
+
+
+def test_export_is_byte_stable(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    patch_dir = series.patch_dir(series.pin("1.0"))
+    exported = snapshot(patch_dir)
+    author = project.root / "work" / "author"
+    again = export(series, author)
+    assert (again.written, again.unchanged) == ((), ("fix-add", "feature"))
+    assert snapshot(patch_dir) == exported
+    # Applying the files to a fresh checkout and exporting reproduces them exactly.
+    shutil.rmtree(patch_dir)
+    shutil.copytree(series.patch_dir(series.pin("2.0")), patch_dir)
+    repo = project.checkout("1.0", "fresh")
+    apply(series, repo)
+    export(series, repo, tmp_path / "out")
+    assert snapshot(tmp_path / "out") == exported
+
+
+def test_export_removes_dropped_patches_and_reports_unrecorded(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    repo = project.checkout("1.0")
+    apply(series, repo)
+    gitops.reset_hard(repo, "HEAD~1")  # drop `feature`
+    commit_patch(repo, "brand-new", {"new.txt": "new\n"}, "Brand new")
+    result = export(series, repo)
+    assert (result.written, result.removed, result.unrecorded) == (
+        ("brand-new",),
+        ("feature",),
+        ("brand-new",),
+    )
+    assert sorted(snapshot(series.patch_dir(series.pin("1.0")))) == [
+        "brand-new.patch",
+        "fix-add.patch",
+    ]
+
+
+def test_export_refuses_a_commit_without_trailer(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    repo = project.checkout("1.0")
+    commit_patch(repo, None, {"x.txt": "x\n"}, "Quick fix")
+    before = snapshot(series.patch_dir(series.pin("1.0")))
+    with pytest.raises(PatchCommitError, match=r'"Quick fix" needs exactly one "Hybridpd-Patch'):
+        export(series, repo)
+    assert snapshot(series.patch_dir(series.pin("1.0"))) == before
+
+
+def test_check_passes_on_a_freshly_exported_series(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    assert check(series) == []
+
+
+def test_check_finds_a_stale_patch_file(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    # Plain `git format-patch` output: applies fine, but is not what export writes.
+    plain = gitops.check(project.root / "work" / "author", "format-patch", "-1", "--stdout")
+    assert plain.startswith("From ") and "[PATCH] Add doubling" in plain
+    series.patch_path(series.pin("2.0"), "feature").write_text(plain)
+    assert check(series) == ["patches/2.0/feature.patch: not up to date (run hybridpd export)"]
+    assert check(series, round_trip=False) == []
+
+
+def test_check_finds_records_and_files_that_disagree(tmp_path: Path) -> None:
+    project, _ = standard_project(tmp_path)
+    project.record("dropped", {"1.0": "carried", "2.0": "upstream:2.0"})
+    project.records[0]["states"]["2.0"] = "upstream:2.0"  # fix-add, whose 2.0 file exists
+    series = project.write()
+    patches = series.dir
+    (patches / "1.0" / "orphan.patch").write_text("")
+    (patches / "0.9").mkdir()
+    (patches / "0.9" / "old.patch").write_text("")
+    assert check(series, round_trip=False) == [
+        "patches/0.9/: patch directory for 0.9, which is not a pin",
+        "patches/1.0/dropped.patch: missing (carried on 1.0)",
+        "patches/1.0/orphan.patch: no record in series.toml",
+        "patches/2.0/fix-add.patch: patch is upstream in 2.0 (since 2.0); delete the file",
+    ]
+
+
+def test_check_reports_a_carried_patch_already_in_the_release(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path, FIX_ADD)
+    assert check(series) == [
+        "patches/2.0/fix-add.patch: already in 2.0; mark it upstream and delete the file"
+    ]
+
+
+def test_check_uses_the_injected_checkout(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    made: list[str] = []
+
+    def fresh(series: Series, pin: Pin, dest: Path) -> None:
+        made.append(pin.version)
+        shutil.copytree(project.checkout(pin.version, f"fresh-{pin.version}"), dest)
+
+    assert check(series, fresh_checkout=fresh) == []
+    assert made == ["1.0", "2.0"]
+
+
+def test_check_skips_pins_without_carried_patches(tmp_path: Path) -> None:
+    project = Project(tmp_path)
+    project.release("1.0")
+    project.record("gone", {"1.0": "upstream:0.9"})
+    series = project.write()
+
+    def no_checkout(series: Series, pin: Pin, dest: Path) -> None:
+        raise AssertionError("nothing to verify, so nothing to check out")
+
+    assert check(series, fresh_checkout=no_checkout) == []
