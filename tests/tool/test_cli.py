@@ -109,3 +109,13 @@ def test_every_command_has_help(command: str) -> None:
     result = CliRunner().invoke(main, [command, "--help"])
     assert result.exit_code == 0
     assert result.stdout.startswith(f"Usage: main {command} [OPTIONS]")
+
+
+def test_export_reports_what_it_wrote(project: Project) -> None:
+    author = project.root / "work" / "author"
+    (author / "README.txt").write_text("uncommitted\n")
+    (project.series_path.parent / "1.0" / "feature.patch").unlink()
+    result = run(project.series_path, "export", "--dir", str(author))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "wrote     1.0/feature.patch\n1 unchanged, in patches/1.0\n"
+    assert result.stderr == f"warning: {author} has uncommitted changes; they were not exported\n"

@@ -217,6 +217,8 @@ def export(state: State, repo: Path) -> None:
     click.echo(f"{len(result.unchanged)} unchanged, in {series.relative(series.dir / result.pin)}")
     for patch_id in result.unrecorded:
         click.echo(f"warning: {patch_id} has no [[patches]] record in series.toml", err=True)
+    if result.dirty:
+        click.echo(f"warning: {repo} has uncommitted changes; they were not exported", err=True)
 
 
 @main.command()

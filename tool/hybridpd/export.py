@@ -30,7 +30,8 @@ class ExportResult:
     """What :func:`export` did to the pin's patch directory, by patch id.
 
     ``unrecorded`` lists exported patches that have no record in ``series.toml``;
-    export writes their files but never edits the records.
+    export writes their files but never edits the records. ``dirty`` says the
+    checkout had uncommitted changes, which are not exported.
     """
 
     pin: str
@@ -38,6 +39,7 @@ class ExportResult:
     unchanged: tuple[str, ...]
     removed: tuple[str, ...]
     unrecorded: tuple[str, ...]
+    dirty: bool
 
 
 def export(series: Series, repo: Path, out_dir: Path | None = None) -> ExportResult:
@@ -69,7 +71,12 @@ def export(series: Series, repo: Path, out_dir: Path | None = None) -> ExportRes
         (out_dir / f"{patch_id}.patch").unlink()
     unrecorded = [i for i in exported if series.patch(i) is None]
     return ExportResult(
-        pin.version, tuple(written), tuple(unchanged), tuple(removed), tuple(unrecorded)
+        pin.version,
+        tuple(written),
+        tuple(unchanged),
+        tuple(removed),
+        tuple(unrecorded),
+        dirty=gitops.is_dirty(repo),
     )
 
 
