@@ -106,10 +106,10 @@ def apply(series: Series, repo: Path) -> ApplyResult:
     HEAD, index and work tree are restored and ApplyError names the patch and files.
     """
     pin = checkout_pin(series, repo)
-    dirty = gitops.status(repo)
-    if dirty:
-        shown = ", ".join(line.strip() for line in dirty[:_SHOWN_DIRTY])
-        more = f" and {len(dirty) - _SHOWN_DIRTY} more" if len(dirty) > _SHOWN_DIRTY else ""
+    changes = gitops.status(repo)
+    if changes:
+        shown = ", ".join(line.strip() for line in changes[:_SHOWN_DIRTY])
+        more = f" and {len(changes) - _SHOWN_DIRTY} more" if len(changes) > _SHOWN_DIRTY else ""
         raise DirtyTreeError(
             f"{repo} has uncommitted changes ({shown}{more}); commit or stash them"
         )
@@ -129,7 +129,7 @@ def apply(series: Series, repo: Path) -> ApplyResult:
         for patch in plan.remaining:
             (applied if _apply_one(series, repo, pin, patch) else upstream).append(patch.id)
     except BaseException:
-        _restore(repo, original_head, dirty)
+        _restore(repo, original_head, changes)
         raise
     return ApplyResult(pin.version, tuple(applied), tuple(plan.applied), tuple(upstream))
 
