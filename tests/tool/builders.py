@@ -135,6 +135,7 @@ class Project:
     releases: dict[str, Release] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
     sha_override: dict[str, str] = field(default_factory=dict)
+    unported: set[str] = field(default_factory=set)
 
     @property
     def series_path(self) -> Path:
@@ -170,6 +171,8 @@ class Project:
                 f'sdist = "{release.filename}"',
                 f'sha256 = "{sha}"',
             ]
+            if version in self.unported:
+                lines.append("ported = false")
         for record in self.records:
             lines += ["", "[[patches]]", f'id = "{record["id"]}"']
             lines += [

@@ -32,6 +32,7 @@ def test_list_json_contract(project: Project) -> None:
                 "version": "2.0",
                 "tag": "v2.0",
                 "sha256": project.releases["2.0"].sha256,
+                "ported": True,
                 "patches": [
                     {"id": "fix-add", "title": "title of fix-add", "state": "carried"},
                     {"id": "feature", "title": "title of feature", "state": "carried"},

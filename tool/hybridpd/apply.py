@@ -106,6 +106,12 @@ def apply(series: Series, repo: Path) -> ApplyResult:
     HEAD, index and work tree are restored and ApplyError names the patch and files.
     """
     pin = checkout_pin(series, repo)
+    if not pin.ported:
+        ported = [p.version for p in series.pins if p.ported]
+        raise ApplyError(
+            f"the series is not ported to {pin.version} yet "
+            f"(hybridpd port --from {ported[-1]} --to {pin.version})"
+        )
     changes = gitops.status(repo)
     if changes:
         shown = ", ".join(line.strip() for line in changes[:_SHOWN_DIRTY])
@@ -144,7 +150,7 @@ def status(series: Series, repo: Path) -> Status:
         path = series.patch_path(pin, patch_id)
         found = path.is_file() and gitops.reverse_applies(repo, path)
         (present if found else pending).append(patch_id)
-    recorded = [p.id for p in series.patches if p.pins[pin.version].state == "upstream"]
+    recorded = [p.id for p, st in series.records(pin) if st.state == "upstream"]
     return Status(pin.version, tuple(plan.applied), tuple(pending), (*recorded, *present))
 
 

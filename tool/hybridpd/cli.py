@@ -183,21 +183,27 @@ def list_(state: State, version: str | None, as_json: bool) -> None:
         return
     for pin in pins:
         click.echo(f"{pin.version}  tag {pin.tag}  sdist {pin.sdist}")
-        for patch in series.patches:
-            pin_state = patch.pins[pin.version]
+        if not pin.ported:
+            click.echo("  (the series is not ported to this pin yet: hybridpd port)")
+        for patch, pin_state in series.records(pin):
             since = f" (since {pin_state.release})" if pin_state.release else ""
             click.echo(f"  {pin_state.state:<9} {patch.id}{since}: {patch.title}")
 
 
 def _pin_json(series: Series, pin: series_mod.Pin) -> dict[str, Any]:
     patches = []
-    for patch in series.patches:
-        state = patch.pins[pin.version]
+    for patch, state in series.records(pin):
         entry = {"id": patch.id, "title": patch.title, "state": state.state}
         if state.release:
             entry["release"] = state.release
         patches.append(entry)
-    return {"version": pin.version, "tag": pin.tag, "sha256": pin.sha256, "patches": patches}
+    return {
+        "version": pin.version,
+        "tag": pin.tag,
+        "sha256": pin.sha256,
+        "ported": pin.ported,
+        "patches": patches,
+    }
 
 
 @main.command()

@@ -117,9 +117,13 @@ def _stray_directories(series: Series) -> list[str]:
 
 def _file_problems(series: Series, pin: Pin) -> list[str]:
     problems = []
-    for patch in series.patches:
+    if not pin.ported and any(series.patch_dir(pin).glob("*.patch")):
+        return [
+            f"{series.relative(series.patch_dir(pin))}/: patch files for {pin.version}, "
+            "which the series is not ported to (ported = false)"
+        ]
+    for patch, state in series.records(pin):
         path = series.patch_path(pin, patch.id)
-        state = patch.pins[pin.version]
         if state.state == "carried" and not path.is_file():
             problems.append(f"{series.relative(path)}: missing (carried on {pin.version})")
         if state.state == "upstream" and path.exists():

@@ -43,12 +43,18 @@ _PIN_FIELDS = ("version", "tag", "sdist", "sha256")
 
 @dataclass(frozen=True)
 class Pin:
-    """A pinned upstream release: its version, git tag and source distribution."""
+    """A pinned upstream release: its version, git tag and source distribution.
+
+    ``ported`` is False for a pin the series has not been ported to yet
+    (``hybridpd port`` does it): its patches have no state on it, nothing is
+    carried on it and ``apply`` refuses it.
+    """
 
     version: str
     tag: str
     sdist: str
     sha256: str
+    ported: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,7 @@ class PinState:
 
 @dataclass(frozen=True)
 class Patch:
-    """The record of one logical patch; ``pins`` has a state for every pin."""
+    """The record of one logical patch; ``pins`` has a state for every ported pin."""
 
     id: str
     title: str
@@ -110,15 +116,21 @@ class Series:
         return self.patch_dir(pin) / f"{patch_id}.patch"
 
     def state(self, pin: Pin, patch_id: str) -> PinState:
-        """The state of patch ``patch_id`` on ``pin``; KeyError for an unknown id."""
+        """The state of patch ``patch_id`` on ``pin``; KeyError for an unknown id
+        or a pin the series is not ported to."""
         patch = self.patch(patch_id)
         if patch is None:
             raise KeyError(patch_id)
         return patch.pins[pin.version]
 
+    def records(self, pin: Pin) -> list[tuple[Patch, PinState]]:
+        """Every patch with its state on ``pin``, in apply order (none when the
+        series is not ported to ``pin``)."""
+        return [(p, p.pins[pin.version]) for p in self.patches if pin.version in p.pins]
+
     def carried(self, pin: Pin) -> list[Patch]:
         """The patches carried on ``pin``, in apply order."""
-        return [p for p in self.patches if p.pins[pin.version].state == "carried"]
+        return [p for p, state in self.records(pin) if state.state == "carried"]
 
     def relative(self, path: Path) -> str:
         """``path`` relative to the directory above the series dir, for messages."""
@@ -181,6 +193,7 @@ class _Parser:
             raise self.fail("top level", f'field "schema" must be {SCHEMA}')
         pins = self.pins(data.get("pins"))
         versions = [p.version for p in pins]
+        ported = [p.version for p in pins if p.ported]
         default_pin = self.text(data, "default_pin", "top level")
         if default_pin not in versions:
             raise self.fail("top level", f'"default_pin" {default_pin} is not a pin')
@@ -190,7 +203,7 @@ class _Parser:
             upstream_git=self.text(data, "upstream_git", "top level"),
             default_pin=default_pin,
             pins=pins,
-            patches=self.patches(data.get("patches", []), versions),
+            patches=self.patches(data.get("patches", []), versions, ported),
         )
 
     def pins(self, raw: Any) -> tuple[Pin, ...]:
@@ -201,7 +214,10 @@ class _Parser:
             where = f"pins[{index}]"
             if not isinstance(table, dict):
                 raise self.fail(where, "must be a table")
-            pin = Pin(*(self.text(table, key, where) for key in _PIN_FIELDS))
+            ported = table.get("ported", True)
+            if not isinstance(ported, bool):
+                raise self.fail(where, 'field "ported" must be true or false')
+            pin = Pin(*(self.text(table, key, where) for key in _PIN_FIELDS), ported=ported)
             if not _SHA256.fullmatch(pin.sha256):
                 raise self.fail(where, 'field "sha256" must be 64 lowercase hex digits')
             if any(p.version == pin.version for p in pins):
@@ -209,7 +225,7 @@ class _Parser:
             pins.append(pin)
         return tuple(pins)
 
-    def patches(self, raw: Any, versions: list[str]) -> tuple[Patch, ...]:
+    def patches(self, raw: Any, versions: list[str], ported: list[str]) -> tuple[Patch, ...]:
         if not isinstance(raw, list):
             raise self.fail("top level", "[[patches]] must be an array of tables")
         patches: list[Patch] = []
@@ -223,17 +239,24 @@ class _Parser:
                 raise self.fail(where, 'field "id" must match [a-z0-9][a-z0-9-]*')
             if any(p.id == fields["id"] for p in patches):
                 raise self.fail(where, 'duplicate "id"')
-            patches.append(Patch(**fields, pins=self.states(table.get("pins"), versions, where)))
+            states = self.states(table.get("pins"), versions, ported, where)
+            patches.append(Patch(**fields, pins=states))
         return tuple(patches)
 
-    def states(self, raw: Any, versions: list[str], where: str) -> dict[str, PinState]:
+    def states(
+        self, raw: Any, versions: list[str], ported: list[str], where: str
+    ) -> dict[str, PinState]:
         if not isinstance(raw, dict):
             raise self.fail(where, 'field "pins" is missing (a state per pin is required)')
         for version in raw:
             if version not in versions:
                 raise self.fail(where, f'pins."{version}" is not a pinned version')
+            if version not in ported:
+                raise self.fail(
+                    where, f'pins."{version}": the series is not ported to {version} yet'
+                )
         states = {}
-        for version in versions:
+        for version in ported:
             table = raw.get(version)
             field = f'pins."{version}"'
             if not isinstance(table, dict):
