@@ -63,6 +63,13 @@ def test_parse_junit_ids_and_outcomes(junit: Path) -> None:
     assert r.file_seconds["tests/v1/core/test_a.py"] == 2.0
 
 
+def test_parse_junit_keeps_messages(junit: Path) -> None:
+    r = parse_junit(junit, FILES)
+    assert r.messages["tests/v1/core/test_a.py::test_bad"] == "assert 1 == 2"
+    assert r.messages["tests/v1/core/test_a.py::test_skip"] == "needs a GPU"
+    assert "tests/v1/core/test_a.py::test_ok[1-True]" not in r.messages
+
+
 def test_parse_junit_per_file_counts(junit: Path) -> None:
     per_file = parse_junit(junit, FILES).per_file_counts()
     assert per_file["tests/v1/core/test_a.py"] == {

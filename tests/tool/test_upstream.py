@@ -108,6 +108,18 @@ def test_baseline_round_trip_and_compare(tmp_path: Path) -> None:
     assert set(c.regressions) == {"t.py::b", "t.py::d", "t.py::e", "u.py::g"}
 
 
+def test_baseline_records_causes(tmp_path: Path) -> None:
+    r = _result({"t.py::a": "passed", "t.py::b": "failed", "t.py::c": "failed"})
+    r.messages = {
+        "t.py::b": "RuntimeError: Cannot access accelerator device when none is available.",
+        "t.py::c": "AssertionError: something new",
+    }
+    doc = upstream.baseline_dict(r, "9.9.9", ["t.py"], tree="x")
+    assert doc["causes"]["t.py::b"].startswith("GPU-only test")
+    assert doc["causes"]["t.py::c"] == "AssertionError: something new"
+    assert "t.py::a" not in doc["causes"]
+
+
 def test_crashed_run_is_not_recorded(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="crashed"):
         upstream.write_baseline(_result({}, status="crashed"), "9.9.9", [], tree="x",

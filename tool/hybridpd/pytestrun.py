@@ -24,7 +24,10 @@ Environment given to pytest (everything else is inherited): ``HF_HUB_OFFLINE=1``
 ``TRANSFORMERS_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1`` (no hub look-ups, which otherwise
 hang until a timeout on a machine without the hub), ``HF_HOME`` (config-only snapshots,
 see :mod:`hybridpd.hfsnap`), ``VLLM_TARGET_DEVICE=cpu`` (otherwise vLLM fails to infer a
-device), ``CUDA_VISIBLE_DEVICES=""``, usage stats off.
+device), usage stats off, ``PYTHONPYCACHEPREFIX=<out_dir>/pycache`` (bytecode out of
+the tree; the tree still gets whatever the tests themselves write into the working
+directory, e.g. ``storage_1/`` from test_multi_connector.py, so run on a scratch copy). ``CUDA_VISIBLE_DEVICES`` is left alone: setting it to ``""``
+makes Ray refuse tests that declare a GPU resource before they reach vLLM code.
 
 Outcome vocabulary of :attr:`SuiteResult.outcomes`: ``passed``, ``failed``, ``error``
 (setup/teardown or collection error), ``skipped``, ``xfailed``. Counts: ``skipped``
@@ -65,6 +68,8 @@ class SuiteResult:
     skipped: int = 0
     errors: int = 0
     outcomes: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: First line(s) of the failure/error/skip message per test id (at most 300 chars).
+    messages: dict[str, str] = dataclasses.field(default_factory=dict)
     status: str = "ok"
     reason: str | None = None
     exit_code: int | None = None
@@ -134,7 +139,10 @@ def parse_junit(xml_path: Path, files: Sequence[str] = ()) -> SuiteResult:
     for case in root.iter("testcase"):
         test_id = _test_id(case.get("classname", ""), case.get("name", ""), files)
         outcome = "passed"
+        message = ""
         for child in case:
+            if child.tag in ("error", "failure", "skipped") and not message:
+                message = " ".join((child.get("message") or "").split())[:300]
             if child.tag == "error":
                 outcome = "error"
             elif child.tag == "failure" and outcome != "error":
@@ -144,6 +152,8 @@ def parse_junit(xml_path: Path, files: Sequence[str] = ()) -> SuiteResult:
         prev = result.outcomes.get(test_id)
         if prev is None or rank[outcome] > rank[prev]:
             result.outcomes[test_id] = outcome
+            if message:
+                result.messages[test_id] = message
         f = test_id.split("::", 1)[0]
         try:
             result.file_seconds[f] = result.file_seconds.get(f, 0.0) + float(case.get("time", 0))
@@ -207,7 +217,6 @@ def pytest_env(venv: Path, tree: Path, hf_home: Path,
         VLLM_TARGET_DEVICE="cpu",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
-        CUDA_VISIBLE_DEVICES="",
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -269,6 +278,7 @@ def run_pytest(
     if nice is not None:
         cmd = ["nice", "-n", str(nice)] + cmd
     env = pytest_env(venv, tree, hf_home, overlay=overlay)
+    env["PYTHONPYCACHEPREFIX"] = str(out_dir.resolve() / "pycache")
     env.update(env_overrides or {})
 
     result = SuiteResult(log_path=log_path, command=cmd)
