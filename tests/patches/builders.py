@@ -16,7 +16,10 @@ layers for every full-attention layer).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import shutil
 import tempfile
 from collections.abc import Sequence
 from itertools import count
@@ -70,9 +73,12 @@ _request_ids = count(1)
 _hash_initialized = False
 
 
+@functools.cache
 def tiny_model_dir() -> str:
-    """A local directory holding only a config.json, resolvable offline."""
+    """A local directory holding only a config.json, resolvable offline (one per
+    test process, removed at exit)."""
     path = Path(tempfile.mkdtemp(prefix="hybridpd-tiny-opt-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     (path / "config.json").write_text(json.dumps(_TINY_OPT_CONFIG))
     return str(path)
 
