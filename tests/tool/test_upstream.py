@@ -186,3 +186,59 @@ def test_half_built_env_is_not_reused(tmp_path: Path) -> None:
     assert testenv.read_marker(venv) is None
     (venv / testenv.MARKER_NAME).write_text(json.dumps({"hash": "x"}))
     assert testenv.read_marker(venv) == {"hash": "x"}
+
+
+# --- run_upstream wiring (fake pytest: a shell script that writes JUnit XML) ----------
+
+def _junit(cases: str) -> str:
+    return f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>'
+
+
+PASS_BOTH = ('<testcase classname="tests.test_x" name="test_a"/>'
+             '<testcase classname="tests.test_x" name="test_b"/>')
+FAIL_B = ('<testcase classname="tests.test_x" name="test_a"/>'
+          '<testcase classname="tests.test_x" name="test_b"><failure message="boom"/></testcase>')
+
+
+def _tree(root: Path, name: str, xml: str) -> Path:
+    tree = root / name
+    (tree / "vllm.egg-info").mkdir(parents=True)
+    (tree / "vllm.egg-info" / "PKG-INFO").write_text("Name: vllm\nVersion: 9.9.9\n")
+    (tree / "tests").mkdir()
+    (tree / "tests" / "test_x.py").write_text("")
+    (tree / "junit.xml").write_text(xml)  # what the fake pytest reports for this tree
+    return tree
+
+
+def _fake_venv(root: Path) -> Path:
+    exe = root / "venv" / "bin" / "pytest"
+    exe.parent.mkdir(parents=True)
+    exe.write_text('#!/bin/sh\nfor a in "$@"; do case $a in --junitxml=*) x=${a#--junitxml=};; '
+                   'esac; done\ncp junit.xml "$x"\ngrep -q failure junit.xml && exit 1\nexit 0\n')
+    exe.chmod(0o755)
+    return exe.parent.parent
+
+
+def test_run_upstream_live_stock(tmp_path: Path) -> None:
+    report = upstream.run_upstream(
+        _fake_venv(tmp_path), _tree(tmp_path, "stock", _junit(PASS_BOTH)),
+        _tree(tmp_path, "patched", _junit(FAIL_B)), ["tests/test_x.py"], tmp_path / "out",
+        version="9.9.9")
+    assert report.stock.counts()["passed"] == 2
+    assert report.comparison.regressions == {"tests/test_x.py::test_b": ("passed", "failed")}
+    assert not report.ok
+    assert (tmp_path / "out" / "hf" / "hub" / "models--facebook--opt-125m").is_dir()
+
+
+def test_run_upstream_against_baseline(tmp_path: Path) -> None:
+    venv = _fake_venv(tmp_path)
+    stock = upstream.run_upstream(
+        venv, _tree(tmp_path, "stock", _junit(FAIL_B)), _tree(tmp_path, "p1", _junit(FAIL_B)),
+        ["tests/test_x.py"], tmp_path / "o1", version="9.9.9")
+    path = upstream.write_baseline(stock.stock, "9.9.9", ["tests/test_x.py"], tree="x",
+                                   path=tmp_path / "b.json")
+    report = upstream.run_upstream(
+        venv, None, _tree(tmp_path, "p2", _junit(PASS_BOTH)), ["tests/test_x.py"],
+        tmp_path / "o2", version="9.9.9", baseline=path)
+    assert report.ok and report.stock is None and report.baseline == path
+    assert report.comparison.fixes == {"tests/test_x.py::test_b": ("failed", "passed")}
