@@ -17,16 +17,16 @@ start pytest through the venv's ``bin/pytest`` script (``python -m pytest`` woul
 tree root first on ``sys.path``) with ``--import-mode=append`` (the default ``prepend``
 mode inserts the tree root, the base of the ``tests`` package, at ``sys.path[0]`` when it
 imports ``tests/conftest.py``); either way the tree root's own egg-info would win. The
-tree is on ``PYTHONPATH`` already, so ``append`` changes nothing else. The tree's files
-are not modified.
+tree is on ``PYTHONPATH`` already, so ``append`` changes nothing else. hybridpd writes
+nothing into the tree (bytecode goes to ``PYTHONPYCACHEPREFIX=<out_dir>/pycache``), but
+some tests write into the working directory (``storage_1/`` from
+test_multi_connector.py): run on a scratch copy.
 
 Environment given to pytest (everything else is inherited): ``HF_HUB_OFFLINE=1``,
 ``TRANSFORMERS_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1`` (no hub look-ups, which otherwise
 hang until a timeout on a machine without the hub), ``HF_HOME`` (config-only snapshots,
 see :mod:`hybridpd.hfsnap`), ``VLLM_TARGET_DEVICE=cpu`` (otherwise vLLM fails to infer a
-device), usage stats off, ``PYTHONPYCACHEPREFIX=<out_dir>/pycache`` (bytecode out of
-the tree; the tree still gets whatever the tests themselves write into the working
-directory, e.g. ``storage_1/`` from test_multi_connector.py, so run on a scratch copy). ``CUDA_VISIBLE_DEVICES`` is left alone: setting it to ``""``
+device), usage stats off. ``CUDA_VISIBLE_DEVICES`` is left alone: setting it to ``""``
 makes Ray refuse tests that declare a GPU resource before they reach vLLM code.
 
 Outcome vocabulary of :attr:`SuiteResult.outcomes`: ``passed``, ``failed``, ``error``
