@@ -1,0 +1,327 @@
+"""``hybridpd port``: replay a pin's series on another pin and record the result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from builders import CORE, FEATURE, FIX_ADD, Project, commit_patch
+from click.testing import CliRunner, Result
+from hybridpd import cache, gitops
+from hybridpd import port as port_mod
+from hybridpd.apply import TRAILER
+from hybridpd.cli import main
+from hybridpd.errors import HybridpdError
+from hybridpd.export import check, export
+from hybridpd.series import PinState, Series, load
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+# 2.0 edits a context line of fix-add's hunk (two lines below the change): plain
+# apply fails, a 3-way merge succeeds.
+SUB_RENAMED = {"proj/core.py": CORE.replace("def sub(a, b):", "def sub(a, b):  # difference")}
+README_REWRITTEN = {"README.txt": "proj, rewritten\n"}
+
+
+def port_project(
+    root: Path, pin2_files: dict[str, str] | None = None, extra: dict[str, str] | None = None
+) -> tuple[Project, Series]:
+    """Pins 1.0 and 2.0 (not ported), patches fix-add then feature carried on 1.0.
+
+    ``extra`` adds records (id -> state on 1.0, e.g. "upstream:0.9") after them.
+    """
+    project = Project(root)
+    project.release("1.0")
+    project.release("2.0", pin2_files)
+    project.unported.add("2.0")
+    project.record("fix-add", {"1.0": "carried"})
+    project.record("feature", {"1.0": "carried"})
+    for patch_id, state in (extra or {}).items():
+        project.record(patch_id, {"1.0": state})
+    series = project.write()
+    # A comment the port must keep in series.toml.
+    series.path.write_text("# Keep this comment.\n" + series.path.read_text())
+    repo = project.checkout("1.0", "author")
+    commit_patch(repo, "fix-add", FIX_ADD, "[Core] Keep the sum in a local")
+    commit_patch(repo, "feature", FEATURE, "Add doubling")
+    export(series, repo)
+    return project, load(series.path)
+
+
+def cli(series: Series, *args: str) -> Result:
+    return CliRunner().invoke(main, ["--series", str(series.path), "port", *args])
+
+
+def results(report: port_mod.PortReport) -> list[tuple[str, str, str | None]]:
+    return [(p.id, p.result, p.evidence) for p in report.patches]
+
+
+def test_clean_port_writes_files_and_series(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path, {"proj/extra.py": "X = 1\n"})
+    before = series.path.read_text()
+    dest = tmp_path / "port"
+    report = port_mod.start(series, "1.0", "2.0", dest)
+    assert results(report) == [("fix-add", "clean", None), ("feature", "clean", None)]
+    assert report.written == (
+        "patches/2.0/fix-add.patch",
+        "patches/2.0/feature.patch",
+        "patches/series.toml",
+    )
+    ported = load(series.path)
+    assert ported.pin("2.0").ported
+    assert [p.id for p in ported.carried(ported.pin("2.0"))] == ["fix-add", "feature"]
+    on_1 = '[patches.pins."1.0"]\nstate = "carried"\n'
+    on_2 = '[patches.pins."2.0"]\nstate = "carried"\n'
+    expected = before.replace("ported = false\n", "").replace(on_1, f"{on_1}\n{on_2}")
+    assert series.path.read_text() == expected
+    commits = gitops.commits(dest, "v2.0..HEAD")
+    assert [c.trailer_values(TRAILER) for c in commits] == [["fix-add"], ["feature"]]
+    assert not port_mod.PortState.path(dest).exists()
+    assert gitops.resolve(dest, port_mod.BASE_REF) is None
+    assert check(ported) == []
+
+
+def test_three_way_port_needs_and_gets_the_old_blobs(tmp_path: Path) -> None:
+    project, series = port_project(tmp_path, SUB_RENAMED)
+    # Without 1.0's blobs, git cannot merge: a plain 2.0 checkout refuses fix-add.
+    plain = project.checkout("2.0", "plain")
+    assert not gitops.am(plain, [series.patch_path(series.pin("1.0"), "fix-add")]).ok
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert results(report) == [("fix-add", "3way", None), ("feature", "clean", None)]
+    core = (tmp_path / "port" / "proj" / "core.py").read_text()
+    assert "    total = a + b\n" in core and "# difference" in core
+    assert check(load(series.path)) == []
+
+
+def test_change_already_in_the_release_is_upstream(tmp_path: Path) -> None:
+    # fix-add's change is in 2.0 verbatim: it reverse-applies.
+    _, series = port_project(tmp_path, FIX_ADD)
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert results(report) == [
+        ("fix-add", "upstream", "reverse-applies"),
+        ("feature", "clean", None),
+    ]
+    fix_add = report.patches[0]
+    assert (fix_add.release, fix_add.files) == ("2.0", ("proj/core.py",))
+    assert "guess" in (fix_add.note or "")
+    ported = load(series.path)
+    assert ported.state(ported.pin("2.0"), "fix-add") == PinState("upstream", "2.0")
+    assert not series.patch_path(ported.pin("2.0"), "fix-add").exists()
+    assert check(ported) == []
+
+
+def test_merge_that_changes_nothing_is_upstream_empty(tmp_path: Path) -> None:
+    # 2.0 has fix-add's change but another context line: it does not reverse-apply,
+    # and the 3-way merge finds nothing to do.
+    merged = {
+        "proj/core.py": FIX_ADD["proj/core.py"].replace("def sub(a, b):", "def sub(a, b):  #")
+    }
+    _, series = port_project(tmp_path, merged)
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert results(report)[0] == ("fix-add", "upstream", "empty")
+    assert check(load(series.path)) == []
+
+
+def test_recorded_upstream_is_not_replayed(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path, extra={"gone": "upstream:0.9"})
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert results(report)[2] == ("gone", "upstream", "recorded")
+    assert report.patches[2].release == "0.9"
+    ported = load(series.path)
+    assert ported.state(ported.pin("2.0"), "gone") == PinState("upstream", "0.9")
+
+
+def test_recorded_upstream_on_an_already_ported_pin(tmp_path: Path) -> None:
+    # Re-porting: 2.0 already says fix-add is upstream, so it is not even tried,
+    # though its change is not in 2.0.
+    project, _ = port_project(tmp_path)
+    project.unported.clear()
+    project.records[0]["states"]["2.0"] = "upstream:1.5"
+    project.records[1]["states"]["2.0"] = "carried"
+    series = project.write()
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert results(report) == [
+        ("fix-add", "upstream", "recorded"),
+        ("feature", "clean", None),
+    ]
+    assert report.patches[0].release == "1.5"
+    assert "total = a + b" not in (tmp_path / "port" / "proj" / "core.py").read_text()
+
+
+def test_release_of_a_detected_upstream_patch_comes_from_another_pin(tmp_path: Path) -> None:
+    project, _ = port_project(tmp_path, FIX_ADD)
+    project.release("3.0", FIX_ADD)
+    project.records[0]["states"]["3.0"] = "upstream:1.5"
+    project.records[1]["states"]["3.0"] = "carried"
+    series = project.write()
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert (report.patches[0].release, report.patches[0].note) == (
+        "1.5",
+        "release 1.5 from the record's state on 3.0",
+    )
+
+
+@pytest.fixture
+def stopped(tmp_path: Path) -> tuple[Series, Path, Result]:
+    """A port stopped on feature, whose README line 2.0 rewrote."""
+    _, series = port_project(tmp_path, README_REWRITTEN)
+    dest = tmp_path / "port"
+    return series, dest, cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+
+
+def test_conflict_stops_resolvably_and_says_what_to_do(
+    stopped: tuple[Series, Path, Result],
+) -> None:
+    series, dest, result = stopped
+    assert result.exit_code == 1, result.output
+    prefix = f"hybridpd --series {series.path}"
+    for line in (
+        "stopped: patch feature conflicts with 2.0",
+        "  README.txt: conflict markers at lines 1-6",
+        f"    {prefix} port --continue --dir {dest}",
+        f"    {prefix} port --skip --upstream RELEASE --dir {dest}",
+        f"    {prefix} port --abort --dir {dest}",
+    ):
+        assert line in result.stdout.splitlines(), result.stdout
+    assert gitops.am_in_progress(dest)
+    assert gitops.conflicted_files(dest) == ["README.txt"]
+    assert (dest / "README.txt").read_text().startswith("<<<<<<< ")
+    state = port_mod.PortState.load(dest)
+    assert (state.current, [d["id"] for d in state.done]) == ("feature", ["fix-add"])
+    assert "ported = false" in series.path.read_text()
+    assert not series.patch_dir(series.pin("2.0")).exists()
+
+
+def test_continue_after_resolution_finishes(stopped: tuple[Series, Path, Result]) -> None:
+    series, dest, _ = stopped
+    unresolved = cli(series, "--continue", "--dir", str(dest))
+    assert unresolved.exit_code == 1
+    assert "unresolved conflicts in README.txt" in unresolved.output
+    (dest / "README.txt").write_text("proj, rewritten\nNow with doubling.\n")
+    gitops.check(dest, "add", "README.txt")
+    result = cli(series, "--continue", "--dir", str(dest), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(p["id"], p["result"]) for p in report["patches"]] == [
+        ("fix-add", "clean"),
+        ("feature", "resolved"),
+    ]
+    ported = load(series.path)
+    assert [p.id for p in ported.carried(ported.pin("2.0"))] == ["fix-add", "feature"]
+    assert "Now with doubling." in series.patch_path(ported.pin("2.0"), "feature").read_text()
+    assert check(ported) == []
+
+
+def test_resolution_that_changes_nothing_is_upstream_empty(
+    stopped: tuple[Series, Path, Result],
+) -> None:
+    series, dest, _ = stopped
+    gitops.reset_hard(dest, "HEAD")  # keep 2.0's README, drop the new file too
+    report = port_mod.resume(series, dest, "continue")
+    assert results(report)[1] == ("feature", "upstream", "empty")
+    assert gitops.commits(dest, "v2.0..HEAD")[-1].trailer_values(TRAILER) == ["fix-add"]
+
+
+def test_skip_marks_the_patch_upstream(stopped: tuple[Series, Path, Result]) -> None:
+    series, dest, _ = stopped
+    assert cli(series, "--skip", "--dir", str(dest)).exit_code == 2
+    result = cli(series, "--skip", "--upstream", "1.5", "--dir", str(dest))
+    assert result.exit_code == 0, result.output
+    assert ["feature", "upstream", "manual", "README.txt,", "proj/feature.py"] in [
+        line.split() for line in result.stdout.splitlines()
+    ]
+    ported = load(series.path)
+    assert ported.state(ported.pin("2.0"), "feature") == PinState("upstream", "1.5")
+    assert (dest / "README.txt").read_text() == README_REWRITTEN["README.txt"]
+    assert check(ported) == []
+
+
+def test_abort_restores_the_release(stopped: tuple[Series, Path, Result]) -> None:
+    series, dest, _ = stopped
+    series_text = series.path.read_text()
+    stock = port_mod.PortState.load(dest).stock
+    result = cli(series, "--abort", "--dir", str(dest))
+    assert result.exit_code == 0, result.output
+    assert f"is 2.0 stock ({stock[:12]})" in result.stdout
+    assert (gitops.head(dest), gitops.status(dest)) == (stock, [])
+    assert not gitops.am_in_progress(dest)
+    assert not port_mod.PortState.path(dest).exists()
+    assert gitops.resolve(dest, port_mod.BASE_REF) is None
+    assert series.path.read_text() == series_text
+    assert not series.patch_dir(series.pin("2.0")).exists()
+    again = cli(series, "--continue", "--dir", str(dest))
+    assert again.exit_code == 1 and "no port in progress" in again.output
+
+
+def test_json_report_shape(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path, FIX_ADD)
+    dest = tmp_path / "port"
+    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "from": "1.0",
+        "to": "2.0",
+        "dir": str(dest),
+        "patches": [
+            {
+                "id": "fix-add",
+                "result": "upstream",
+                "evidence": "reverse-applies",
+                "files": ["proj/core.py"],
+                "release": "2.0",
+                "note": "release 2.0 is a guess (no pin records one): "
+                "set the first release with it",
+            },
+            {
+                "id": "feature",
+                "result": "clean",
+                "evidence": None,
+                "files": ["README.txt", "proj/feature.py"],
+            },
+        ],
+        "written": ["patches/2.0/feature.patch", "patches/series.toml"],
+    }
+
+
+def test_conflict_json_has_files_hunks_and_next_steps(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path, README_REWRITTEN)
+    dest = tmp_path / "port"
+    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest), "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["patches"][-1] == {
+        "id": "feature",
+        "result": "conflict",
+        "evidence": None,
+        "files": ["README.txt"],
+    }
+    assert report["conflict"]["files"] == [{"path": "README.txt", "hunks": [[1, 6]]}]
+    assert report["conflict"]["next"][0].endswith(f"port --continue --dir {dest}")
+    assert report["written"] == []
+
+
+def test_refuses_a_busy_directory_and_bad_usage(stopped: tuple[Series, Path, Result]) -> None:
+    series, dest, _ = stopped
+    busy = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+    assert busy.exit_code == 1 and "a port is in progress" in busy.output
+    other = dest.parent / "other"
+    other.mkdir()
+    (other / "file").write_text("")
+    taken = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(other))
+    assert taken.exit_code == 1 and "is not empty" in taken.output
+    assert cli(series, "--to", "2.0").exit_code == 2
+    assert cli(series, "--continue", "--abort", "--dir", str(dest)).exit_code == 2
+    mismatch = cli(series, "--continue", "--to", "3.0", "--dir", str(dest))
+    assert mismatch.exit_code == 2 and "from 1.0 to 2.0" in mismatch.output
+
+
+def test_failure_before_replay_leaves_nothing(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path)
+    # 1.0's sdist is neither cached nor on the (empty) index: the base fetch fails
+    # after 2.0 was checked out.
+    (cache.cache_dir() / "sdists" / "proj-1.0.tar.gz").unlink()
+    dest = tmp_path / "new" / "port"
+    with pytest.raises(HybridpdError, match="proj-1.0.tar.gz"):
+        port_mod.start(series, "1.0", "2.0", dest)
+    assert not (tmp_path / "new").exists()

@@ -1,0 +1,581 @@
+"""Port the patch series from one pin to another, patch by patch.
+
+A port replays the patches carried on pin ``V1`` onto a fresh checkout of pin ``V2``
+with ``git am --3way``, classifies what happened to each, and, once every patch is
+through, exports the resulting commits to ``patches/<V2>/`` and records each patch's
+state on ``V2`` in ``series.toml``.
+
+Each patch gets one result:
+
+* ``clean``: applies to V2 as it is; ``3way``: needs a 3-way merge, which succeeds;
+* ``resolved``: conflicted, and was resolved by hand (``--continue``);
+* ``upstream``, with its evidence: ``recorded`` (series.toml already says so: the
+  record is upstream on V2, or already on V1; not replayed), ``reverse-applies``
+  (the tree already has the change), ``empty`` (the merge, or the manual
+  resolution, left nothing to commit) or ``manual`` (``--skip --upstream RELEASE``);
+* ``conflict``: the port stops there (see below).
+
+Invariants:
+
+* The port directory is a checkout of V2 (on branch ``hybridpd``, tag ``v<V2>``) whose
+  commits after the tag are the replayed patches, each with its ``Hybridpd-Patch``
+  trailer, in series order. V1's release commit is fetched into it (under
+  :data:`BASE_REF`) so that ``git am --3way`` finds the pre-image blobs the V1 patches
+  name; without them a patch whose context changed could not be merged.
+* While a port is under way its state lives in ``<dir>/.git/hybridpd-port.json``
+  (:class:`PortState`). It is written before the first patch is replayed and after
+  every patch, so any later call knows where the port stands. A stopped port is
+  mid-``git am`` with conflict markers in the tree, ready to be resolved.
+* A port that fails before its state is written leaves nothing behind: the directory
+  it created is removed (or emptied again, if it existed empty).
+* ``series.toml`` and ``patches/`` are touched only at the very end, once every patch
+  is through: the patch files are exported to a staging directory first, then
+  series.toml is edited (validated; on failure nothing is written), then the files
+  are moved into place. :func:`abort` never touches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hybridpd import cache, gitops, seriesedit
+from hybridpd import checkout as checkout_mod
+from hybridpd.apply import TRAILER, patch_commits
+from hybridpd.errors import HybridpdError
+from hybridpd.export import export
+from hybridpd.series import Pin, Series
+
+STATE_FILE = "hybridpd-port.json"
+#: Where the V1 release commit is kept in the port directory while a port runs.
+BASE_REF = "refs/hybridpd/port-from"
+STATE_SCHEMA = 1
+
+Result = Literal["clean", "3way", "resolved", "upstream", "conflict"]
+Evidence = Literal["recorded", "reverse-applies", "empty", "manual"]
+CARRIED_RESULTS = ("clean", "3way", "resolved")
+
+# Commits made by `git am --continue` get the same fixed committer as gitops.am's.
+_COMMITTER = {
+    "GIT_COMMITTER_NAME": gitops.IDENTITY_NAME,
+    "GIT_COMMITTER_EMAIL": gitops.IDENTITY_EMAIL,
+    "GIT_COMMITTER_DATE": gitops.IDENTITY_DATE,
+}
+
+
+class PortError(HybridpdError):
+    """A port cannot start or go on."""
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    """What happened to one patch. ``release`` is set exactly for ``upstream``;
+    ``note`` says where a release that was not given came from."""
+
+    id: str
+    result: Result
+    evidence: Evidence | None
+    files: tuple[str, ...]
+    release: str | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "id": self.id,
+            "result": self.result,
+            "evidence": self.evidence,
+            "files": list(self.files),
+        }
+        if self.release is not None:
+            data["release"] = self.release
+        if self.note is not None:
+            data["note"] = self.note
+        return data
+
+
+@dataclass(frozen=True)
+class ConflictFile:
+    """A conflicted path; ``hunks`` are the 1-based line ranges of its conflict
+    markers (``<<<<<<<`` to ``>>>>>>>``), empty when git left no markers (the file
+    was deleted or renamed in V2, or the patch could not be merged at all)."""
+
+    path: str
+    hunks: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The patch a port stopped on, and where."""
+
+    id: str
+    files: tuple[ConflictFile, ...]
+    merged: bool  # False: git could not even start a 3-way merge
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "merged": self.merged,
+            "files": [{"path": f.path, "hunks": [list(h) for h in f.hunks]} for f in self.files],
+        }
+
+
+@dataclass(frozen=True)
+class PortReport:
+    """Where a port stands after a call: finished (``written`` lists the files
+    written, relative to the series dir's parent) or stopped on ``conflict``."""
+
+    from_version: str
+    to_version: str
+    dir: Path
+    patches: tuple[PatchResult, ...]
+    written: tuple[str, ...] = ()
+    conflict: Conflict | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.conflict is None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "from": self.from_version,
+            "to": self.to_version,
+            "dir": str(self.dir),
+            "patches": [p.to_json() for p in self.patches],
+            "written": list(self.written),
+        }
+        if self.conflict is not None:
+            data["conflict"] = self.conflict.to_json()
+        return data
+
+
+@dataclass
+class PortState:
+    """The state file: what a port is doing, so any later call can go on.
+
+    ``plan`` is every patch id in series order; ``done`` the results so far, in the
+    same order; ``current`` the patch ``git am`` stopped on and ``before`` HEAD before
+    it; ``stock`` the V2 release commit.
+    """
+
+    from_version: str
+    to_version: str
+    series: str
+    stock: str
+    plan: list[str]
+    done: list[dict[str, Any]] = field(default_factory=list)
+    current: str | None = None
+    before: str | None = None
+    schema: int = STATE_SCHEMA
+
+    @staticmethod
+    def path(repo: Path) -> Path:
+        return repo / ".git" / STATE_FILE
+
+    def save(self, repo: Path) -> None:
+        path = self.path(repo)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, repo: Path) -> PortState:
+        path = cls.path(repo)
+        if not path.is_file():
+            raise PortError(f"no port in progress in {repo} (no .git/{STATE_FILE})")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("schema") != STATE_SCHEMA:
+                raise ValueError(f"schema {data.get('schema')!r}")
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise PortError(f"{path}: unreadable port state ({exc})") from exc
+
+    def results(self) -> list[PatchResult]:
+        return [PatchResult(**{**d, "files": tuple(d["files"])}) for d in self.done]
+
+    def record(self, result: PatchResult) -> None:
+        self.done.append({**asdict(result), "files": list(result.files)})
+        self.current = self.before = None
+
+
+def default_dir(version: str) -> Path:
+    """Where a port to ``version`` happens unless told otherwise."""
+    return cache.cache_dir() / "port" / version
+
+
+# Entry points -----------------------------------------------------------------
+
+
+Log = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def start(
+    series: Series,
+    from_version: str,
+    to_version: str,
+    dest: Path | None = None,
+    log: Log = _quiet,
+) -> PortReport:
+    """Start porting ``from_version``'s series to ``to_version`` in ``dest``.
+
+    ``dest`` must not exist or be empty (a directory with a port under way is named
+    as such). Runs until every patch is through (then finishes, see :func:`finish`)
+    or one conflicts.
+    """
+    v1, v2 = series.pin(from_version), series.pin(to_version)
+    if v1.version == v2.version:
+        raise PortError(f"--from and --to are both {v1.version}")
+    if not v1.ported:
+        raise PortError(f"the series is not ported to {v1.version}; port from a ported pin")
+    dest = (dest or default_dir(v2.version)).absolute()
+    if PortState.path(dest).is_file():
+        raise PortError(
+            f"a port is in progress in {dest}: use --continue, --skip --upstream RELEASE or --abort"
+        )
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise PortError(f"{dest} already exists and is not empty; remove it or pass --dir")
+    missing = [
+        series.relative(series.patch_path(v1, p.id))
+        for p in series.carried(v1)
+        if not series.patch_path(v1, p.id).is_file()
+    ]
+    if missing:
+        raise PortError(f"missing patch file(s) of {v1.version}: {', '.join(missing)}")
+    with _owned_directory(dest):
+        log(f"checking out {v2.version} (sdist) into {dest}")
+        checkout_mod.checkout(series, v2.version, dest, source="sdist")
+        log(f"fetching {v1.version}'s release commit for 3-way merges")
+        _fetch_base(series, v1, dest)
+        state = PortState(
+            from_version=v1.version,
+            to_version=v2.version,
+            series=str(series.path.resolve()),
+            stock=gitops.head(dest),
+            plan=[p.id for p in series.patches],
+        )
+        state.save(dest)
+    return _run(series, dest, state, log)
+
+
+def resume(
+    series: Series,
+    dest: Path,
+    action: Literal["continue", "skip"],
+    upstream: str | None = None,
+    log: Log = _quiet,
+) -> PortReport:
+    """Go on with the port in ``dest`` after it stopped on a conflict.
+
+    ``continue``: the conflicts are resolved and staged; the patch is committed as
+    ``resolved`` (or counted ``upstream``/``empty`` when the resolution changes
+    nothing). ``skip``: V2 already has the change; the patch is dropped and recorded
+    upstream since ``upstream`` (evidence ``manual``). Then the port runs on.
+    """
+    dest = dest.absolute()
+    state = _load_state(series, dest)
+    if action == "skip":
+        if not upstream:
+            raise PortError("--skip needs --upstream RELEASE (the first release with the change)")
+        if state.current is None:
+            raise PortError(f"the port in {dest} is not stopped on a patch; nothing to skip")
+        patch_id = state.current
+        files = _patch_files(series, dest, state, patch_id)
+        _am(dest, "--skip", optional=True)
+        _reset_to(dest, state.before)
+        state.record(PatchResult(patch_id, "upstream", "manual", files, release=upstream))
+        state.save(dest)
+    elif state.current is not None:
+        _continue_current(series, dest, state)
+    return _run(series, dest, state, log)
+
+
+def abort(dest: Path) -> PortState:
+    """Stop the port in ``dest`` and put it back at V2 stock; return its last state.
+
+    Aborts ``git am``, resets branch, index and work tree to the V2 release commit,
+    removes untracked files (not ignored ones), the V1 commit's ref and the state
+    file. series.toml and the patch files are never touched.
+    """
+    dest = dest.absolute()
+    state = PortState.load(dest)
+    gitops.am_abort(dest)
+    gitops.reset_hard(dest, state.stock)
+    gitops.check(dest, "clean", "--quiet", "-d", "--force")
+    _drop_base(dest)
+    PortState.path(dest).unlink()
+    return state
+
+
+# The replay -------------------------------------------------------------------
+
+
+def _run(series: Series, dest: Path, state: PortState, log: Log) -> PortReport:
+    """Replay the patches not done yet; stop on a conflict, else finish."""
+    v1, v2 = series.pin(state.from_version), series.pin(state.to_version)
+    for patch_id in state.plan[len(state.done) :]:
+        result = _replay(series, dest, state, v1, v2, patch_id)
+        if isinstance(result, Conflict):
+            log(f"{patch_id}: conflict")
+            return _report(state, dest, conflict=result)
+        log(f"{patch_id}: {result.result}" + (f" ({result.evidence})" if result.evidence else ""))
+        state.record(result)
+        state.save(dest)
+    return finish(series, dest, state)
+
+
+def _replay(
+    series: Series, dest: Path, state: PortState, v1: Pin, v2: Pin, patch_id: str
+) -> PatchResult | Conflict:
+    """Replay one patch on HEAD (see the module docstring for the results)."""
+    record = series.patch(patch_id)
+    if record is None:
+        raise PortError(f"patch {patch_id} is no longer in {series.path}; --abort and start again")
+    on_v2 = record.pins.get(v2.version)
+    on_v1 = record.pins[v1.version]
+    path = series.patch_path(v1, patch_id)
+    files = tuple(gitops.patch_files(dest, path)) if path.is_file() else ()
+    if on_v2 is not None and on_v2.state == "upstream":
+        return PatchResult(patch_id, "upstream", "recorded", files, release=on_v2.release)
+    if on_v1.state == "upstream":
+        note = f"upstream on {v1.version} already"
+        return PatchResult(patch_id, "upstream", "recorded", files, on_v1.release, note)
+    if gitops.reverse_applies(dest, path):
+        return _upstream(series, v2, patch_id, "reverse-applies", files)
+    plain = gitops.run(dest, "apply", "--check", "--whitespace=nowarn", str(path)).ok
+    before = gitops.head(dest)
+    outcome = gitops.am(dest, [path])
+    if not outcome.ok:
+        state.current, state.before = patch_id, before
+        state.save(dest)
+        return _conflict(dest, path, patch_id)
+    after = gitops.head(dest)
+    if after == before:
+        return _upstream(series, v2, patch_id, "empty", files)
+    if gitops.resolve(dest, f"{after}~1") != before:
+        raise PortError(f"{series.relative(path)} holds more than one commit")
+    _ensure_trailer(dest, patch_id)
+    return PatchResult(patch_id, "clean" if plain else "3way", None, files)
+
+
+def _continue_current(series: Series, dest: Path, state: PortState) -> None:
+    """Finish the patch ``git am`` stopped on, after a manual resolution."""
+    patch_id, before = state.current, state.before
+    assert patch_id is not None and before is not None
+    files = _patch_files(series, dest, state, patch_id)
+    if not gitops.am_in_progress(dest) and gitops.head(dest) == before:
+        raise PortError(
+            f"the git am session of {patch_id} was ended outside hybridpd port: "
+            "--skip --upstream RELEASE if the release has the change, else --abort"
+        )
+    if gitops.am_in_progress(dest):
+        unmerged = gitops.conflicted_files(dest)
+        if unmerged:
+            raise PortError(
+                f"unresolved conflicts in {', '.join(unmerged)}: resolve them, `git add` "
+                "the files, then --continue"
+            )
+        marked = [f for f in files if _marker_lines(dest / f)]
+        if marked:
+            raise PortError(f"conflict markers are left in {', '.join(marked)}")
+        if not gitops.run(dest, "diff", "--cached", "--quiet", "HEAD").ok:
+            _am(dest, "--continue")
+        else:
+            _am(dest, "--skip")  # the resolution changes nothing: git am cannot commit it
+    head = gitops.head(dest)
+    if head == before or _tree(dest, head) == _tree(dest, before):
+        _reset_to(dest, before)
+        v2 = series.pin(state.to_version)
+        state.record(_upstream(series, v2, patch_id, "empty", files))
+    else:
+        if gitops.resolve(dest, f"{head}~1") != before:
+            raise PortError(
+                f"{patch_id} must be one commit on top of {before[:12]}; "
+                "squash the commits (git reset --soft) and --continue"
+            )
+        _ensure_trailer(dest, patch_id)
+        state.record(PatchResult(patch_id, "resolved", None, files))
+    state.save(dest)
+
+
+def finish(series: Series, dest: Path, state: PortState) -> PortReport:
+    """Write the port: patch files of V2, states and ``ported`` in series.toml.
+
+    See the module invariants for the order. Removes the state file and the V1 ref;
+    the directory stays, a patched V2 checkout.
+    """
+    v2 = series.pin(state.to_version)
+    results = state.results()
+    carried = [r.id for r in results if r.result in CARRIED_RESULTS]
+    with tempfile.TemporaryDirectory(prefix="hybridpd-port-") as tmp:
+        staging = Path(tmp)
+        exported = [i for i, _ in patch_commits(dest, v2)]
+        if exported != carried:
+            raise PortError(
+                f"{dest}: the commits after {v2.tag} are {', '.join(exported) or 'none'}, "
+                f"the port carries {', '.join(carried) or 'none'}; --abort and start again"
+            )
+        export(series, dest, staging)
+        with seriesedit.edit(series.path) as editor:
+            for r in results:
+                state_name = "carried" if r.result in CARRIED_RESULTS else "upstream"
+                editor.set_patch_state(r.id, v2.version, state_name, r.release)
+            editor.set_pin_ported(v2.version, True)
+        patch_dir = series.patch_dir(v2)
+        patch_dir.mkdir(parents=True, exist_ok=True)
+        for stale in patch_dir.glob("*.patch"):
+            if stale.stem not in carried:
+                stale.unlink()
+        written = []
+        for patch_id in carried:
+            target = series.patch_path(v2, patch_id)
+            shutil.copyfile(staging / f"{patch_id}.patch", target)
+            written.append(series.relative(target))
+    _drop_base(dest)
+    PortState.path(dest).unlink()
+    return _report(state, dest, written=(*written, series.relative(series.path)))
+
+
+# Helpers ----------------------------------------------------------------------
+
+
+def _load_state(series: Series, dest: Path) -> PortState:
+    state = PortState.load(dest)
+    if Path(state.series) != series.path.resolve():
+        raise PortError(
+            f"the port in {dest} was started with the series {state.series}; "
+            f"pass --series {state.series}"
+        )
+    return state
+
+
+def _upstream(
+    series: Series, v2: Pin, patch_id: str, evidence: Evidence, files: tuple[str, ...]
+) -> PatchResult:
+    """An upstream result whose release comes from the record's state on another
+    pin, else is V2's version (then ``note`` says so)."""
+    record = series.patch(patch_id)
+    known = [
+        (version, st.release)
+        for version, st in (record.pins.items() if record else ())
+        if version != v2.version and st.state == "upstream" and st.release
+    ]
+    if known:
+        version, release = known[0]
+        note = f"release {release} from the record's state on {version}"
+        return PatchResult(patch_id, "upstream", evidence, files, release, note)
+    note = f"release {v2.version} is a guess (no pin records one): set the first release with it"
+    return PatchResult(patch_id, "upstream", evidence, files, v2.version, note)
+
+
+def _conflict(dest: Path, patch: Path, patch_id: str) -> Conflict:
+    unmerged = gitops.conflicted_files(dest)
+    if unmerged:
+        files = tuple(ConflictFile(f, _marker_lines(dest / f)) for f in unmerged)
+        return Conflict(patch_id, files, merged=True)
+    # No 3-way merge ran (git had no pre-image to merge from): name what plain
+    # apply rejects.
+    rejected = gitops.rejected_files(dest, patch) or gitops.patch_files(dest, patch)
+    return Conflict(patch_id, tuple(ConflictFile(f, ()) for f in rejected), merged=False)
+
+
+def _marker_lines(path: Path) -> tuple[tuple[int, int], ...]:
+    """1-based line ranges from each ``<<<<<<<`` to its ``>>>>>>>``."""
+    if not path.is_file():
+        return ()
+    ranges, start = [], None
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if line.startswith(b"<<<<<<<") and start is None:
+            start = number
+        elif line.startswith(b">>>>>>>") and start is not None:
+            ranges.append((start, number))
+            start = None
+    return tuple(ranges)
+
+
+def _patch_files(series: Series, dest: Path, state: PortState, patch_id: str) -> tuple[str, ...]:
+    path = series.patch_path(series.pin(state.from_version), patch_id)
+    return tuple(gitops.patch_files(dest, path)) if path.is_file() else ()
+
+
+def _ensure_trailer(dest: Path, patch_id: str) -> None:
+    head = gitops.commits(dest, "HEAD~1..HEAD")[0]
+    ids = head.trailer_values(TRAILER)
+    if not ids:
+        gitops.amend_trailer(dest, TRAILER, patch_id)
+    elif ids != [patch_id]:
+        raise PortError(f'the commit of {patch_id} has trailer "{TRAILER}: {ids[0]}"')
+
+
+def _am(dest: Path, verb: str, optional: bool = False) -> None:
+    """``git am --continue`` or ``--skip`` (gitops has no verb for them yet)."""
+    if optional and not gitops.am_in_progress(dest):
+        return
+    result = gitops.run(dest, "am", verb, env=_COMMITTER)
+    if not result.ok:
+        raise PortError(f"git am {verb} failed in {dest}: {gitops.first_error_line(result.stderr)}")
+
+
+def _reset_to(dest: Path, rev: str | None) -> None:
+    if rev is not None and gitops.head(dest) != rev:
+        gitops.reset_hard(dest, rev)
+
+
+def _tree(dest: Path, rev: str) -> str:
+    return gitops.check(dest, "rev-parse", f"{rev}^{{tree}}").strip()
+
+
+def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
+    """Put V1's release commit (and so its blobs) into ``dest`` under BASE_REF."""
+    with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
+        base = Path(tmp) / "src"
+        checkout_mod.checkout(series, v1.version, base, source="sdist")
+        gitops.check(dest, "fetch", "--quiet", "--no-tags", str(base), f"+HEAD:{BASE_REF}")
+
+
+def _drop_base(dest: Path) -> None:
+    if gitops.resolve(dest, BASE_REF):
+        gitops.check(dest, "update-ref", "-d", BASE_REF)
+
+
+def _report(
+    state: PortState,
+    dest: Path,
+    conflict: Conflict | None = None,
+    written: tuple[str, ...] = (),
+) -> PortReport:
+    results = state.results()
+    if conflict is not None:
+        stopped = state.plan[len(state.done)]
+        series_files = tuple(f.path for f in conflict.files)
+        results.append(PatchResult(stopped, "conflict", None, series_files))
+    return PortReport(state.from_version, state.to_version, dest, tuple(results), written, conflict)
+
+
+@contextlib.contextmanager
+def _owned_directory(dest: Path) -> Iterator[None]:
+    """Create ``dest`` if needed; on failure remove what was created, or empty a
+    directory that existed (empty) before."""
+    created = next((p for p in reversed((dest, *dest.parents)) if not p.exists()), None)
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        else:
+            for child in dest.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        raise
