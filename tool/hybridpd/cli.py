@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import click
 
 from hybridpd import __version__, testrun
 from hybridpd import build as build_mod
+from hybridpd import port as port_mod
 from hybridpd import series as series_mod
 from hybridpd.apply import apply as apply_series
 from hybridpd.apply import checkout_pin
@@ -255,6 +257,139 @@ def check(state: State, no_apply: bool, as_json: bool) -> None:
         raise CheckFailed(f"{len(problems)} problem(s) found")
     if not as_json:
         click.echo("ok")
+
+
+@main.command()
+@click.option("--from", "from_version", metavar="VERSION", help="Pin whose series is replayed.")
+@click.option("--to", "to_version", metavar="VERSION", help="Pin to port the series to.")
+@_dir_option(help="Port directory (default: <cache>/port/<TO>; must not exist, or be empty).")
+@click.option(
+    "--continue", "go_on", is_flag=True, help="Go on after resolving and `git add`ing a conflict."
+)
+@click.option("--skip", is_flag=True, help="Drop the conflicting patch: TO already has it.")
+@click.option(
+    "--upstream",
+    "release",
+    metavar="RELEASE",
+    help="With --skip: the first release that has the change.",
+)
+@click.option("--abort", is_flag=True, help="Stop the port and restore TO stock in the directory.")
+@_json_flag
+@click.pass_context
+def port(
+    ctx: click.Context,
+    from_version: str | None,
+    to_version: str | None,
+    repo: Path | None,
+    go_on: bool,
+    skip: bool,
+    release: str | None,
+    abort: bool,
+    as_json: bool,
+) -> None:
+    """Port the series from one pin to another, patch by patch.
+
+    Checks out TO, replays FROM's patches with 3-way merges and classifies each:
+    clean, 3way, resolved, upstream (with its evidence: recorded, reverse-applies,
+    empty, manual) or conflict. On a conflict it stops with the conflict markers in
+    the directory and says what to do next (exit 1). Once every patch is through it
+    writes patches/<TO>/ and the patches' states on TO in series.toml.
+    """
+    state: State = ctx.obj
+    if sum((go_on, skip, abort)) > 1:
+        raise click.UsageError("use only one of --continue, --skip and --abort")
+    if release and not skip:
+        raise click.UsageError("--upstream goes with --skip")
+    if skip and not release:
+        raise click.UsageError(
+            "--skip needs --upstream RELEASE (the first release with the change)"
+        )
+    resuming = go_on or skip or abort
+    if not resuming and not (from_version and to_version):
+        raise click.UsageError("--from and --to are required to start a port")
+    if repo is None:
+        if not to_version:
+            raise click.UsageError("--dir (or --to) is required")
+        repo = port_mod.default_dir(to_version.removeprefix("v"))
+    if resuming:
+        started = port_mod.PortState.load(repo.absolute())
+        for given, actual in (
+            (from_version, started.from_version),
+            (to_version, started.to_version),
+        ):
+            if given and given.removeprefix("v") != actual:
+                raise click.UsageError(
+                    f"the port in {repo} is from {started.from_version} to {started.to_version}"
+                )
+    if abort:
+        stopped = port_mod.abort(repo)
+        if as_json:
+            _echo_json(
+                {"to": stopped.to_version, "dir": str(repo.absolute()), "stock": stopped.stock}
+            )
+        else:
+            click.echo(f"aborted: {repo} is {stopped.to_version} stock ({stopped.stock[:12]})")
+        return
+    log = (lambda line: None) if as_json else functools.partial(click.echo, err=True)
+    if resuming:
+        action = "skip" if skip else "continue"
+        report = port_mod.resume(state.series, repo, action, upstream=release, log=log)
+    else:
+        report = port_mod.start(state.series, from_version, to_version, repo, log=log)
+    prefix = "hybridpd"
+    if state.series_option is not None:
+        prefix += f" --series {shlex.quote(str(state.series.path))}"
+    where = shlex.quote(str(report.dir))
+    steps = [
+        f"{prefix} port --continue --dir {where}",
+        f"{prefix} port --skip --upstream RELEASE --dir {where}",
+        f"{prefix} port --abort --dir {where}",
+    ]
+    if as_json:
+        data = report.to_json()
+        if report.conflict is not None:
+            data["conflict"]["next"] = steps
+        _echo_json(data)
+    else:
+        _echo_port_report(report, steps)
+    if report.conflict is not None:
+        ctx.exit(1)
+
+
+def _echo_port_report(report: port_mod.PortReport, steps: list[str]) -> None:
+    click.echo(f"port {report.from_version} -> {report.to_version} in {report.dir}")
+    rows = [("ID", "RESULT", "EVIDENCE", "FILES")] + [
+        (p.id, p.result, p.evidence or "-", ", ".join(p.files) or "-") for p in report.patches
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    for p in report.patches:
+        if p.release:
+            click.echo(f"  {p.id}: upstream since {p.release}" + (f" ({p.note})" if p.note else ""))
+    conflict = report.conflict
+    if conflict is None:
+        for path in report.written:
+            click.echo(f"wrote {path}")
+        return
+    click.echo(f"stopped: patch {conflict.id} conflicts with {report.to_version}")
+    for f in conflict.files:
+        if f.hunks:
+            ranges = ", ".join(f"lines {a}-{b}" for a, b in f.hunks)
+            click.echo(f"  {f.path}: conflict markers at {ranges}")
+        elif conflict.merged:
+            click.echo(
+                f"  {f.path}: no conflict markers (deleted or renamed in {report.to_version}?)"
+            )
+        else:
+            click.echo(f"  {f.path}: does not apply, and git could not merge it (apply it by hand)")
+    click.echo("next:")
+    click.echo(f"  resolve the conflicts in {report.dir}, `git add` the files, then:")
+    click.echo(f"    {steps[0]}")
+    click.echo(f"  or, if {report.to_version} already has the change ({conflict.id} is upstream):")
+    click.echo(f"    {steps[1]}")
+    click.echo(f"  or, to stop and restore {report.to_version} stock:")
+    click.echo(f"    {steps[2]}")
 
 
 @main.command()
