@@ -194,6 +194,46 @@ def request(
     return req
 
 
+def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
+    """``vllm_config`` arguments for a connector set.
+
+    ``nixl``: NixlConnector alone (it declares that it delivers the Mamba
+    state). ``nixl+decodebench``: a MultiConnector of NIXL and a connector that
+    does not declare it, which is where upstream's capability gate is false.
+    """
+    if kind == "nixl":
+        return {"kv_role": kv_role, "kv_connector": "NixlConnector"}
+    if kind == "nixl+decodebench":
+        return {
+            "kv_role": kv_role,
+            "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {"kv_connector": "NixlConnector", "kv_role": kv_role},
+                    {"kv_connector": "DecodeBenchConnector", "kv_role": kv_role},
+                ]
+            },
+        }
+    raise ValueError(kind)
+
+
+def local_hit_tokens(sched: Scheduler, req: Request) -> int:
+    """Admit ``req`` and return the prompt tokens the instance took from its own
+    prefix cache, as vLLM counts them: the tokens the KV connector was not
+    queried for (``connector_prefix_cache_stats``)."""
+    sched.add_request(req)
+    sched.schedule()
+    stats = sched.connector_prefix_cache_stats
+    assert stats is not None
+    return req.num_tokens - stats.queries
+
+
+def cached_hit_tokens(sched: Scheduler, req: Request) -> int:
+    """The hit every KV cache group agrees on (KVCacheManager.get_computed_blocks),
+    without admitting ``req``."""
+    return sched.kv_cache_manager.get_computed_blocks(req)[1]
+
+
 def remote_prefill_params(num_remote_blocks: int) -> dict[str, Any]:
     """kv_transfer_params a PD proxy hands the decode instance (NIXL format)."""
     return {
@@ -254,12 +294,15 @@ def step(
 
 
 def run_local_prefill(sched: Scheduler, req: Request) -> None:
-    """Schedule ``req`` and compute its whole prompt in one step, as a prefill
-    instance does; its blocks (and Mamba state) end up in the prefix cache."""
+    """Compute ``req``'s prompt locally, as a prefill instance does (in as many
+    chunks as the scheduler cuts); its blocks and the Mamba state at the end of
+    the prompt end up in the prefix cache."""
     sched.add_request(req)
-    output = step(sched)
-    assert output.num_scheduled_tokens[req.request_id] == req.num_prompt_tokens
-    assert req.num_computed_tokens == req.num_prompt_tokens
+    for _ in range(req.num_prompt_tokens):
+        step(sched)
+        if req.num_computed_tokens >= req.num_prompt_tokens:
+            return
+    raise AssertionError(f"{req.request_id} did not finish its prefill")
 
 
 def receive_remote_prefill(sched: Scheduler, req: Request) -> None:

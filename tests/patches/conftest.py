@@ -3,18 +3,38 @@
 Each test names the patch it proves with ``@pytest.mark.patch("<id>")``; the
 id is recorded as a junit property so ``hybridpd test`` can build the
 red/green table per patch.
+
+A test that covers a code path only some releases have says so with
+``@pytest.mark.vllm_versions("<0.23")`` (a PEP 440 specifier set); on other
+releases it is skipped with that reason.
 """
 
 import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+import vllm
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "patch(id): the hybridpd patch whose behaviour the test proves"
     )
+    config.addinivalue_line(
+        "markers", "vllm_versions(spec): vLLM releases whose code path the test covers"
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    version = Version(vllm.__version__)
     for item in items:
         for marker in item.iter_markers("patch"):
             item.user_properties.append(("patch", marker.args[0]))
+        for marker in item.iter_markers("vllm_versions"):
+            spec = SpecifierSet(marker.args[0])
+            if not spec.contains(version, prereleases=True):
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"covers vLLM {spec}, this is vLLM {version}"
+                    )
+                )

