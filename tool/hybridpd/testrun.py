@@ -35,11 +35,16 @@ from pathlib import Path
 from hybridpd import cache, gitops, hfsnap, testenv, upstream
 from hybridpd.apply import apply, patch_commits
 from hybridpd.checkout import checkout
+from hybridpd.errors import HybridpdError
 from hybridpd.pytestrun import SuiteResult, run_pytest
 from hybridpd.series import Pin, Series
 
 SUITES = ("patches", "upstream", "all")
 PATCH_PROPERTY = "patch"
+
+
+class TestRunError(HybridpdError):
+    """A suite could not run to the end (environment, crash, timeout)."""
 
 
 @dataclasses.dataclass
@@ -56,25 +61,34 @@ class Counts:
 
 @dataclasses.dataclass
 class PatchRow:
-    """One carried patch in the red/green table."""
+    """One patch in the red/green table.
+
+    A carried patch is ``proven`` when one of its tests fails on stock and on
+    the tree without it, and passes patched. A patch upstream on the pin has
+    no tree without it (``without`` is None): its tests only have to pass.
+    """
 
     id: str
+    state: str
     tests: list[str]
     stock: Counts
-    without: Counts
+    without: Counts | None
     patched: Counts
     proven: bool
 
     @property
     def ok(self) -> bool:
-        return self.proven and self.patched.failed == 0
+        if self.patched.failed:
+            return False
+        return self.proven or self.state == "upstream"
 
     def to_json(self) -> dict:
         return {
             "id": self.id,
+            "state": self.state,
             "tests": self.tests,
             "stock": self.stock.to_json(),
-            "without": self.without.to_json(),
+            "without": self.without.to_json() if self.without else None,
             "patched": self.patched.to_json(),
             "red_green": self.proven,
         }
@@ -219,7 +233,7 @@ def run_patch_suite(
         )
         junit = out_dir / f"{label}.junit.xml"
         if result.status in ("crashed", "timeout", "interrupted") or not junit.is_file():
-            raise RuntimeError(
+            raise TestRunError(
                 f"patch tests on {label} did not finish ({result.status}): "
                 f"{result.reason}; log {result.log_path}"
             )
@@ -227,43 +241,59 @@ def run_patch_suite(
 
     stock = run(trees["stock"], "patches-stock")
     patched = run(trees["patched"], "patches-patched")
+    without: dict[str, dict[str, str]] = {}
+    for patch in series.carried(pin):
+        tree = trees["without"][patch.id]
+        without[patch.id] = (
+            stock if tree == trees["stock"] else run(tree, f"patches-without-{patch.id}")
+        )
     mapping = patch_properties(out_dir / "patches-patched.junit.xml")
+    return red_green(series, pin, mapping, stock, without, patched)
+
+
+def red_green(
+    series: Series,
+    pin: Pin,
+    mapping: dict[str, str],
+    stock: dict[str, str],
+    without: dict[str, dict[str, str]],
+    patched: dict[str, str],
+) -> tuple[list[PatchRow], list[str]]:
+    """The red/green table from per-tree outcomes (test id -> outcome);
+    ``mapping`` names each test's patch, ``without`` holds, per carried patch,
+    the outcomes on the tree without it. Returns the rows and the problems."""
     problems: list[str] = []
     rows: list[PatchRow] = []
-    for patch in series.carried(pin):
+    for patch, state in series.records(pin):
         tests = sorted(t for t, p in mapping.items() if p == patch.id)
-        without_tree = trees["without"][patch.id]
-        without = (
-            stock
-            if without_tree == trees["stock"]
-            else run(without_tree, f"patches-without-{patch.id}")
-        )
-        proven = any(
+        before = without.get(patch.id) if state.state == "carried" else None
+        proven = before is not None and any(
             stock.get(t) != "passed"
-            and without.get(t) != "passed"
+            and before.get(t) != "passed"
             and patched.get(t) == "passed"
             for t in tests
         )
         row = PatchRow(
             patch.id,
+            state.state,
             tests,
             _counts(stock, tests),
-            _counts(without, tests),
+            None if before is None else _counts(before, tests),
             _counts(patched, tests),
             proven,
         )
         rows.append(row)
-        if not tests:
-            problems.append(f"{patch.id}: no test names this patch")
-        elif not proven:
+        if state.state == "carried" and not proven:
             problems.append(
                 f"{patch.id}: no test is red on stock and without the patch, "
                 "and green patched"
+                if tests
+                else f"{patch.id}: no test names this patch"
             )
         if row.patched.failed:
             problems.append(f"{patch.id}: {row.patched.failed} test(s) fail patched")
-    unknown = sorted({p for p in mapping.values()} - {p.id for p in series.carried(pin)})
-    problems += [f"tests name {p}, which is not carried on {pin.version}" for p in unknown]
+    unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
+    problems += [f"tests name {p}, which has no record in series.toml" for p in unknown]
     return rows, problems
 
 
@@ -294,9 +324,12 @@ def run(
     hf_home = out_dir / "hf"
     hfsnap.write_snapshots(hf_home)
     trees = prepare_trees(series, pin, root, log)
-    venv = testenv.ensure_test_env(
-        pin.version, trees["stock"], cache.cache_dir(), torch_spec, log
-    )
+    try:
+        venv = testenv.ensure_test_env(
+            pin.version, trees["stock"], cache.cache_dir(), torch_spec, log
+        )
+    except testenv.TestEnvError as exc:
+        raise TestRunError(f"test environment for {pin.version}: {exc}") from exc
     report = TestReport(pin.version, suite)
     if suite in ("patches", "all"):
         report.patches, problems = run_patch_suite(
@@ -331,9 +364,10 @@ def format_table(report: TestReport) -> str:
     lines.append(header)
     for row in report.patches:
         cells = [
-            f"{c.passed}/{c.failed}" for c in (row.stock, row.without, row.patched)
+            f"{c.passed}/{c.failed}" if c else "-"
+            for c in (row.stock, row.without, row.patched)
         ]
-        verdict = "yes" if row.ok else "NO"
+        verdict = ("yes" if row.proven else "upstream") if row.ok else "NO"
         lines.append(
             f"  {row.id:<40} {cells[0]:>9} {cells[1]:>9} {cells[2]:>9}  {verdict}"
         )

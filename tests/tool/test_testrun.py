@@ -1,0 +1,93 @@
+"""The red/green table of ``hybridpd test`` from per-tree outcomes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from builders import Project
+from hybridpd.testrun import PatchRow, _case_outcomes, patch_properties, red_green
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.patches.a.test_a" name="test_red_green">
+  <properties><property name="patch" value="fix-add"/></properties>
+</testcase>
+<testcase classname="tests.patches.a.test_a" name="test_guard">
+  <properties><property name="patch" value="fix-add"/></properties>
+  <failure message="boom"/>
+</testcase>
+<testcase classname="tests.patches.b.test_b" name="test_skipped">
+  <properties><property name="patch" value="feature"/></properties>
+  <skipped message="covers vLLM &lt;0.23"/>
+</testcase>
+</testsuite></testsuites>
+"""
+
+
+@pytest.fixture
+def series(tmp_path: Path):
+    project = Project(tmp_path)
+    project.release("1.0")
+    project.record("fix-add", {"1.0": "carried"})
+    project.record("feature", {"1.0": "carried"})
+    project.record("landed", {"1.0": "upstream:0.9"})
+    return project.write()
+
+
+def test_junit_properties_and_outcomes(tmp_path: Path) -> None:
+    junit = tmp_path / "x.xml"
+    junit.write_text(JUNIT)
+    assert patch_properties(junit) == {
+        "tests.patches.a.test_a::test_red_green": "fix-add",
+        "tests.patches.a.test_a::test_guard": "fix-add",
+        "tests.patches.b.test_b::test_skipped": "feature",
+    }
+    assert _case_outcomes(junit) == {
+        "tests.patches.a.test_a::test_red_green": "passed",
+        "tests.patches.a.test_a::test_guard": "failed",
+        "tests.patches.b.test_b::test_skipped": "skipped",
+    }
+
+
+def _rows(series, stock, without, patched, mapping):
+    rows, problems = red_green(series, series.pin("1.0"), mapping, stock, without, patched)
+    return {row.id: row for row in rows}, problems
+
+
+def test_patch_is_proven_only_when_red_without_it(series) -> None:
+    mapping = {"t1": "fix-add", "t2": "feature", "t3": "landed"}
+    stock = {"t1": "failed", "t2": "failed", "t3": "passed"}
+    without = {"fix-add": stock, "feature": {"t1": "passed", "t2": "passed"}}
+    patched = {"t1": "passed", "t2": "passed", "t3": "passed"}
+
+    rows, problems = _rows(series, stock, without, patched, mapping)
+
+    assert rows["fix-add"].proven and rows["fix-add"].ok
+    # t2 already passes without "feature": red on stock only proves nothing.
+    assert not rows["feature"].proven
+    assert problems == [
+        "feature: no test is red on stock and without the patch, and green patched"
+    ]
+    # An upstream patch's tests only have to pass.
+    assert rows["landed"].state == "upstream" and rows["landed"].ok
+    assert rows["landed"].without is None
+
+
+def test_skipped_or_failing_tests_do_not_prove(series) -> None:
+    mapping = {"t1": "fix-add", "t2": "feature", "t9": "ghost"}
+    stock = {"t1": "failed", "t2": "failed"}
+    without = {"fix-add": stock, "feature": stock}
+    patched = {"t1": "failed", "t2": "skipped"}
+
+    rows, problems = _rows(series, stock, without, patched, mapping)
+
+    assert isinstance(rows["fix-add"], PatchRow) and not rows["fix-add"].ok
+    assert rows["feature"].patched.skipped == 1 and not rows["feature"].proven
+    assert "fix-add: 1 test(s) fail patched" in problems
+    assert "tests name ghost, which has no record in series.toml" in problems
+    assert (
+        "landed: no test names this patch" not in problems
+    ), "upstream patches need no test"
