@@ -325,3 +325,17 @@ def test_failure_before_replay_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(HybridpdError, match="proj-1.0.tar.gz"):
         port_mod.start(series, "1.0", "2.0", dest)
     assert not (tmp_path / "new").exists()
+
+
+def test_resume_needs_the_series_the_port_started_with(
+    stopped: tuple[Series, Path, Result], tmp_path: Path
+) -> None:
+    series, dest, _ = stopped
+    other = tmp_path / "copy" / "series.toml"
+    other.parent.mkdir()
+    other.write_text(series.path.read_text())
+    result = CliRunner().invoke(
+        main, ["--series", str(other), "port", "--continue", "--dir", str(dest)]
+    )
+    assert result.exit_code == 1
+    assert f"was started with the series {series.path}" in result.output
