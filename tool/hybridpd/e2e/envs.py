@@ -1,0 +1,192 @@
+"""The virtualenvs an e2e run serves from: patched = checkout + apply + build, stock =
+checkout + build, each plus what only the e2e needs.
+
+Each environment lives in ``<cache>/e2e/<pin>-<device>-<build>/`` (``src/`` the git
+checkout, ``venv/`` the virtualenv) and is reused while ``e2e-env.json`` records the
+same checkout head, variant and extras. ``--patched-venv`` / ``--stock-venv`` use a
+prepared venv instead (recorded in the report as such).
+
+The e2e extras, on top of :func:`hybridpd.build.build`:
+
+- ``nixl-cu12`` for NixlConnector, and the ``nixl`` meta-package *without its
+  dependencies*: vLLM imports ``nixl._api``, which only the meta-package provides,
+  but its dependencies are both CUDA variants (``nixl-cu12`` and ``nixl-cu13``); the
+  meta-package picks whichever backend is installed when no CUDA is found;
+- ``matplotlib`` for the report's plot (drawn by the venv's Python).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from hybridpd import build as build_mod
+from hybridpd.series import Series
+
+from .servers import E2EError
+
+Log = Callable[[str], None]
+
+BUILDS = ("patched", "stock")
+E2E_REQUIREMENTS = ("nixl-cu12", "matplotlib")
+MARKER = "e2e-env.json"
+
+
+@dataclass(frozen=True)
+class Env:
+    build: str  # "stock" | "patched"
+    python: Path
+    venv: Path
+    checkout: Path | None
+    head: str | None
+    prepared: bool  # False: given by the user (--stock-venv/--patched-venv)
+    timings: dict
+
+    def to_json(self) -> dict:
+        return {
+            "build": self.build,
+            "venv": str(self.venv),
+            "checkout": str(self.checkout) if self.checkout else None,
+            "head": self.head,
+            "prepared_by_hybridpd": self.prepared,
+            "timings_s": self.timings,
+        }
+
+
+def env_root(pin: str, device: str, build: str) -> Path:
+    return build_mod.cache_dir() / "e2e" / f"{pin}-{device}-{build}"
+
+
+def variant_for(device: str) -> str:
+    return "cpu" if device == "cpu" else "cuda"
+
+
+def given(venv: Path, build: str) -> Env:
+    """An environment the user prepared; it must have a Python that imports vLLM."""
+    venv = Path(venv).absolute()
+    py = venv / "bin" / "python"
+    if not py.exists():
+        raise E2EError(f"--{build}-venv {venv}: no bin/python there")
+    return Env(build, py, venv, None, None, False, {})
+
+
+def prepare(
+    series: Series,
+    version: str,
+    build: str,
+    device: str,
+    log: Log,
+    *,
+    torch: str | None = None,
+    root: Path | None = None,
+) -> Env:
+    """Make (or reuse) the ``build`` environment of pin ``version`` for ``device``."""
+    # Imported here: the CLI's module graph stays light for the unit tests.
+    from hybridpd.apply import apply as apply_series
+    from hybridpd.checkout import checkout as make_checkout
+
+    import git
+    import shutil
+    import time
+
+    if build not in BUILDS:
+        raise E2EError(f"unknown build {build!r}")
+    pin = series.pin(version)
+    root = root or env_root(pin.version, device, build)
+    src, venv = root / "src", root / "venv"
+    variant = variant_for(device)
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    if src.exists():
+        try:
+            git.Repo(src).head.commit
+        except (git.InvalidGitRepositoryError, ValueError):
+            shutil.rmtree(src)  # a half-made checkout of ours
+    if not src.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        log(f"[{build}] checking out {pin.version} into {src}")
+        make_checkout(series, pin.version, src, source="sdist")
+    if build == "patched":
+        log(f"[{build}] applying the series")
+        try:
+            result = apply_series(series, src)
+        except Exception as exc:  # ApplyError, DirtyTreeError, ...: one line for the user
+            raise E2EError(f"cannot make the patched {pin.version} build: {exc}") from None
+        if result.applied:
+            log(f"[{build}] applied {', '.join(result.applied)}")
+    head = git.Repo(src).head.commit.hexsha
+    timings["checkout"] = round(time.monotonic() - t0, 1)
+
+    want = {"head": head, "variant": variant, "extras": list(E2E_REQUIREMENTS), "torch": torch}
+    marker = root / MARKER
+    py = venv / "bin" / "python"
+    if py.exists() and marker.exists() and json.loads(marker.read_text()).get("want") == want:
+        log(f"[{build}] reusing {venv}")
+        return Env(build, py, venv, src, head, True, timings)
+
+    t1 = time.monotonic()
+    log(f"[{build}] building {venv} ({variant})")
+    try:
+        result = build_mod.build(src, venv, pin.version, pin.tag, variant, log=log, torch=torch)
+    except build_mod.BuildError as exc:
+        raise E2EError(f"[{build}] build failed: {exc}") from None
+    timings["build"] = round(time.monotonic() - t1, 1)
+    t2 = time.monotonic()
+    install_extras(result.python, log)
+    timings["extras"] = round(time.monotonic() - t2, 1)
+    marker.write_text(json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
+    return Env(build, result.python, venv, src, head, True, timings)
+
+
+def install_extras(py: Path, log: Log) -> None:
+    log(f"installing {', '.join(E2E_REQUIREMENTS)} and nixl (without its dependencies)")
+    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", *E2E_REQUIREMENTS])
+    if proc.returncode != 0:
+        raise E2EError(f"pip could not install {', '.join(E2E_REQUIREMENTS)} into {py}")
+    version = subprocess.run(
+        [str(py), "-c", "from importlib.metadata import version; print(version('nixl-cu12'))"],
+        capture_output=True, text=True,
+    ).stdout.strip()
+    proc = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", f"nixl=={version}"]
+    )
+    if proc.returncode != 0:
+        raise E2EError(f"pip could not install nixl=={version} (--no-deps) into {py}")
+
+
+_PROBE = r"""
+import importlib, json
+out = {}
+try:
+    import nixl._api
+    out["nixl"] = "ok"
+except Exception as exc:
+    out["nixl"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+try:
+    importlib.import_module("vllm.model_executor.models.qwen3_5")
+    out["qwen3_5"] = "ok"
+except Exception as exc:
+    out["qwen3_5"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+import vllm
+out["vllm"] = vllm.__version__
+print("HYBRIDPD-E2E-PROBE " + json.dumps(out))
+"""
+
+
+def probe(env: Env, process_env: dict) -> dict:
+    """What the venv can do: import nixl, import vLLM's Qwen3.5 module."""
+    proc = subprocess.run(
+        [str(env.python), "-c", _PROBE], capture_output=True, text=True, env=process_env,
+        cwd=str(env.venv),
+    )
+    line = next(
+        (l for l in proc.stdout.splitlines() if l.startswith("HYBRIDPD-E2E-PROBE ")), None
+    )
+    if line is None:
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise E2EError(f"[{env.build}] `import vllm` fails in {env.venv}: {tail[0][:300]}")
+    return json.loads(line.split(" ", 1)[1])

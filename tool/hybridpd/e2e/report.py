@@ -1,0 +1,148 @@
+"""report.json, report.md and the plot of an e2e run.
+
+``report.json`` is a contract (scripts and CI read it); add fields, never rename.
+Its top level: ``pin, device, model, scenario, runs``; each run: ``build`` ("stock" |
+"patched"), ``connector``, ``requests`` (per request: ``prompt_tokens,
+decode_local_hit_tokens, kv_bytes_transferred, ttft_ms, output_token_ids``, ...),
+``decode_prefix_cache_hits``, ``decode_prefix_cache_queries``,
+``outputs_match_baseline``.
+
+``report.md`` uses the seed's ON/OFF table layout with stock (upstream's behaviour)
+as OFF and patched as ON. The plot is drawn by ``plot.py`` under the e2e venv's
+Python, which has matplotlib; hybridpd itself does not need it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+SMOKE_COLUMNS = ("decode local hit (tokens)", "KV bytes moved", "TTFT (ms)")
+
+
+def _pct(off: float | None, on: float | None) -> str:
+    if off in (None, 0) or on is None:
+        return "n/a"
+    return f"{(on - off) / off * 100:+.1f}%"
+
+
+def _num(value, digits: int = 0) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and digits:
+        return f"{value:,.{digits}f}"
+    return f"{int(round(value)):,}".replace(",", " ")
+
+
+def _runs_by(report: dict, build: str) -> dict[str, dict]:
+    return {r["connector"]: r for r in report["runs"] if r["build"] == build}
+
+
+def smoke_table(report: dict) -> list[str]:
+    """Per connector and request: stock (OFF) | patched (ON) | Δ, for hit, bytes, TTFT."""
+    stock, patched = _runs_by(report, "stock"), _runs_by(report, "patched")
+    lines = [
+        "| connector | request | prompt tokens | OFF hit | ON hit | OFF KV bytes | ON KV bytes "
+        "| ΔKV bytes | OFF TTFT (ms) | ON TTFT (ms) | ΔTTFT | outputs OK (OFF/ON) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for connector in dict.fromkeys([*patched, *stock]):
+        off, on = stock.get(connector), patched.get(connector)
+        n = max(len((off or {}).get("requests", [])), len((on or {}).get("requests", [])))
+        for i in range(n):
+            ro = off["requests"][i] if off and i < len(off["requests"]) else {}
+            rn = on["requests"][i] if on and i < len(on["requests"]) else {}
+            label = (rn or ro).get("label", f"r{i + 1}")
+            ok = "/".join(
+                "—" if r is None else ("yes" if r.get("outputs_match_baseline") else "NO")
+                for r in (off, on)
+            )
+            lines.append(
+                f"| {connector} | {label} | {_num((rn or ro).get('prompt_tokens'))} "
+                f"| {_num(ro.get('decode_local_hit_tokens'))} | {_num(rn.get('decode_local_hit_tokens'))} "
+                f"| {_num(ro.get('kv_bytes_transferred'))} | {_num(rn.get('kv_bytes_transferred'))} "
+                f"| {_pct(ro.get('kv_bytes_transferred'), rn.get('kv_bytes_transferred'))} "
+                f"| {_num(ro.get('ttft_ms'))} | {_num(rn.get('ttft_ms'))} "
+                f"| {_pct(ro.get('ttft_ms'), rn.get('ttft_ms'))} | {ok if i == n - 1 else ''} |"
+            )
+    return lines
+
+
+def bench_table(report: dict) -> list[str]:
+    """The seed's table: workload | OFF/ON TTFT | ΔTTFT | OFF/ON output TPS | ΔTPS."""
+    stock, patched = _runs_by(report, "stock"), _runs_by(report, "patched")
+    lines = [
+        "| connector | prefix_len | suffix_len | num_prefix | num_prompts | concurrency "
+        "| OFF TTFT (ms) | ON TTFT (ms) | ΔTTFT | OFF Output TPS | ON Output TPS | ΔTPS "
+        "| OFF D hit/queries | ON D hit/queries |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for connector in dict.fromkeys([*patched, *stock]):
+        off, on = stock.get(connector) or {}, patched.get(connector) or {}
+        w = (on or off).get("workload", {})
+        bo, bn = off.get("bench", {}), on.get("bench", {})
+
+        def hits(r: dict) -> str:
+            if not r:
+                return "—"
+            return f"{_num(r.get('decode_prefix_cache_hits'))}/{_num(r.get('decode_prefix_cache_queries'))}"
+
+        lines.append(
+            f"| {connector} | {w.get('prefix_len')} | {w.get('suffix_len')} | {w.get('num_prefixes')} "
+            f"| {w.get('num_prompts')} | {w.get('concurrency')} "
+            f"| {_num(bo.get('mean_ttft_ms'))} | {_num(bn.get('mean_ttft_ms'))} "
+            f"| {_pct(bo.get('mean_ttft_ms'), bn.get('mean_ttft_ms'))} "
+            f"| {_num(bo.get('output_throughput'), 1)} | {_num(bn.get('output_throughput'), 1)} "
+            f"| {_pct(bo.get('output_throughput'), bn.get('output_throughput'))} "
+            f"| {hits(off)} | {hits(on)} |"
+        )
+    return lines
+
+
+def table(report: dict) -> list[str]:
+    return bench_table(report) if report["scenario"] == "prefix-repetition" else smoke_table(report)
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# hybridpd e2e: {report['scenario']} on vLLM {report['pin']} ({report['device']})",
+        "",
+        f"Model: `{report['model']}`. OFF = stock vLLM {report['pin']}, ON = patched. "
+        "hit = tokens the decode instance took from its own prefix cache "
+        "(Δ `vllm:prefix_cache_hits`); KV bytes = Δ `vllm:nixl_bytes_transferred_sum` "
+        "on the decode instance; TTFT measured at the client through the proxy.",
+        "",
+        *table(report),
+        "",
+    ]
+    for run in report["runs"]:
+        checks = run.get("checks") or {}
+        if checks:
+            failed = [k for k, v in checks.items() if not v]
+            lines.append(
+                f"- {run['build']} / {run['connector']}: "
+                + ("all checks pass" if not failed else "failed: " + ", ".join(failed))
+            )
+    if report.get("notes"):
+        lines += ["", *[f"- {n}" for n in report["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: Path, plot_python: Path | None) -> dict[str, Path]:
+    """Write report.json, report.md and (with a Python that has matplotlib) report.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "md": out / "report.md"}
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["md"].write_text(markdown(report))
+    if plot_python is not None:
+        png = out / "report.png"
+        proc = subprocess.run(
+            [str(plot_python), str(Path(__file__).with_name("plot.py")), str(paths["json"]), str(png)],
+            capture_output=True, text=True,
+        )
+        if proc.returncode == 0 and png.exists():
+            paths["png"] = png
+        else:
+            (out / "plot.log").write_text(proc.stdout + proc.stderr)
+    return paths

