@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# hybridpd's test command (the one README.md names; .ci/run calls it).
+#
+# Installs what it needs by itself, then runs, failing loudly at the first red step:
+#   1. the tool tests (tests/tool, no network);
+#   2. `hybridpd check`: records, patch files and a fresh checkout + apply + export agree;
+#   3. per ported pin, `hybridpd test`: the red->green patch tests (stock / without the
+#      patch / patched) and vLLM's own tests of the touched modules;
+#   4. the CPU prefill/decode end-to-end smoke on v0.32.0 (`hybridpd e2e`), stock and
+#      patched, when the e2e command is available.
+#
+# Tiers. By default step 3 runs the reduced upstream selection on the patched tree and
+# compares it with the committed stock baseline (tool/hybridpd/data/upstream/), which
+# keeps a CI run on 2 cores under an hour. `--full` runs the full upstream selection on
+# stock and patched (what ci/github-workflow.yml runs as a matrix over the pins).
+# `--pins "0.20.2 0.33.0"` limits step 3; `--no-e2e` skips step 4.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+full=0
+e2e=1
+pins=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --full) full=1 ;;
+    --no-e2e) e2e=0 ;;
+    --pins) pins="$2"; shift ;;
+    *) echo "ci/test.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+venv="${HYBRIDPD_CI_VENV:-.venv}"
+passed=0
+step() {
+  local name="$1"; shift
+  local start=$SECONDS
+  echo "==> $name"
+  "$@"
+  echo "<== $name: ok in $((SECONDS - start)) s"
+  passed=$((passed + 1))
+}
+
+install() {
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet -e '.[test]'
+}
+
+step "install hybridpd" install
+hpd="$venv/bin/hybridpd"
+step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider
+step "hybridpd check" "$hpd" check
+
+if [ -z "$pins" ]; then
+  pins=$("$hpd" list --json | "$venv/bin/python" -c \
+    'import json,sys; print(" ".join(p["version"] for p in json.load(sys.stdin)["pins"] if p["ported"]))')
+fi
+for pin in $pins; do
+  if [ "$full" = 1 ]; then
+    step "hybridpd test --pin $pin (full upstream, stock run)" \
+      "$hpd" test --pin "$pin" --suite all --full-upstream
+  else
+    step "hybridpd test --pin $pin (reduced upstream vs stock baseline)" \
+      "$hpd" test --pin "$pin" --suite all --stock-baseline
+  fi
+done
+
+if [ "$e2e" = 1 ]; then
+  if "$hpd" e2e --help >/dev/null 2>&1; then
+    step "hybridpd e2e smoke (0.32.0, CPU, stock vs patched)" \
+      "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \
+      --connector nixl+decodebench --compare stock --expect-patched-hit \
+      --out "${HYBRIDPD_E2E_OUT:-out/e2e-smoke}"
+  else
+    echo "ci/test.sh: hybridpd has no e2e command" >&2
+    exit 1
+  fi
+fi
+
+echo "ci: $passed passed, 0 failed"
