@@ -68,7 +68,11 @@ def log_tail(path: Path, lines: int = 20) -> str:
 
 
 def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is ``pgid`` (read from /proc; empty elsewhere)."""
+    """Live pids whose process group is ``pgid`` (read from /proc; empty elsewhere).
+
+    Zombies do not count: they run nothing, and an orphan's zombie is its new
+    parent's to reap (in a container whose pid 1 never reaps, they stay listed).
+    """
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -77,7 +81,7 @@ def group_members(pgid: int) -> list[int]:
             continue
         # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid:
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             pids.append(int(entry.name))
     return pids
 
@@ -191,6 +195,10 @@ class Processes:
                 p.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+            # SIGKILL is asynchronous: give the kernel a moment to end the children.
+            settle = time.monotonic() + 5
+            while group_members(p.pid) and time.monotonic() < settle:
+                time.sleep(0.05)
         return [p.popen.returncode for p in procs]
 
     def leftovers(self) -> dict[str, list[int]]:

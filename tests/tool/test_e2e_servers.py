@@ -1,0 +1,120 @@
+"""hybridpd.e2e.servers: start, readiness, failure naming and reaping, with a dummy server.
+
+The dummy is a real HTTP server in its own process that also forks a child (like
+vLLM's API server forks its engine core), so reaping is proven on the whole group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hybridpd.e2e.servers import ProcessFailed, Processes, free_port, group_members
+
+DUMMY = textwrap.dedent(
+    """
+    import http.server, os, sys, time
+    port, delay, mode = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    child = os.fork()
+    if child == 0:  # the "engine core": ignores SIGTERM, so only SIGKILL ends it
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN) if mode == "stubborn" else None
+        while True:
+            time.sleep(1)
+    print("starting", flush=True)
+    time.sleep(delay)
+    if mode == "crash":
+        print("engine core died: boom", flush=True)
+        sys.exit(3)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
+            self.wfile.write(b"ok")
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def dummy(tmp_path: Path) -> Path:
+    path = tmp_path / "dummy_server.py"
+    path.write_text(DUMMY)
+    return path
+
+
+def _start(procs: Processes, dummy: Path, name: str, delay: float = 0.2, mode: str = "ok"):
+    port = free_port()
+    proc = procs.start(name, [sys.executable, dummy, port, delay, mode])
+    return proc, f"http://127.0.0.1:{port}/"
+
+
+def test_ready_then_everything_reaped(tmp_path: Path, dummy: Path) -> None:
+    with Processes(tmp_path / "logs", grace=2) as procs:
+        a, url_a = _start(procs, dummy, "prefill")
+        b, url_b = _start(procs, dummy, "decode", delay=0.5)
+        seen = []
+        ready = procs.wait_ready({"prefill": url_a, "decode": url_b}, 20, seen.append)
+        assert set(ready) == {"prefill", "decode"}
+        assert seen and "ready" in seen[-1]
+        groups = [a.pid, b.pid]
+        assert all(len(group_members(g)) == 2 for g in groups)  # server + forked child
+    assert procs.leftovers() == {}
+    assert all(group_members(g) == [] for g in groups)
+    assert (tmp_path / "logs" / "prefill.log").read_text().startswith("$ ")
+
+
+def test_stubborn_children_are_killed(tmp_path: Path, dummy: Path) -> None:
+    with Processes(tmp_path / "logs", grace=1) as procs:
+        proc, url = _start(procs, dummy, "decode", mode="stubborn")
+        procs.wait_ready({"decode": url}, 20)
+    assert group_members(proc.pid) == []
+
+
+def test_crash_during_startup_names_the_process(tmp_path: Path, dummy: Path) -> None:
+    with pytest.raises(ProcessFailed) as info:
+        with Processes(tmp_path / "logs", grace=1) as procs:
+            _, url_ok = _start(procs, dummy, "prefill")
+            crash, url = _start(procs, dummy, "decode", delay=0.3, mode="crash")
+            procs.wait_ready({"prefill": url_ok, "decode": url}, 20)
+    err = info.value
+    assert err.name == "decode"
+    assert "exited with status 3" in str(err)
+    assert "engine core died: boom" in str(err)
+    assert str(tmp_path / "logs" / "decode.log") in str(err)
+    assert procs.leftovers() == {}
+
+
+def test_killed_mid_run_interrupts_the_main_thread(tmp_path: Path, dummy: Path) -> None:
+    """A server killed while the run waits on something else ends the run, named."""
+    with pytest.raises(ProcessFailed) as info:
+        with Processes(tmp_path / "logs", grace=1, poll=0.1) as procs:
+            proc, url = _start(procs, dummy, "decode")
+            procs.wait_ready({"decode": url}, 20)
+            threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
+            time.sleep(30)  # stands for a request that would hang
+    assert "decode was killed by SIGKILL" in str(info.value)
+    assert procs.leftovers() == {}
+
+
+def test_not_ready_in_time(tmp_path: Path, dummy: Path) -> None:
+    with pytest.raises(ProcessFailed, match="prefill not ready after 1 s"):
+        with Processes(tmp_path / "logs", grace=1) as procs:
+            _, url = _start(procs, dummy, "prefill", delay=30)
+            procs.wait_ready({"prefill": url}, 1)
+    assert procs.leftovers() == {}
+
+
+def test_expected_stop_is_not_a_failure(tmp_path: Path, dummy: Path) -> None:
+    with Processes(tmp_path / "logs", grace=1) as procs:
+        _, url = _start(procs, dummy, "decode")
+        procs.wait_ready({"decode": url}, 20)
+        procs.stop("decode")
+        procs.check()  # no ProcessFailed
