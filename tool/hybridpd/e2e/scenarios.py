@@ -322,6 +322,7 @@ class SmokeOptions:
     max_tokens: int = 16
     baseline_tokens: int = 4
     seed: int = 0
+    block_size_hint: int = 64  # warm-up prompt length: under one block, so nothing it caches is shared
 
 
 def make_prompts(vocab_size: int, opts: SmokeOptions) -> tuple[list[int], list[int]]:
@@ -376,6 +377,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_smoke(pair: Pair, procs: Processes, vocab_size: int, opts: SmokeOptions, log: Log) -> dict:
     a, b = make_prompts(vocab_size, opts)
     n = opts.max_tokens
+    # The first P->D transfer also makes the NIXL handshake (seconds to a minute on a
+    # loaded 2-core machine); a short unrelated request takes it out of r1's TTFT.
+    warm = [2 + (t * 7919) % (vocab_size - 2) for t in range(opts.block_size_hint)]
+    complete(pair.proxy, warm, 2, procs)
     start = before = settled_scrape(pair.decode, wait=0.5)
     requests = []
     for label, prompt in (("r1 A cold", a), ("r2 A again", a), ("r3 B shares prefix", b)):
