@@ -14,13 +14,14 @@ from __future__ import annotations
 import functools
 import json
 import shlex
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from hybridpd import __version__, testrun
+from hybridpd import __version__, exportpr, testrun
 from hybridpd import build as build_mod
 from hybridpd import install as install_mod
 from hybridpd import port as port_mod
@@ -177,11 +178,28 @@ def status(state: State, repo: Path, as_json: bool) -> None:
 
 @main.command(name="list")
 @click.option("--pin", "version", metavar="VERSION", help="Only this pin.")
+@click.option(
+    "--upstream-candidates",
+    "candidates",
+    is_flag=True,
+    help="Per patch: carried with no upstream release yet (a candidate to propose), "
+    "or upstream since a release (and the pins it can be dropped from).",
+)
 @_json_flag
 @click.pass_obj
-def list_(state: State, version: str | None, as_json: bool) -> None:
+def list_(state: State, version: str | None, candidates: bool, as_json: bool) -> None:
     """List the pins and each patch's state on them, in apply order."""
     series = state.series
+    if candidates:
+        if version:
+            raise click.UsageError("--upstream-candidates looks at every pin; drop --pin")
+        found = exportpr.upstream_candidates(series)
+        if as_json:
+            _echo_json({"patches": [c.to_json() for c in found]})
+        else:
+            for line in exportpr.format_candidates(found):
+                click.echo(line)
+        return
     pins = [series.pin(version)] if version else list(series.pins)
     if as_json:
         _echo_json({"pins": [_pin_json(series, pin) for pin in pins]})
@@ -578,6 +596,72 @@ def test(
         click.echo(testrun.format_table(report))
     if not report.ok:
         raise CheckFailed(f"{len(report.problems)} problem(s) found")
+
+
+@main.command(name="export-pr")
+@click.argument("patch_id", required=False)
+@click.option("--all", "all_patches", is_flag=True, help="Every patch carried on the pin.")
+@click.option("--pin", "version", metavar="VERSION", help="Pin (default: the newest pin).")
+@click.option(
+    "--to",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Directory to write <id>/ directories into.",
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Prove each directory on a stock checkout: the added tests fail, then pass "
+    "after git am (verify.json; needs the pin's CPU test environment).",
+)
+@_json_flag
+@click.pass_obj
+def export_pr(
+    state: State,
+    patch_id: str | None,
+    all_patches: bool,
+    version: str | None,
+    out_dir: Path,
+    verify: bool,
+    as_json: bool,
+) -> None:
+    """Export carried patches as upstream pull requests.
+
+    For each patch, DIR/<id>/ gets git format-patch files that `git am` applies to a
+    stock checkout of the pin (the patch without its Hybridpd-Patch trailer, with
+    its upstream-style unit test; earlier patches it needs come first) and PR.md,
+    the PR body with the latest measured numbers. Exits 1 when a --verify fails.
+    """
+    if bool(patch_id) == all_patches:
+        raise click.UsageError("give exactly one of PATCH_ID and --all")
+    series = state.series
+    pin = series.pin(version) if version else exportpr.newest_pin(series)
+    ids = [p.id for p in series.carried(pin)] if all_patches else [patch_id]
+    log = functools.partial(click.echo, err=True)
+    with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
+        stock = Path(tmp) / "stock"
+        log(f"export-pr: checking out stock {pin.version}")
+        make_checkout(series, pin.version, stock, source="sdist")
+        exports = exportpr.export_prs(series, pin, ids, stock, out_dir, log=log)
+        if verify:
+            runner = exportpr.pytest_runner(pin, stock, Path(tmp), log=log)
+            for export in exports:
+                exportpr.verify(export, stock, runner, series, pin, log=log)
+                exportpr.write_pr(export, series, *exportpr.pr_evidence(series, pin, export))
+    if as_json:
+        _echo_json({"pin": pin.version, "exports": [e.to_json() for e in exports]})
+    else:
+        for export in exports:
+            files = ", ".join(e for e in export.to_json()["files"])
+            click.echo(f"{export.dir}: {files}")
+            if export.prerequisites:
+                click.echo(f"  depends on {', '.join(export.prerequisites)} (included first)")
+            if export.verification:
+                click.echo("  " + exportpr.format_verification(export.verification))
+    failed = [e.patch_id for e in exports if e.verification and not e.verification["ok"]]
+    if failed:
+        raise CheckFailed(f"verification failed for {', '.join(failed)}")
 
 
 # Commands defined in other modules ------------------------------------------------

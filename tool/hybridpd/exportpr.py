@@ -1,0 +1,884 @@
+"""Export carried patches as upstream pull requests, with their evidence.
+
+For one pin, every carried patch becomes a directory ``<out>/<id>/`` that a
+contributor can turn into a vLLM pull request as it is:
+
+* ``0001-<id>.patch`` ... : ``git format-patch`` files that ``git am`` applies to a
+  stock checkout of the pin (``hybridpd checkout V``). The last one is the patch's own
+  commit: its message without the ``Hybridpd-Patch`` trailer, plus the upstream-style
+  unit test added under vLLM's ``tests/`` tree in the same commit, as a PR carries it.
+  A patch that does not apply alone on stock is preceded by the earlier carried
+  patches it needs (each with its own test), so the directory is self-contained.
+* ``PR.md``: the PR body (what, why, design, alternatives, test plan, results).
+* ``verify.json`` (with ``--verify``): the added tests run on stock (must fail), and
+  after ``git am`` (must pass).
+
+The upstream-style tests are data, kept per pin and patch in
+``data/upstream_tests/<pin>/<id>/``: the files under ``tests/`` there land at the same
+paths in vLLM's tree; ``alternatives.md`` holds the PR's "Alternatives considered".
+
+Measured numbers come only from committed ``report.json`` files of ``hybridpd e2e``
+under ``reports/`` (and ``benchmarks/``) of the project; none are ever made up. A
+report committed before the newest of the exported patch files is called stale.
+
+:func:`upstream_candidates` answers the other question of the upstreaming work: which
+carried patches have no upstream release yet, and which can be dropped where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from hybridpd import gitops
+from hybridpd.apply import TRAILER
+from hybridpd.errors import HybridpdError
+from hybridpd.series import Patch, Pin, Series
+
+#: Where the upstream-style tests live: ``<pin>/<patch id>/tests/...``.
+UPSTREAM_TESTS_DIR = Path(__file__).parent / "data" / "upstream_tests"
+ALTERNATIVES_FILE = "alternatives.md"
+#: Directories of the project searched for e2e / benchmark ``report.json`` files.
+REPORT_DIRS = ("reports", "benchmarks")
+VERIFY_FILE = "verify.json"
+
+Log = Callable[[str], None]
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+class ExportPrError(HybridpdError):
+    """A patch cannot be exported as a pull request."""
+
+
+# Versions ---------------------------------------------------------------------------
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """A sortable key for release versions such as ``0.23.0`` (numeric parts only)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version))
+
+
+def newest_pin(series: Series) -> Pin:
+    """The ported pin with the highest version."""
+    ported = [p for p in series.pins if p.ported]
+    if not ported:
+        raise ExportPrError("no pin is ported yet")
+    return max(ported, key=lambda p: version_key(p.version))
+
+
+# Upstream candidates ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """Where one patch stands on its way upstream.
+
+    ``since``: the earliest release recorded as having the change (None: no pin has
+    it upstream). ``drop_from``: pins that still carry it although their version is at
+    or after ``since``. ``keep_on``: pins that carry it and predate ``since``.
+    """
+
+    id: str
+    title: str
+    reference: str
+    carried: tuple[str, ...]
+    upstream: dict[str, str]
+    since: str | None
+    drop_from: tuple[str, ...]
+    keep_on: tuple[str, ...]
+
+    @property
+    def status(self) -> str:
+        """``candidate`` (carried everywhere, to be proposed), ``drop`` (some pin
+        carries it past its upstream release) or ``upstream``."""
+        if self.since is None:
+            return "candidate"
+        return "drop" if self.drop_from else "upstream"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "status": self.status,
+            "reference": self.reference,
+            "carried": list(self.carried),
+            "upstream": dict(self.upstream),
+            "since": self.since,
+            "drop_from": list(self.drop_from),
+            "keep_on": list(self.keep_on),
+        }
+
+
+def upstream_candidates(series: Series) -> list[Candidate]:
+    """Every patch's upstream standing, from the records' states (reads nothing else)."""
+    result = []
+    for patch in series.patches:
+        carried = tuple(v for v, s in patch.pins.items() if s.state == "carried")
+        upstream = {v: s.release for v, s in patch.pins.items() if s.state == "upstream"}
+        since = min(upstream.values(), key=version_key) if upstream else None
+        drop, keep = [], []
+        for version in carried:
+            if since is not None and version_key(version) >= version_key(since):
+                drop.append(version)
+            else:
+                keep.append(version)
+        result.append(
+            Candidate(
+                patch.id,
+                patch.title,
+                patch.upstream,
+                carried,
+                upstream,  # type: ignore[arg-type]
+                since,
+                tuple(drop),
+                tuple(keep) if since is not None else (),
+            )
+        )
+    return result
+
+
+def format_candidates(candidates: Sequence[Candidate]) -> list[str]:
+    """Human lines for ``hybridpd list --upstream-candidates``."""
+    lines = []
+    for c in candidates:
+        if c.since is None:
+            lines.append(
+                f"candidate  {c.id}: carried on {', '.join(c.carried) or '(no pin)'}; "
+                f"no upstream release yet (reference: {c.reference})"
+            )
+            continue
+        where = ", ".join(f"{v}" for v in c.upstream)
+        line = f"upstream   {c.id}: upstream since {c.since} (on {where})"
+        if c.keep_on:
+            line += f"; still needed on {', '.join(c.keep_on)} (older than {c.since})"
+        lines.append(line)
+        if c.drop_from:
+            lines.append(
+                f"drop       {c.id}: carried on {', '.join(c.drop_from)}, upstream since "
+                f"{c.since} on {where}: drop from pins >= {c.since}"
+            )
+    return lines
+
+
+# Upstream-style material ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Material:
+    """The upstream-style material of one patch on one pin."""
+
+    tests: dict[str, bytes]  # path in vLLM's tree -> content
+    alternatives: str | None
+
+
+def material(pin: str, patch_id: str, root: Path | None = None) -> Material:
+    """The tests (files under ``tests/``) and alternatives of ``patch_id`` on ``pin``."""
+    base = (root or UPSTREAM_TESTS_DIR) / pin / patch_id
+    tests = {}
+    if (base / "tests").is_dir():
+        for path in sorted((base / "tests").rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                tests[path.relative_to(base).as_posix()] = path.read_bytes()
+    alternatives = base / ALTERNATIVES_FILE
+    text = alternatives.read_text(encoding="utf-8").strip() if alternatives.is_file() else None
+    return Material(tests, text or None)
+
+
+# Building the commits ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PrCommit:
+    """One exported commit of a PR directory."""
+
+    patch_id: str
+    filename: str
+    subject: str
+    body: str
+    tests: tuple[str, ...]
+    files: tuple[str, ...]  # every path the commit changes, tests included
+
+
+@dataclasses.dataclass
+class PrExport:
+    """One exported PR directory; the last commit is the patch's own."""
+
+    patch_id: str
+    pin: str
+    dir: Path
+    commits: list[PrCommit]
+    prerequisites: list[str]
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    verification: dict[str, Any] | None = None
+
+    @property
+    def own(self) -> PrCommit:
+        return self.commits[-1]
+
+    @property
+    def tests(self) -> list[str]:
+        """Every test file the directory's commits add, in commit order."""
+        return list(dict.fromkeys(t for c in self.commits for t in c.tests))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.patch_id,
+            "pin": self.pin,
+            "dir": str(self.dir),
+            "files": [c.filename for c in self.commits] + ["PR.md"]
+            + ([VERIFY_FILE] if self.verification else []),
+            "prerequisites": self.prerequisites,
+            "tests": self.tests,
+            "warnings": self.warnings,
+            "verification": self.verification,
+        }
+
+
+def strip_trailer(message: str, key: str = TRAILER) -> str:
+    """``message`` without ``key:`` trailer lines (and the blank lines they leave)."""
+    lines = [ln for ln in message.splitlines() if not ln.lower().startswith(f"{key.lower()}:")]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _applies(repo: Path, base: str, patches: Sequence[Path]) -> bool:
+    """Whether ``patches`` ``git am`` (no 3-way) in order onto ``base``; leaves ``base``."""
+    gitops.reset_hard(repo, base)
+    try:
+        return gitops.am(repo, list(patches), three_way=False).ok
+    finally:
+        gitops.am_abort(repo)
+        gitops.reset_hard(repo, base)
+
+
+def prerequisites(repo: Path, base: str, series: Series, pin: Pin, patch_id: str) -> list[str]:
+    """The earlier carried patches ``patch_id`` needs to apply on stock, in series order.
+
+    Found by trying: nothing if the patch applies alone; otherwise the earlier patches
+    touching one of its files (with their own prerequisites), pruned to those it
+    cannot apply without.
+    """
+    carried = [p.id for p in series.carried(pin)]
+    path = series.patch_path(pin, patch_id)
+    if _applies(repo, base, [path]):
+        return []
+    files = set(gitops.patch_files(repo, path))
+    earlier = carried[: carried.index(patch_id)]
+    needed: set[str] = set()
+    for other in earlier:
+        if files & set(gitops.patch_files(repo, series.patch_path(pin, other))):
+            needed |= {other, *prerequisites(repo, base, series, pin, other)}
+    ordered = [i for i in earlier if i in needed]
+    if not ordered or not _applies(
+        repo, base, [*(series.patch_path(pin, i) for i in ordered), path]
+    ):
+        tried = f" after {', '.join(ordered)}" if ordered else ""
+        raise ExportPrError(
+            f"patch {patch_id} does not apply with git am to stock {pin.version}{tried}"
+        )
+    for other in list(ordered):
+        trial = [i for i in ordered if i != other]
+        if _applies(repo, base, [*(series.patch_path(pin, i) for i in trial), path]):
+            ordered = trial
+    return ordered
+
+
+def build_commits(
+    repo: Path,
+    base: str,
+    series: Series,
+    pin: Pin,
+    patch_ids: Sequence[str],
+    tests_root: Path | None = None,
+) -> list[tuple[PrCommit, bytes]]:
+    """Apply ``patch_ids`` onto ``base``, each as one commit without its trailer and
+    with its upstream-style tests; return each commit and its format-patch bytes."""
+    gitops.reset_hard(repo, base)
+    out = []
+    try:
+        for number, patch_id in enumerate(patch_ids, 1):
+            path = series.patch_path(pin, patch_id)
+            result = gitops.am(repo, [path], three_way=False)
+            if not result.ok:
+                raise ExportPrError(
+                    f"patch {patch_id} does not apply with git am to stock {pin.version}: "
+                    f"{gitops.first_error_line(result.stderr)}"
+                )
+            tests = material(pin.version, patch_id, tests_root).tests
+            for rel, content in tests.items():
+                (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+                (repo / rel).write_bytes(content)
+            if tests:
+                gitops.check(repo, "add", "--force", "--", *tests)
+            message = strip_trailer(gitops.check(repo, "log", "-1", "--format=%B", "HEAD"))
+            with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False) as fh:
+                fh.write(message)
+            try:
+                gitops.check(
+                    repo,
+                    "commit",
+                    "--quiet",
+                    "--amend",
+                    "--no-verify",
+                    "--allow-empty",
+                    "--cleanup=whitespace",
+                    f"--file={fh.name}",
+                    env=_FIXED_COMMITTER,
+                )
+            finally:
+                Path(fh.name).unlink()
+            sha = gitops.head(repo)
+            subject, _, body = message.partition("\n")
+            files = gitops.check(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", sha)
+            commit = PrCommit(
+                patch_id,
+                f"{number:04d}-{patch_id}.patch",
+                subject.strip(),
+                body.strip(),
+                tuple(tests),
+                tuple(files.split()),
+            )
+            out.append((commit, gitops.format_patch(repo, sha)))
+    finally:
+        gitops.am_abort(repo)
+        gitops.reset_hard(repo, base)
+    return out
+
+
+_FIXED_COMMITTER = {
+    "GIT_COMMITTER_NAME": gitops.IDENTITY_NAME,
+    "GIT_COMMITTER_EMAIL": gitops.IDENTITY_EMAIL,
+    "GIT_COMMITTER_DATE": gitops.IDENTITY_DATE,
+}
+
+
+# Measurements -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A committed ``report.json`` of ``hybridpd e2e``; ``date`` is its commit date."""
+
+    path: str  # relative to the project root
+    date: datetime
+    data: dict[str, Any]
+
+    @property
+    def pin(self) -> str:
+        return str(self.data.get("pin", "?"))
+
+    @property
+    def scenario(self) -> str:
+        return str(self.data.get("scenario", "?"))
+
+
+def _git_date(project: Path, rel: str) -> datetime | None:
+    """Commit date of the last commit touching ``rel``; now when the file has
+    uncommitted changes; None when ``project`` is not a repository or it is untracked."""
+    if not gitops.is_repo(project):
+        return None
+    tracked = gitops.run(project, "ls-files", "--error-unmatch", "--", rel).ok
+    if not tracked:
+        return None
+    if gitops.check(project, "status", "--porcelain", "--", rel).strip():
+        return datetime.now(timezone.utc)
+    out = gitops.check(project, "log", "-1", "--format=%cI", "--", rel).strip()
+    return datetime.fromisoformat(out) if out else None
+
+
+def find_reports(project: Path, log: Log = _noop) -> list[Report]:
+    """The committed e2e / benchmark reports of the project, newest first."""
+    reports = []
+    for directory in REPORT_DIRS:
+        for path in sorted((project / directory).rglob("report.json")):
+            rel = path.relative_to(project).as_posix()
+            date = _git_date(project, rel)
+            if date is None:
+                log(f"export-pr: {rel} is not committed; not used (commit it to use it)")
+                continue
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                log(f"export-pr: {rel} is not valid JSON ({exc}); not used")
+                continue
+            if isinstance(data, dict) and isinstance(data.get("runs"), list):
+                reports.append(Report(rel, date, data))
+    return sorted(reports, key=lambda r: r.date, reverse=True)
+
+
+def latest_reports(reports: Sequence[Report], pin: str) -> list[Report]:
+    """The newest report per scenario, preferring ``pin``'s own reports."""
+    chosen: dict[str, Report] = {}
+    for report in sorted(reports, key=lambda r: (r.pin == pin, r.date), reverse=True):
+        chosen.setdefault(report.scenario, report)
+    return list(chosen.values())
+
+
+def e2e_command(report: Report) -> str:
+    """The ``hybridpd e2e`` command line the report describes (its options)."""
+    data = report.data
+    args = ["hybridpd", "e2e", "--pin", report.pin, "--device", str(data.get("device", "?"))]
+    model = str(data.get("model", ""))
+    args += ["--tiny"] if "tiny" in model or "hybridpd-tiny" in model else ["--model", model]
+    args += ["--scenario", report.scenario]
+    for connector in dict.fromkeys(r.get("connector") for r in data["runs"]):
+        if connector:
+            args += ["--connector", str(connector)]
+    if {r.get("build") for r in data["runs"]} >= {"stock", "patched"}:
+        args += ["--compare", "stock"]
+    return shlex.join(args)
+
+
+def _report_table(report: Report) -> list[str]:
+    try:
+        from hybridpd.e2e import report as e2e_report
+
+        return e2e_report.table(report.data)
+    except Exception:  # an older or partial report: show the request fields we know
+        lines = [
+            "| build | connector | prompt tokens | decode local hit | KV bytes | TTFT (ms) |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for run in report.data["runs"]:
+            for r in run.get("requests", []):
+                lines.append(
+                    f"| {run.get('build')} | {run.get('connector')} | {r.get('prompt_tokens')} "
+                    f"| {r.get('decode_local_hit_tokens')} | {r.get('kv_bytes_transferred')} "
+                    f"| {r.get('ttft_ms')} |"
+                )
+        return lines
+
+
+# PR.md ------------------------------------------------------------------------------
+
+
+def _checkout_hint(pin: str, patch_id: str) -> str:
+    return (
+        f"hybridpd checkout {pin} --dir vllm-{pin} && cd vllm-{pin} && "
+        f"git am --keep-non-patch ../{patch_id}/0*.patch"
+    )
+
+
+def render_pr(
+    export: PrExport,
+    patch: Patch,
+    reports: Sequence[Report],
+    stale: Sequence[str],
+) -> str:
+    """The PR body of ``export`` (Markdown)."""
+    pin, own = export.pin, export.own
+    out = [f"# {own.subject}", ""]
+    out += [
+        f"> Exported by `hybridpd export-pr` from the hybridpd series (patch `{export.patch_id}`, "
+        f"vLLM v{pin}). Apply: `{_checkout_hint(pin, export.patch_id)}` "
+        "(`--keep-non-patch` keeps the `[Core]`-style subject prefixes).",
+        "> **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
+        "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards).",
+    ]
+    if export.prerequisites:
+        deps = ", ".join(f"`{i}`" for i in export.prerequisites)
+        out.append(
+            f"> **Depends on** the PR of {deps}: its commit(s) come first in this directory "
+            f"({', '.join(c.filename for c in export.commits[:-1])}) so that it applies to "
+            f"stock v{pin}; open this PR on top of that one (or after it merges) and drop "
+            "them from this branch."
+        )
+    for line in stale:
+        out.append(f"> **Warning:** {line}")
+    out += ["", "## What", "", patch.title + ".", ""]
+    if own.body:
+        out += [own.body, ""]
+    changed = [f for f in own.files if f not in own.tests]
+    out += ["Changed: " + ", ".join(f"`{f}`" for f in changed) + "."]
+    if own.tests:
+        out += ["Tests added: " + ", ".join(f"`{t}`" for t in own.tests) + "."]
+    out += ["", "## Why", "", _text(patch.why), "", "## Design", "", _text(patch.design), ""]
+    out += ["## Alternatives considered", ""]
+    alternatives = material(pin, export.patch_id).alternatives
+    out += [alternatives or "(none recorded for this patch yet)", ""]
+    out += [
+        "## Related",
+        "",
+        f"- Upstream reference: {patch.upstream}",
+        f"- When this can go from downstream series: {_text(patch.removal)}",
+        "",
+    ]
+    out += _test_plan(export)
+    out += _results(export, reports)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _text(paragraph: str) -> str:
+    """A series.toml paragraph (hard-wrapped) as one Markdown paragraph."""
+    return " ".join(paragraph.split())
+
+
+def _test_plan(export: PrExport) -> list[str]:
+    pin = export.pin
+    out = ["## Test plan", ""]
+    if export.own.tests:
+        files = " ".join(export.own.tests)
+        out += [
+            "Unit tests added by this PR (CPU only, from the vLLM tree root):",
+            "",
+            "```bash",
+            f"pytest -v {files}",
+            "```",
+            "",
+        ]
+    else:
+        out += ["No upstream-style unit test is kept for this patch on this pin yet.", ""]
+    out += [
+        "Downstream proof in hybridpd (real vLLM objects; red on stock and without the "
+        "patch, green patched; plus vLLM's own tests of the touched modules, stock vs "
+        "patched), and the prefill/decode end-to-end run:",
+        "",
+        "```bash",
+        f"hybridpd test --pin {pin}",
+        f"hybridpd e2e --pin {pin} --device cpu --tiny --scenario smoke "
+        "--connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit",
+        "```",
+        "",
+        "Re-check this directory (stock: the added tests fail; after `git am`: they pass):",
+        "",
+        "```bash",
+        f"hybridpd export-pr {export.patch_id} --pin {pin} --to DIR --verify",
+        "```",
+        "",
+    ]
+    verification = export.verification
+    if verification:
+        out += [f"Result of `--verify` ({verification.get('date', '')}):", ""]
+        for label in ("stock", "without", "patched"):
+            run = verification.get(label)
+            if run:
+                out.append(
+                    f"- {run['tree']}: {run['passed']} passed, {run['failed']} failed, "
+                    f"{run['errors']} errors, {run['skipped']} skipped"
+                )
+        out += [f"- verdict: {'ok' if verification.get('ok') else 'FAILED'}", ""]
+    return out
+
+
+def _results(export: PrExport, reports: Sequence[Report]) -> list[str]:
+    out = ["## Results", ""]
+    if not reports:
+        return out + [
+            "No measured end-to-end or benchmark numbers exist in the hybridpd repository "
+            "yet (no committed `reports/**/report.json`), so this PR states none. Measure "
+            "with the `hybridpd e2e` commands of the test plan (on GPUs: "
+            f"`hybridpd e2e --pin {export.pin} --device cuda --model <hybrid model> "
+            "--scenario prefix-repetition --compare stock`), commit the report and export "
+            "again.",
+            "",
+        ]
+    for report in reports:
+        other = "" if report.pin == export.pin else f" (measured on v{report.pin})"
+        out += [
+            f"`{report.path}`: scenario {report.scenario}, device "
+            f"{report.data.get('device', '?')}, model `{report.data.get('model', '?')}`"
+            f"{other}, committed {report.date.date().isoformat()}. OFF = stock "
+            "(upstream's behaviour), ON = patched (the whole hybridpd series of that pin).",
+            "",
+            *_report_table(report),
+            "",
+            "Produced by:",
+            "",
+            "```bash",
+            e2e_command(report),
+            "```",
+            "",
+        ]
+    return out
+
+
+def stale_warnings(
+    project: Path, series: Series, pin: Pin, export: PrExport, reports: Sequence[Report]
+) -> list[str]:
+    """One line per report older than the newest patch file of ``export``."""
+    dates = []
+    for commit in export.commits:
+        rel = series.relative(series.patch_path(pin, commit.patch_id))
+        date = _git_date(project, rel)
+        if date is not None:
+            dates.append((date, rel))
+    if not dates:
+        return []
+    newest, rel = max(dates)
+    return [
+        f"the numbers in {r.path} ({r.date.date().isoformat()}) are older than {rel} "
+        f"({newest.date().isoformat()}): re-run `{e2e_command(r)}`"
+        for r in reports
+        if r.date < newest
+    ]
+
+
+# Export -----------------------------------------------------------------------------
+
+
+def export_prs(
+    series: Series,
+    pin: Pin,
+    patch_ids: Sequence[str],
+    stock: Path,
+    out_dir: Path,
+    log: Log = _noop,
+    tests_root: Path | None = None,
+) -> list[PrExport]:
+    """Write one PR directory per patch of ``patch_ids`` into ``out_dir``.
+
+    ``stock`` is a checkout of ``pin`` (``hybridpd checkout``); it is left as it was
+    (the work happens in a detached worktree of it).
+    """
+    carried = [p.id for p in series.carried(pin)]
+    for patch_id in patch_ids:
+        if patch_id not in carried:
+            state = series.patch(patch_id)
+            if state is None:
+                raise ExportPrError(f"{patch_id} has no record in series.toml")
+            pin_state = state.pins.get(pin.version)
+            why = (
+                f"upstream since {pin_state.release}" if pin_state and pin_state.release
+                else "not carried"
+            )
+            raise ExportPrError(f"{patch_id} is {why} on {pin.version}: nothing to export")
+    exports = []
+    with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
+        work = Path(tmp) / "work"
+        base = gitops.resolve(stock, pin.tag) or gitops.head(stock)
+        gitops.check(stock, "worktree", "add", "--quiet", "--detach", str(work), base)
+        try:
+            for patch_id in patch_ids:
+                deps = prerequisites(work, base, series, pin, patch_id)
+                if deps:
+                    log(f"export-pr: {patch_id} needs {', '.join(deps)} to apply on stock")
+                built = build_commits(work, base, series, pin, [*deps, patch_id], tests_root)
+                target = out_dir / patch_id
+                if target.exists():
+                    shutil.rmtree(target)
+                target.mkdir(parents=True)
+                for commit, content in built:
+                    (target / commit.filename).write_bytes(content)
+                export = PrExport(
+                    patch_id, pin.version, target, [c for c, _ in built], deps
+                )
+                if not export.own.tests:
+                    export.warnings.append(
+                        f"no upstream-style test kept for {patch_id} on {pin.version} "
+                        f"(data/upstream_tests/{pin.version}/{patch_id}/tests/)"
+                    )
+                chosen, stale = pr_evidence(series, pin, export, log)
+                export.warnings += stale
+                for line in export.warnings:
+                    log(f"warning: {patch_id}: {line}")
+                write_pr(export, series, chosen, stale)
+                exports.append(export)
+        finally:
+            gitops.run(stock, "worktree", "remove", "--force", str(work))
+            gitops.run(stock, "worktree", "prune")
+    return exports
+
+
+def pr_evidence(
+    series: Series, pin: Pin, export: PrExport, log: Log = _noop
+) -> tuple[list[Report], list[str]]:
+    """The reports ``export``'s PR.md shows, and the warnings about their age."""
+    project = series.dir.parent
+    chosen = latest_reports(find_reports(project, log), pin.version)
+    return chosen, stale_warnings(project, series, pin, export, chosen)
+
+
+def write_pr(
+    export: PrExport, series: Series, reports: Sequence[Report], stale: Sequence[str]
+) -> None:
+    """(Re)write ``PR.md`` of ``export``."""
+    patch = series.patch(export.patch_id)
+    assert patch is not None
+    (export.dir / "PR.md").write_text(render_pr(export, patch, reports, stale), encoding="utf-8")
+
+
+# Verification -----------------------------------------------------------------------
+
+#: Runs test files (paths relative to the tree) in a tree; ``label`` names the run.
+Runner = Callable[[Path, Sequence[str], str], "SuiteLike"]
+
+
+class SuiteLike:  # pragma: no cover - structural type of pytestrun.SuiteResult
+    outcomes: dict[str, str]
+    status: str
+    reason: str | None
+    log_path: Path | None
+
+
+def _counts(outcomes: dict[str, str], files: Sequence[str]) -> dict[str, int]:
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for test_id, outcome in outcomes.items():
+        if test_id.split("::", 1)[0] not in files:
+            continue
+        key = {"passed": "passed", "failed": "failed", "error": "errors"}.get(outcome, "skipped")
+        counts[key] += 1
+    return counts
+
+
+def _run(
+    runner: Runner, tree: Path, files: Sequence[str], label: str, name: str, logs: Path
+) -> dict:
+    """Run ``files`` in ``tree``; the counts, outcomes and log (copied into ``logs``)."""
+    result = runner(tree, files, label)
+    log_name = None
+    if result.log_path and Path(result.log_path).is_file():
+        logs.mkdir(parents=True, exist_ok=True)
+        log_name = f"{logs.name}/{label}.log"
+        shutil.copyfile(result.log_path, logs / f"{label}.log")
+    if result.status in ("crashed", "timeout", "interrupted", "no-tests"):
+        raise ExportPrError(
+            f"{label}: pytest did not finish ({result.status}): {result.reason}; log {log_name}"
+        )
+    return {
+        "tree": name,
+        **_counts(result.outcomes, files),
+        "tests": {
+            k: v for k, v in sorted(result.outcomes.items()) if k.split("::", 1)[0] in files
+        },
+        "log": log_name,
+    }
+
+
+def verify(
+    export: PrExport,
+    stock: Path,
+    runner: Runner,
+    series: Series,
+    pin: Pin,
+    log: Log = _noop,
+) -> dict[str, Any]:
+    """Prove ``export``'s directory on a stock tree; write and return ``verify.json``.
+
+    Three runs in a detached worktree of ``stock`` at the pin: the directory's added
+    tests on stock (at least one must fail); for a directory with prerequisites, the
+    patch's own tests with only the prerequisites applied (at least one must fail);
+    after ``git am`` of every file, all of them (all must pass).
+    """
+    started = datetime.now(timezone.utc)
+    base = gitops.resolve(stock, pin.tag) or gitops.head(stock)
+    tests = {}
+    for commit in export.commits:
+        tests.update(material(pin.version, commit.patch_id).tests)
+    files = list(tests)
+    own = list(export.own.tests)
+    report: dict[str, Any] = {
+        "pin": pin.version,
+        "patch": export.patch_id,
+        "base": base,
+        "tests": files,
+        "date": started.isoformat(timespec="seconds"),
+    }
+    problems = []
+    logs = export.dir / "verify-logs"
+    if logs.exists():
+        shutil.rmtree(logs)
+    with tempfile.TemporaryDirectory(prefix="hybridpd-verify-") as tmp:
+        tree = Path(tmp) / "vllm"
+        gitops.check(stock, "worktree", "add", "--quiet", "--detach", str(tree), base)
+        try:
+
+            def place(paths: Sequence[str]) -> None:
+                for rel in paths:
+                    (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (tree / rel).write_bytes(tests[rel])
+
+            def reset() -> None:
+                gitops.am_abort(tree)
+                gitops.reset_hard(tree, base)
+                gitops.check(tree, "clean", "-fdq", "--", "tests")
+
+            if not files:
+                problems.append("the directory adds no test")
+            else:
+                place(files)
+                log(f"verify {export.patch_id}: added tests on stock {pin.version}")
+                report["stock"] = _run(
+                    runner, tree, files, "stock", f"stock v{pin.version}", logs
+                )
+                if report["stock"]["failed"] + report["stock"]["errors"] == 0:
+                    problems.append("no added test fails on stock")
+                reset()
+                if export.prerequisites and own:
+                    firsts = [export.dir / c.filename for c in export.commits[:-1]]
+                    if not gitops.am(tree, firsts, three_way=False).ok:
+                        raise ExportPrError(f"{export.patch_id}: prerequisites do not apply")
+                    place(own)
+                    log(f"verify {export.patch_id}: own tests with only "
+                        f"{', '.join(export.prerequisites)} applied")
+                    report["without"] = _run(
+                        runner, tree, own, "without",
+                        f"v{pin.version} + {', '.join(export.prerequisites)}", logs,
+                    )
+                    if report["without"]["failed"] + report["without"]["errors"] == 0:
+                        problems.append("no test of the patch fails with only its prerequisites")
+                    reset()
+            patches = [export.dir / c.filename for c in export.commits]
+            result = gitops.am(tree, patches, three_way=False)
+            report["applies"] = result.ok
+            if not result.ok:
+                problems.append(
+                    f"git am failed on stock: {gitops.first_error_line(result.stderr)}"
+                )
+            elif files:
+                log(f"verify {export.patch_id}: added tests after git am")
+                report["patched"] = _run(
+                    runner, tree, files, "patched",
+                    f"v{pin.version} + {export.dir.name}/*.patch", logs,
+                )
+                patched = report["patched"]
+                if patched["failed"] + patched["errors"] or not patched["passed"]:
+                    problems.append("the added tests do not all pass after git am")
+        finally:
+            gitops.run(stock, "worktree", "remove", "--force", str(tree))
+            gitops.run(stock, "worktree", "prune")
+    report["problems"] = problems
+    report["ok"] = not problems
+    report["seconds"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
+    (export.dir / VERIFY_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    export.verification = report
+    return report
+
+
+def format_verification(report: dict[str, Any]) -> str:
+    """One line summing up a ``verify.json``."""
+    parts = []
+    for label in ("stock", "without", "patched"):
+        run = report.get(label)
+        if run:
+            parts.append(
+                f"{label}: {run['failed'] + run['errors']} failed / {run['passed']} passed"
+            )
+    if report.get("applies") is False:
+        parts.append("git am failed")
+    verdict = "ok" if report.get("ok") else "FAILED: " + "; ".join(report.get("problems", []))
+    return f"verify ({report.get('seconds')} s): {', '.join(parts)} -> {verdict}"
+
+
+def pytest_runner(pin: Pin, stock: Path, work: Path, log: Log = _noop) -> Runner:
+    """A :data:`Runner` on the pin's CPU test environment (built or reused)."""
+    from hybridpd import cache, hfsnap, pytestrun, testenv
+
+    venv = testenv.ensure_test_env(pin.version, stock, cache.cache_dir(), log=log)
+    hf_home = work / "hf"
+    hfsnap.write_snapshots(hf_home)
+
+    def run(tree: Path, files: Sequence[str], label: str):
+        out = work / "runs" / tree.parent.name
+        return pytestrun.run_pytest(venv, tree, files, out, hf_home=hf_home, label=label, log=log)
+
+    return run
