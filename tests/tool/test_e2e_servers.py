@@ -118,3 +118,12 @@ def test_expected_stop_is_not_a_failure(tmp_path: Path, dummy: Path) -> None:
         procs.wait_ready({"decode": url}, 20)
         procs.stop("decode")
         procs.check()  # no ProcessFailed
+
+
+def test_check_soon_waits_for_the_exit_to_show(tmp_path: Path, dummy: Path) -> None:
+    with pytest.raises(ProcessFailed, match="decode was killed by SIGKILL"):
+        with Processes(tmp_path / "logs", grace=1, poll=60) as procs:  # watchdog asleep
+            proc, url = _start(procs, dummy, "decode")
+            procs.wait_ready({"decode": url}, 20)
+            threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
+            procs.check_soon(within=5)

@@ -274,11 +274,13 @@ def complete(
                     text.append(choice.get("text") or "")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         if procs is not None:
-            procs.check()  # a dead server is the better explanation
+            procs.check_soon()  # a dead server is the better explanation
         detail = exc.read().decode(errors="replace")[:300] if isinstance(exc, urllib.error.HTTPError) else ""
         raise E2EError(f"request to {base_url} failed: {exc} {detail}".strip()) from None
     latency = time.monotonic() - t0
     if len(tokens) != max_tokens:
+        if procs is not None:
+            procs.check_soon()
         raise E2EError(f"{base_url} returned {len(tokens)} tokens, expected {max_tokens}")
     return Completion(
         tokens,

@@ -217,6 +217,20 @@ class Processes:
                 self.failure = p.failure(_exit_reason(code))
                 raise self.failure
 
+    def check_soon(self, within: float = 3.0) -> None:
+        """Like :meth:`check`, but waits ``within`` seconds for an exit to show.
+
+        For a request that just failed: a server killed mid-request closes its
+        sockets a moment before its exit status can be read, and "decode was killed
+        by SIGKILL" explains the failure better than the broken response does.
+        """
+        deadline = time.monotonic() + within
+        while True:
+            self.check()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
             with self._lock:
