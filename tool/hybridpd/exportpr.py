@@ -221,6 +221,8 @@ class PrExport:
     prerequisites: list[str]
     warnings: list[str] = dataclasses.field(default_factory=list)
     verification: dict[str, Any] | None = None
+    #: Where the upstream-style material comes from (None: UPSTREAM_TESTS_DIR).
+    material_root: Path | None = None
 
     @property
     def own(self) -> PrCommit:
@@ -495,22 +497,21 @@ def render_pr(
         )
     for line in stale:
         out.append(f"> **Warning:** {line}")
-    out += ["", "## What", "", patch.title + ".", ""]
-    if own.body:
-        out += [own.body, ""]
+    out += ["", "## What", ""]
+    out += [own.body or patch.title + ".", ""]
     changed = [f for f in own.files if f not in own.tests]
     out += ["Changed: " + ", ".join(f"`{f}`" for f in changed) + "."]
     if own.tests:
         out += ["Tests added: " + ", ".join(f"`{t}`" for t in own.tests) + "."]
     out += ["", "## Why", "", _text(patch.why), "", "## Design", "", _text(patch.design), ""]
     out += ["## Alternatives considered", ""]
-    alternatives = material(pin, export.patch_id).alternatives
+    alternatives = material(pin, export.patch_id, export.material_root).alternatives
     out += [alternatives or "(none recorded for this patch yet)", ""]
     out += [
         "## Related",
         "",
         f"- Upstream reference: {patch.upstream}",
-        f"- When this can go from downstream series: {_text(patch.removal)}",
+        f"- Carried downstream (hybridpd) until: {_text(patch.removal)}",
         "",
     ]
     out += _test_plan(export)
@@ -640,6 +641,7 @@ def export_prs(
     ``stock`` is a checkout of ``pin`` (``hybridpd checkout``); it is left as it was
     (the work happens in a detached worktree of it).
     """
+    out_dir = out_dir.absolute()
     carried = [p.id for p in series.carried(pin)]
     for patch_id in patch_ids:
         if patch_id not in carried:
@@ -670,7 +672,12 @@ def export_prs(
                 for commit, content in built:
                     (target / commit.filename).write_bytes(content)
                 export = PrExport(
-                    patch_id, pin.version, target, [c for c, _ in built], deps
+                    patch_id,
+                    pin.version,
+                    target,
+                    [c for c, _ in built],
+                    deps,
+                    material_root=tests_root,
                 )
                 if not export.own.tests:
                     export.warnings.append(
@@ -773,7 +780,7 @@ def verify(
     base = gitops.resolve(stock, pin.tag) or gitops.head(stock)
     tests = {}
     for commit in export.commits:
-        tests.update(material(pin.version, commit.patch_id).tests)
+        tests.update(material(pin.version, commit.patch_id, export.material_root).tests)
     files = list(tests)
     own = list(export.own.tests)
     report: dict[str, Any] = {
@@ -815,17 +822,25 @@ def verify(
                 reset()
                 if export.prerequisites and own:
                     firsts = [export.dir / c.filename for c in export.commits[:-1]]
-                    if not gitops.am(tree, firsts, three_way=False).ok:
-                        raise ExportPrError(f"{export.patch_id}: prerequisites do not apply")
-                    place(own)
-                    log(f"verify {export.patch_id}: own tests with only "
-                        f"{', '.join(export.prerequisites)} applied")
-                    report["without"] = _run(
-                        runner, tree, own, "without",
-                        f"v{pin.version} + {', '.join(export.prerequisites)}", logs,
-                    )
-                    if report["without"]["failed"] + report["without"]["errors"] == 0:
-                        problems.append("no test of the patch fails with only its prerequisites")
+                    result = gitops.am(tree, firsts, three_way=False)
+                    if not result.ok:
+                        problems.append(
+                            "the prerequisites do not apply on stock: "
+                            + gitops.first_error_line(result.stderr)
+                        )
+                    else:
+                        place(own)
+                        log(f"verify {export.patch_id}: own tests with only "
+                            f"{', '.join(export.prerequisites)} applied")
+                        report["without"] = _run(
+                            runner, tree, own, "without",
+                            f"v{pin.version} + {', '.join(export.prerequisites)}", logs,
+                        )
+                        without = report["without"]
+                        if without["failed"] + without["errors"] == 0:
+                            problems.append(
+                                "no test of the patch fails with only its prerequisites"
+                            )
                     reset()
             patches = [export.dir / c.filename for c in export.commits]
             result = gitops.am(tree, patches, three_way=False)

@@ -1,0 +1,390 @@
+"""hybridpd export-pr and list --upstream-candidates, on fixture projects (no network).
+
+The fixture series on pin 1.0: ``fix-add`` changes ``proj/core.py``; ``follow-up``
+changes the same lines again (it cannot apply without ``fix-add``); ``feature`` adds a
+file. Each has an upstream-style test in a fixture material directory. The test
+runner is a stand-in: a test file's first line ``# requires: <path> <text>`` passes
+when the tree's file contains the text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from builders import FEATURE, FIX_ADD, Project, commit_patch
+from hybridpd import exportpr, gitops
+from hybridpd.cli import main
+from hybridpd.export import export
+from hybridpd.pytestrun import SuiteResult
+from hybridpd.series import load
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+FOLLOW_UP = {
+    "proj/core.py": FIX_ADD["proj/core.py"].replace("    return total\n", "    return int(total)\n")
+}
+TESTS = {
+    "fix-add": ("tests/test_add.py", "# requires: proj/core.py total = a + b\n"),
+    "follow-up": ("tests/test_int.py", "# requires: proj/core.py int(total)\n"),
+    "feature": ("tests/test_feature.py", "# requires: proj/feature.py 2 * x\n"),
+}
+
+
+def _project(root: Path, with_git: bool = True) -> tuple[Project, Path]:
+    project = Project(root)
+    project.release("1.0")
+    project.release("2.0")
+    project.record("fix-add", {"1.0": "carried", "2.0": "carried"})
+    project.record("follow-up", {"1.0": "carried", "2.0": "carried"})
+    project.record("feature", {"1.0": "carried", "2.0": "upstream:2.0"})
+    series = project.write()
+    author = project.checkout("1.0", "author")
+    commit_patch(author, "fix-add", FIX_ADD, "[Core] Keep the sum in a local")
+    commit_patch(author, "follow-up", FOLLOW_UP, "[Core] Return an int")
+    commit_patch(author, "feature", FEATURE, "[Feature] Add doubling")
+    export(series, author)
+    # 2.0 carries the first two (same files: 2.0's tree equals 1.0's).
+    (series.dir / "2.0").mkdir()
+    for patch_id in ("fix-add", "follow-up"):
+        (series.dir / "2.0" / f"{patch_id}.patch").write_bytes(
+            (series.dir / "1.0" / f"{patch_id}.patch").read_bytes()
+        )
+    material = root / "material"
+    for version in ("1.0", "2.0"):
+        for patch_id, (rel, text) in TESTS.items():
+            path = material / version / patch_id / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        (material / version / "fix-add" / "alternatives.md").write_text(
+            "- **Return a + b directly.** Loses the local.\n"
+        )
+    if with_git:
+        gitops.init(series.dir.parent, "main")
+        gitops.commit_all(series.dir.parent, "series")  # dated 2000-01-01
+    return project, material
+
+
+def _commit_report(repo: Path, date: str, pin: str = "1.0") -> None:
+    report = {
+        "pin": pin,
+        "device": "cpu",
+        "model": "/cache/e2e/models/hybridpd-tiny-qwen3_5",
+        "scenario": "smoke",
+        "runs": [
+            {
+                "build": build,
+                "connector": "nixl",
+                "requests": [
+                    {
+                        "label": "r2",
+                        "prompt_tokens": 1400,
+                        "decode_local_hit_tokens": hit,
+                        "kv_bytes_transferred": kv,
+                        "ttft_ms": ttft,
+                    }
+                ],
+                "outputs_match_baseline": True,
+            }
+            for build, hit, kv, ttft in (("stock", 0, 9000, 120.5), ("patched", 1280, 800, 40.25))
+        ],
+    }
+    path = repo / "reports" / "e2e" / "report.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report))
+    gitops.check(repo, "add", "reports")
+    gitops.check(
+        repo,
+        "commit",
+        "--quiet",
+        "-m",
+        "e2e report",
+        env={"GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date},
+    )
+
+
+def _export(project: Project, material: Path, ids: list[str], tmp_path: Path, pin: str = "1.0"):
+    series = load(project.series_path)
+    stock = project.checkout(pin, f"stock-{pin}")
+    logged: list[str] = []
+    exports = exportpr.export_prs(
+        series, series.pin(pin), ids, stock, tmp_path / "out", logged.append, material
+    )
+    return series, stock, exports, logged
+
+
+def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
+    project, material = _project(tmp_path)
+    _, stock, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
+
+    target = tmp_path / "out" / "fix-add"
+    assert sorted(p.name for p in target.iterdir()) == ["0001-fix-add.patch", "PR.md"]
+    patch = (target / "0001-fix-add.patch").read_text()
+    assert "Hybridpd-Patch" not in patch
+    assert "Subject: [Core] Keep the sum in a local" in patch
+    assert "Signed-off-by" not in patch
+    # The upstream-style test is in the same commit as the change.
+    assert "diff --git a/tests/test_add.py b/tests/test_add.py" in patch
+    assert "diff --git a/proj/core.py b/proj/core.py" in patch
+    assert result.prerequisites == []
+    assert result.own.tests == ("tests/test_add.py",)
+    # It applies with git am to a stock checkout, which export left untouched.
+    assert not gitops.is_dirty(stock)
+    assert gitops.am(stock, [target / "0001-fix-add.patch"], three_way=False).ok
+    assert (stock / "tests" / "test_add.py").is_file()
+    assert "total = a + b" in (stock / "proj" / "core.py").read_text()
+
+
+def test_dependency_is_included_first(tmp_path):
+    project, material = _project(tmp_path)
+    _, stock, (result,), logged = _export(project, material, ["follow-up"], tmp_path)
+
+    target = tmp_path / "out" / "follow-up"
+    assert result.prerequisites == ["fix-add"]
+    assert [c.filename for c in result.commits] == [
+        "0001-fix-add.patch",
+        "0002-follow-up.patch",
+    ]
+    assert result.tests == ["tests/test_add.py", "tests/test_int.py"]
+    assert any("follow-up needs fix-add" in line for line in logged)
+    pr = (target / "PR.md").read_text()
+    assert "**Depends on** the PR of `fix-add`" in pr
+    # Self-contained: the directory applies to stock as it is.
+    patches = sorted(target.glob("0*.patch"))
+    assert gitops.am(stock, patches, three_way=False).ok
+    assert "int(total)" in (stock / "proj" / "core.py").read_text()
+
+
+def test_independent_patch_has_no_prerequisites(tmp_path):
+    project, material = _project(tmp_path)
+    _, _, (result,), _ = _export(project, material, ["feature"], tmp_path)
+    assert result.prerequisites == []
+    assert [c.filename for c in result.commits] == ["0001-feature.patch"]
+
+
+def test_pr_md_sections(tmp_path):
+    project, material = _project(tmp_path)
+    _export(project, material, ["fix-add"], tmp_path)
+
+    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert pr.startswith("# [Core] Keep the sum in a local\n")
+    for heading in (
+        "## What",
+        "## Why",
+        "## Design",
+        "## Alternatives considered",
+        "## Test plan",
+        "## Results",
+    ):
+        assert f"\n{heading}\n" in pr
+    assert "why of fix-add" in pr and "design of fix-add" in pr
+    assert "Return a + b directly" in pr
+    assert "pytest -v tests/test_add.py" in pr
+    assert "hybridpd test --pin 1.0" in pr
+    assert "hybridpd e2e --pin 1.0" in pr
+    assert "DCO" in pr and "--signoff" in pr
+
+
+def test_no_reports_is_said_explicitly(tmp_path):
+    project, material = _project(tmp_path)
+    _export(project, material, ["fix-add"], tmp_path)
+
+    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "No measured end-to-end or benchmark numbers exist" in pr
+    assert "Warning" not in pr
+
+
+def test_fresh_report_numbers_and_command(tmp_path):
+    project, material = _project(tmp_path)
+    _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z")
+    _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
+
+    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "reports/e2e/report.json" in pr
+    assert "1 280" in pr and "40" in pr  # ON hit, ON TTFT
+    assert "hybridpd e2e --pin 1.0 --device cpu --tiny --scenario smoke" in pr
+    assert "--compare stock" in pr
+    assert result.warnings == []
+    assert "Warning" not in pr
+
+
+def test_stale_numbers_warn(tmp_path):
+    project, material = _project(tmp_path)
+    # Committed before the patch files (dated 2000-01-01).
+    _commit_report(project.series_path.parent.parent, "1999-01-01T00:00:00Z")
+    _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
+
+    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "**Warning:** the numbers in reports/e2e/report.json (1999-01-01) are older " in pr
+    assert "patches/1.0/fix-add.patch" in pr
+    assert any("warning: fix-add: the numbers" in line for line in logged)
+    assert result.warnings
+
+
+def test_uncommitted_report_is_not_used(tmp_path):
+    project, material = _project(tmp_path)
+    path = project.series_path.parent.parent / "reports" / "x" / "report.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"pin": "1.0", "scenario": "smoke", "runs": []}))
+    _, _, _, logged = _export(project, material, ["fix-add"], tmp_path)
+
+    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "No measured end-to-end or benchmark numbers exist" in pr
+    assert any("reports/x/report.json is not committed" in line for line in logged)
+
+
+def test_patch_not_carried_is_refused(tmp_path):
+    project, material = _project(tmp_path)
+    with pytest.raises(exportpr.ExportPrError, match="upstream since 2.0 on 2.0"):
+        _export(project, material, ["feature"], tmp_path, pin="2.0")
+
+
+def _fake_runner(calls: list[tuple[str, list[str]]]):
+    def run(tree: Path, files, label: str) -> SuiteResult:
+        calls.append((label, list(files)))
+        outcomes = {}
+        for rel in files:
+            _, _, path, text = (tree / rel).read_text().splitlines()[0].split(" ", 3)
+            target = tree / path
+            ok = target.is_file() and text in target.read_text()
+            outcomes[f"{rel}::test_it"] = "passed" if ok else "failed"
+        log = tree.parent / f"{label}.log"
+        log.write_text("log\n")
+        return SuiteResult(outcomes=outcomes, status="ok", log_path=log)
+
+    return run
+
+
+def test_verify_red_on_stock_green_after_am(tmp_path):
+    project, material = _project(tmp_path)
+    series, stock, (result,), _ = _export(project, material, ["follow-up"], tmp_path)
+    calls: list = []
+
+    report = exportpr.verify(result, stock, _fake_runner(calls), series, series.pin("1.0"))
+
+    assert report["ok"], report["problems"]
+    assert [label for label, _ in calls] == ["stock", "without", "patched"]
+    assert report["stock"]["failed"] == 2
+    # With only fix-add applied, follow-up's own test still fails.
+    assert calls[1][1] == ["tests/test_int.py"]
+    assert report["without"]["failed"] == 1
+    assert report["patched"] == {**report["patched"], "passed": 2, "failed": 0}
+    saved = json.loads((result.dir / "verify.json").read_text())
+    assert saved["ok"] and saved["applies"]
+    assert (result.dir / "verify-logs" / "stock.log").is_file()
+    assert not gitops.is_dirty(stock)
+    exportpr.write_pr(result, series, [], [])
+    assert "verdict: ok" in (result.dir / "PR.md").read_text()
+
+
+def test_verify_fails_when_nothing_is_red_on_stock(tmp_path):
+    project, material = _project(tmp_path)
+    # A test that passes without the patch proves nothing.
+    (material / "1.0" / "feature" / "tests" / "test_feature.py").write_text(
+        "# requires: proj/core.py def add\n"
+    )
+    series, stock, (result,), _ = _export(project, material, ["feature"], tmp_path)
+
+    report = exportpr.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
+
+    assert not report["ok"]
+    assert "no added test fails on stock" in report["problems"]
+
+
+def _list_project(root: Path) -> Project:
+    project = Project(root)
+    for version in ("1.0", "2.0", "3.0"):
+        project.release(version)
+    project.record("old-fix", {"1.0": "carried", "2.0": "upstream:2.0", "3.0": "upstream:2.0"})
+    project.record("late", {"1.0": "carried", "2.0": "carried", "3.0": "upstream:2.0"})
+    project.record("proposal", {"1.0": "carried", "2.0": "carried", "3.0": "carried"})
+    project.write()
+    return project
+
+
+def test_list_upstream_candidates_text(tmp_path):
+    project = _list_project(tmp_path)
+    result = CliRunner().invoke(
+        main, ["--series", str(project.series_path), "list", "--upstream-candidates"]
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert (
+        "upstream   old-fix: upstream since 2.0 (on 2.0, 3.0); still needed on 1.0 "
+        "(older than 2.0)"
+    ) in lines
+    assert (
+        "drop       late: carried on 2.0, upstream since 2.0 on 3.0: drop from pins >= 2.0"
+        in lines
+    )
+    assert (
+        "candidate  proposal: carried on 1.0, 2.0, 3.0; no upstream release yet "
+        "(reference: example/proj#1)"
+    ) in lines
+
+
+def test_list_upstream_candidates_json(tmp_path):
+    project = _list_project(tmp_path)
+    result = CliRunner().invoke(
+        main, ["--series", str(project.series_path), "list", "--upstream-candidates", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    by_id = {p["id"]: p for p in json.loads(result.output)["patches"]}
+    assert by_id["proposal"]["status"] == "candidate"
+    assert by_id["proposal"]["since"] is None
+    assert by_id["late"]["status"] == "drop"
+    assert by_id["late"]["drop_from"] == ["2.0"]
+    assert by_id["late"]["keep_on"] == ["1.0"]
+    assert by_id["old-fix"]["status"] == "upstream"
+    assert by_id["old-fix"]["upstream"] == {"2.0": "2.0", "3.0": "2.0"}
+
+
+def test_list_upstream_candidates_refuses_pin(tmp_path):
+    project = _list_project(tmp_path)
+    result = CliRunner().invoke(
+        main,
+        ["--series", str(project.series_path), "list", "--upstream-candidates", "--pin", "1.0"],
+    )
+    assert result.exit_code == 2
+
+
+def test_cli_export_pr_all_defaults_to_newest_pin(tmp_path, monkeypatch):
+    project, material = _project(tmp_path)
+    monkeypatch.setattr(exportpr, "UPSTREAM_TESTS_DIR", material)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "cli-out"
+    calls: list = []
+    monkeypatch.setattr(
+        exportpr, "pytest_runner", lambda pin, stock, work, log: _fake_runner(calls)
+    )
+    result = CliRunner().invoke(
+        main,
+        # A relative --to: git am runs elsewhere, so the paths must not stay relative.
+        ["--series", str(project.series_path), "export-pr", "--all", "--to", "cli-out",
+         "--verify", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["pin"] == "2.0"
+    assert [e["id"] for e in data["exports"]] == ["fix-add", "follow-up"]
+    assert data["exports"][1]["prerequisites"] == ["fix-add"]
+    assert sorted(p.name for p in out.iterdir()) == ["fix-add", "follow-up"]
+    assert [e["verification"]["ok"] for e in data["exports"]] == [True, True]
+    assert [label for label, _ in calls] == ["stock", "patched", "stock", "without", "patched"]
+    assert "verdict: ok" in (out / "follow-up" / "PR.md").read_text()
+
+
+def test_cli_export_pr_usage(tmp_path):
+    project, _ = _project(tmp_path, with_git=False)
+    runner = CliRunner()
+    base = ["--series", str(project.series_path), "export-pr", "--to", str(tmp_path / "o")]
+    assert runner.invoke(main, base).exit_code == 2
+    assert runner.invoke(main, [*base, "fix-add", "--all"]).exit_code == 2
+
+
+def test_strip_trailer_keeps_other_trailers():
+    message = "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\nHybridpd-Patch: x\n"
+    assert exportpr.strip_trailer(message) == "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\n"
