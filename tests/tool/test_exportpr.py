@@ -13,9 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
 from builders import FEATURE, FIX_ADD, Project, commit_patch
+from click.testing import CliRunner
 from hybridpd import exportpr, gitops
 from hybridpd.cli import main
 from hybridpd.export import export
@@ -200,7 +199,7 @@ def test_no_reports_is_said_explicitly(tmp_path):
 def test_fresh_report_numbers_and_command(tmp_path):
     project, material = _project(tmp_path)
     _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z")
-    _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
+    _, _, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
 
     pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
     assert "reports/e2e/report.json" in pr

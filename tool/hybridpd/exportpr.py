@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hybridpd import gitops
 from hybridpd.apply import TRAILER
@@ -125,7 +125,9 @@ def upstream_candidates(series: Series) -> list[Candidate]:
     result = []
     for patch in series.patches:
         carried = tuple(v for v, s in patch.pins.items() if s.state == "carried")
-        upstream = {v: s.release for v, s in patch.pins.items() if s.state == "upstream"}
+        upstream = {
+            v: s.release or "?" for v, s in patch.pins.items() if s.state == "upstream"
+        }
         since = min(upstream.values(), key=version_key) if upstream else None
         drop, keep = [], []
         for version in carried:
@@ -139,7 +141,7 @@ def upstream_candidates(series: Series) -> list[Candidate]:
                 patch.title,
                 patch.upstream,
                 carried,
-                upstream,  # type: ignore[arg-type]
+                upstream,
                 since,
                 tuple(drop),
                 tuple(keep) if since is not None else (),
@@ -158,7 +160,7 @@ def format_candidates(candidates: Sequence[Candidate]) -> list[str]:
                 f"no upstream release yet (reference: {c.reference})"
             )
             continue
-        where = ", ".join(f"{v}" for v in c.upstream)
+        where = ", ".join(c.upstream)
         line = f"upstream   {c.id}: upstream since {c.since} (on {where})"
         if c.keep_on:
             line += f"; still needed on {', '.join(c.keep_on)} (older than {c.since})"
@@ -446,7 +448,8 @@ def _report_table(report: Report) -> list[str]:
         from hybridpd.e2e import report as e2e_report
 
         return e2e_report.table(report.data)
-    except Exception:  # an older or partial report: show the request fields we know
+    except (ImportError, KeyError, TypeError, ValueError, AttributeError):
+        # An older or partial report: show the request fields we know.
         lines = [
             "| build | connector | prompt tokens | decode local hit | KV bytes | TTFT (ms) |",
             "|---|---|---:|---:|---:|---:|",
@@ -716,15 +719,17 @@ def write_pr(
 
 # Verification -----------------------------------------------------------------------
 
-#: Runs test files (paths relative to the tree) in a tree; ``label`` names the run.
-Runner = Callable[[Path, Sequence[str], str], "SuiteLike"]
+class SuiteLike(Protocol):
+    """What verification reads of a test run (:class:`hybridpd.pytestrun.SuiteResult`)."""
 
-
-class SuiteLike:  # pragma: no cover - structural type of pytestrun.SuiteResult
     outcomes: dict[str, str]
     status: str
     reason: str | None
     log_path: Path | None
+
+
+#: Runs test files (paths relative to the tree) in a tree; ``label`` names the run.
+Runner = Callable[[Path, Sequence[str], str], SuiteLike]
 
 
 def _counts(outcomes: dict[str, str], files: Sequence[str]) -> dict[str, int]:
