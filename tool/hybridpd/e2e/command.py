@@ -245,25 +245,30 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
             t0 = time.monotonic()
             try:
                 with Processes(run_dir) as procs:
-                    pair = sc.start_pair(procs, env, model, connector, role, opts, show)
-                    done()
-                    _log(f"   ready: {pair.ready_s}")
-                    t1 = time.monotonic()
-                    if scenario == "smoke":
-                        result = sc.run_smoke(
-                            pair, procs, vocab,
-                            sc.SmokeOptions(prompt_tokens, shared_tokens, max_tokens,
-                                            baseline_tokens, seed),
-                            _log,
-                        )
-                    else:
-                        result = sc.run_prefix_repetition(
-                            pair, procs, env, model,
-                            sc.BenchOptions(prefix_len, suffix_len, num_prefixes, output_len,
-                                            num_prompts, concurrency, seed),
-                            run_dir, _log,
-                        )
-                    t2 = time.monotonic()
+                    try:
+                        pair = sc.start_pair(procs, env, model, connector, role, opts, show)
+                        done()
+                        _log(f"   ready: {pair.ready_s}")
+                        t1 = time.monotonic()
+                        if scenario == "smoke":
+                            result = sc.run_smoke(
+                                pair, procs, vocab,
+                                sc.SmokeOptions(prompt_tokens, shared_tokens, max_tokens,
+                                                baseline_tokens, seed),
+                                _log,
+                            )
+                        else:
+                            result = sc.run_prefix_repetition(
+                                pair, procs, env, model,
+                                sc.BenchOptions(prefix_len, suffix_len, num_prefixes, output_len,
+                                                num_prompts, concurrency, seed),
+                                run_dir, _log,
+                            )
+                        t2 = time.monotonic()
+                    except E2EError:
+                        # Whatever broke, a server that died is the explanation to report.
+                        procs.check_soon()
+                        raise
                 left = procs.leftovers()
                 if left:
                     raise E2EError(f"processes left running after the run: {left}")

@@ -293,8 +293,11 @@ def complete(
 
 def post(url: str, timeout: float = 60.0) -> None:
     req = urllib.request.Request(url, data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        resp.read()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise E2EError(f"POST {url} failed: {exc}") from None
 
 
 def settled_scrape(base_url: str, previous: metrics.Snapshot | None = None,
@@ -304,14 +307,21 @@ def settled_scrape(base_url: str, previous: metrics.Snapshot | None = None,
     vLLM publishes connector stats (NIXL bytes) on its logging cadence, not at the
     end of the request, so one scrape right after a response can miss them.
     """
-    last = metrics.scrape(base_url)
+    last = _scrape(base_url)
     for _ in range(tries):
         time.sleep(wait)
-        now = metrics.scrape(base_url)
+        now = _scrape(base_url)
         if now.subset() == last.subset():
             return now
         last = now
     return last
+
+
+def _scrape(base_url: str) -> metrics.Snapshot:
+    try:
+        return metrics.scrape(base_url)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise E2EError(f"cannot read {base_url}/metrics: {exc}") from None
 
 
 # --------------------------------------------------------------------------- smoke
