@@ -69,7 +69,7 @@ if [ "$e2e" = 1 ]; then
   if "$hpd" e2e --help >/dev/null 2>&1; then
     step "hybridpd e2e smoke (0.32.0, CPU, stock vs patched)" \
       "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \
-      --connector nixl+decodebench --compare stock --expect-patched-hit \
+      --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit \
       --out "${HYBRIDPD_E2E_OUT:-out/e2e-smoke}"
   else
     echo "ci/test.sh: hybridpd has no e2e command" >&2

@@ -31,6 +31,7 @@ from hybridpd.apply import checkout_pin
 from hybridpd.apply import status as checkout_status
 from hybridpd.checkout import SOURCES, Source
 from hybridpd.checkout import checkout as make_checkout
+from hybridpd.e2e.command import e2e_command
 from hybridpd.errors import CheckFailed, HybridpdError
 from hybridpd.export import check as check_series
 from hybridpd.export import export as export_series
@@ -665,4 +666,4 @@ def export_pr(
 
 
 # Commands defined in other modules ------------------------------------------------
-# main.add_command(<command>)
+main.add_command(e2e_command)
