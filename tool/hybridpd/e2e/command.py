@@ -288,7 +288,7 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
                    "total_s": round(time.monotonic() - t0, 1), "logs": str(run_dir),
                    "server_commands": pair.commands}
             report["runs"].append(run)
-            failures += _failures(run, scenario, expect_patched_hit)
+            failures += _failures(run, scenario, expect_patched_hit, version)
     report["timings_s"]["total"] = round(time.monotonic() - t_start, 1)
     paths = report_mod.write(report, out_dir, first.python)
     if as_json:
@@ -304,8 +304,20 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
         raise CheckFailed(f"{len(failures)} check(s) failed; see {paths['md']}")
 
 
-def _failures(run: dict, scenario: str, expect_patched_hit: bool) -> list[str]:
-    """Checks that fail the command: outputs always; the hit only with the gate flag."""
+#: Connector sets for which stock vLLM (v0.24+) already keeps the decode-side hit.
+UPSTREAM_CAPABLE_CONNECTORS = frozenset({"nixl"})
+
+
+def _has_upstream_gate(pin: str) -> bool:
+    """Whether stock ``pin`` keeps the decode-side hit for capable connectors (v0.24+)."""
+    major, minor = (int(part) for part in pin.removeprefix("v").split(".")[:2])
+    return (major, minor) >= (0, 24)
+
+
+def _failures(run: dict, scenario: str, expect_patched_hit: bool, pin: str) -> list[str]:
+    """Checks that fail the command: outputs always; the hit only with the gate flag
+    (patched must hit; on pins with upstream's capability gate (v0.24+), stock must
+    hit exactly for the connector sets upstream handles)."""
     where = f"{run['build']} / {run['connector']}"
     if scenario != "smoke":
         return []
@@ -317,9 +329,20 @@ def _failures(run: dict, scenario: str, expect_patched_hit: bool) -> list[str]:
         out.append(f"{where}: the first tokens differ from a single-instance run")
     if not checks.get("upstream_outputs_equal", True):
         out.append(f"{where}: the same prompt twice gave different outputs")
-    if expect_patched_hit and run["build"] == "patched":
-        if not checks.get("decode_local_hit"):
-            out.append(f"{where}: the decode instance took no local prefix hit for the shared-prefix request")
+    if not expect_patched_hit:
+        return out
+    hit = checks.get("decode_local_hit")
+    if run["build"] == "patched" and not hit:
+        out.append(f"{where}: the decode instance took no local prefix hit for the shared-prefix request")
+    if run["build"] == "stock" and _has_upstream_gate(pin):
+        # Upstream keeps the hit exactly when every connector declares
+        # supports_divergent_local_hybrid_hits (NIXL alone does): stock must
+        # show that, or the gate proves nothing.
+        capable = run["connector"] in UPSTREAM_CAPABLE_CONNECTORS
+        if capable and not hit:
+            out.append(f"{where}: stock lost the decode-side hit that upstream keeps for this connector")
+        if not capable and hit:
+            out.append(f"{where}: stock already keeps the decode-side hit, so the gate proves nothing")
     return out
 
 

@@ -1,0 +1,37 @@
+"""The CI gate of ``hybridpd e2e --expect-patched-hit``: red on stock, green patched."""
+
+from __future__ import annotations
+
+from hybridpd.e2e.command import _failures
+
+
+def _run(build: str, connector: str, hit: bool) -> dict:
+    return {"build": build, "connector": connector, "checks": {"decode_local_hit": hit}}
+
+
+def test_gate_passes_when_only_the_gated_connector_set_is_red_on_stock() -> None:
+    runs = [
+        _run("stock", "nixl", True),
+        _run("stock", "nixl+decodebench", False),
+        _run("patched", "nixl", True),
+        _run("patched", "nixl+decodebench", True),
+    ]
+    assert [f for r in runs for f in _failures(r, "smoke", True, "0.32.0")] == []
+
+
+def test_gate_fails_when_patched_loses_the_hit() -> None:
+    (failure,) = _failures(_run("patched", "nixl+decodebench", False), "smoke", True, "0.32.0")
+    assert "took no local prefix hit" in failure
+
+
+def test_gate_fails_when_stock_shows_nothing_to_fix() -> None:
+    (failure,) = _failures(_run("stock", "nixl+decodebench", True), "smoke", True, "0.32.0")
+    assert "proves nothing" in failure
+    (failure,) = _failures(_run("stock", "nixl", False), "smoke", True, "0.33.0")
+    assert "upstream keeps" in failure
+
+
+def test_stock_expectations_only_where_upstream_has_the_gate() -> None:
+    # v0.20.2 has no per-group path: stock NIXL alone loses the hit too.
+    assert _failures(_run("stock", "nixl", False), "smoke", True, "0.20.2") == []
+    assert _failures(_run("stock", "nixl", False), "smoke", False, "0.32.0") == []
