@@ -105,7 +105,14 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
      "GPU-only test: calls torch.accelerator (device index / empty_cache) directly"),
     ("not compatible with FP8 KV cache",
      "CPU backend rejects an FP8 KV cache with chunked prefill and prefix caching"),
+    ("no attribute 'init_cpu_memory_env'",
+     "runs a real engine on the CPU platform: needs vLLM's compiled CPU extension "
+     "(vllm._C: init_cpu_memory_env)"),
     ("No module named 'vllm._C'", "needs vLLM's compiled extension (vllm._C)"),
+    ("Requires GPU to instantiate LLM", "GPU-only test (says so itself)"),
+    ("Async scheduling is not supported by the V1 model runner",
+     "assumes the V2 model runner (GPU); vLLM's CPU platform uses V1, which refuses "
+     "async scheduling with pipeline parallelism"),
 )
 
 
