@@ -21,6 +21,7 @@ def test_reduced_is_a_subset_without_the_big_files() -> None:
         assert set(reduced) < set(full)
         assert not any(f.endswith(("test_scheduler.py", "test_nixl_connector.py"))
                        for f in reduced)
+        assert "tests/v1/core/test_prefix_caching.py" in reduced
 
 
 @pytest.mark.parametrize("version", sorted(upstream.FULL_SELECTION))
