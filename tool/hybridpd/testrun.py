@@ -311,7 +311,7 @@ def run(
 
     ``full_upstream`` runs vLLM's whole selection instead of the reduced one;
     ``stock_baseline`` compares the patched upstream run with the committed stock
-    baseline instead of running stock again.
+    baseline instead of running stock again (stock runs when the pin has none).
     """
     pin = series.pin(version)
     if suite not in SUITES:
@@ -338,9 +338,12 @@ def run(
         report.problems += problems
     if suite in ("upstream", "all"):
         files = upstream.selection(pin.version, reduced=not full_upstream)
+        use_baseline = stock_baseline and upstream.baseline_path(pin.version).is_file()
+        if stock_baseline and not use_baseline:
+            log(f"test: no committed stock baseline for {pin.version}; running stock")
         report.upstream = upstream.run_upstream(
             venv,
-            None if stock_baseline else trees["stock"],
+            None if use_baseline else trees["stock"],
             trees["patched"],
             files,
             out_dir / "upstream",
