@@ -183,6 +183,19 @@ def baseline_path(version: str, base_dir: Path = BASELINE_DIR) -> Path:
     return Path(base_dir) / f"{version}-stock.json"
 
 
+def _portable_command(command: Sequence[str]) -> list[str]:
+    """The pytest command without this machine's paths: the venv's ``bin/`` becomes
+    ``<venv>/bin/`` and the output directory of ``--junitxml`` becomes ``<out>``."""
+    portable = []
+    for arg in command:
+        if arg.endswith("/bin/pytest"):
+            arg = "<venv>/bin/pytest"
+        elif arg.startswith("--junitxml="):
+            arg = "--junitxml=<out>/" + Path(arg.split("=", 1)[1]).name
+        portable.append(arg)
+    return portable
+
+
 def baseline_dict(result: SuiteResult, version: str, files: Sequence[str], *,
                   tree: str, env: Mapping | None = None) -> dict:
     """The JSON document recording a stock run (schema ``BASELINE_SCHEMA``)."""
@@ -194,7 +207,7 @@ def baseline_dict(result: SuiteResult, version: str, files: Sequence[str], *,
         "files": list(files),
         "produced": {
             "by": "hybridpd.upstream.write_baseline",
-            "command": result.command,
+            "command": _portable_command(result.command),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "wall_seconds": result.wall_seconds,
             "status": result.status,
