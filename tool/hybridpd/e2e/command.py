@@ -19,7 +19,7 @@ from hybridpd.errors import CheckFailed
 
 from . import report as report_mod
 from . import scenarios as sc
-from .envs import BUILDS, Env, given, prepare, probe
+from .envs import Env, given, prepare, probe
 from .servers import E2EError, Processes
 from .tinymodel import ARCHITECTURES, spec_id
 
