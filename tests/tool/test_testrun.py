@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,18 @@ def test_skipped_or_failing_tests_do_not_prove(series) -> None:
     assert (
         "landed: no test names this patch" not in problems
     ), "upstream patches need no test"
+
+
+def test_a_baseline_is_used_only_when_it_covers_the_files(monkeypatch, tmp_path: Path) -> None:
+    from hybridpd import testrun, upstream
+
+    baseline = tmp_path / "9.9.9-stock.json"
+    baseline.write_text('{"files": ["a.py", "b.py"], "outcomes": {}}')
+    monkeypatch.setattr(upstream, "baseline_path", lambda version: baseline)
+    monkeypatch.setattr(
+        upstream, "load_baseline", lambda version, path: json.loads(path.read_text())
+    )
+    assert testrun._baseline_covers("9.9.9", ["a.py"])
+    assert not testrun._baseline_covers("9.9.9", ["a.py", "c.py"])
+    baseline.unlink()
+    assert not testrun._baseline_covers("9.9.9", ["a.py"])

@@ -135,7 +135,12 @@ def test_committed_baselines_are_well_formed() -> None:
         for o in doc["outcomes"].values():
             counts[{"error": "errors", "xfailed": "skipped"}.get(o, o)] += 1
         assert counts == doc["counts"], path
-        assert doc["files"] == list(upstream.selection(version)), path
+        # A baseline records the full selection, or at least the reduced one
+        # that ci/test.sh compares with (hybridpd test runs stock for the rest).
+        assert doc["files"] in (
+            list(upstream.selection(version)),
+            list(upstream.selection(version, reduced=True)),
+        ), path
 
 
 def test_report_lists_regressions(tmp_path: Path) -> None:
