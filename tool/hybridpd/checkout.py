@@ -63,7 +63,7 @@ def checkout(
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise CheckoutError(f"{dest} already exists and is not an empty directory")
     url = git_url or series.upstream_git
-    with _owned_directory(dest):
+    with owned_directory(dest):
         if source == "sdist":
             _from_sdist(series, pin, dest)
             return _finish(pin, dest, "sdist")
@@ -131,7 +131,7 @@ def _strip_top_directory(members: list[tarfile.TarInfo], archive: Path) -> list[
 
 
 @contextlib.contextmanager
-def _owned_directory(dest: Path) -> Iterator[None]:
+def owned_directory(dest: Path) -> Iterator[None]:
     """Create ``dest`` if needed; on failure undo that, or empty a pre-existing one."""
     created = next((p for p in reversed((dest, *dest.parents)) if not p.exists()), None)
     dest.mkdir(parents=True, exist_ok=True)

@@ -36,11 +36,10 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -251,7 +250,7 @@ def start(
     ]
     if missing:
         raise PortError(f"missing patch file(s) of {v1.version}: {', '.join(missing)}")
-    with _owned_directory(dest):
+    with checkout_mod.owned_directory(dest):
         log(f"checking out {v2.version} (sdist) into {dest}")
         checkout_mod.checkout(series, v2.version, dest, source="sdist")
         log(f"fetching {v1.version}'s release commit for 3-way merges")
@@ -559,23 +558,3 @@ def _report(
         series_files = tuple(f.path for f in conflict.files)
         results.append(PatchResult(stopped, "conflict", None, series_files))
     return PortReport(state.from_version, state.to_version, dest, tuple(results), written, conflict)
-
-
-@contextlib.contextmanager
-def _owned_directory(dest: Path) -> Iterator[None]:
-    """Create ``dest`` if needed; on failure remove what was created, or empty a
-    directory that existed (empty) before."""
-    created = next((p for p in reversed((dest, *dest.parents)) if not p.exists()), None)
-    dest.mkdir(parents=True, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        else:
-            for child in dest.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-        raise
