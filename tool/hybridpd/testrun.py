@@ -36,7 +36,7 @@ from hybridpd import cache, gitops, hfsnap, testenv, upstream
 from hybridpd.apply import apply, patch_commits
 from hybridpd.checkout import checkout
 from hybridpd.errors import HybridpdError
-from hybridpd.pytestrun import SuiteResult, run_pytest
+from hybridpd.pytestrun import SuiteResult, parse_junit, run_pytest
 from hybridpd.series import Pin, Series
 
 SUITES = ("patches", "upstream", "all")
@@ -191,18 +191,17 @@ def patch_properties(junit: Path) -> dict[str, str]:
     return mapping
 
 
+#: pytestrun's outcome vocabulary folded into the table's: an error (setup,
+#: teardown) did not pass, an xfail counts as a skip.
+_TABLE_OUTCOME = {"error": "failed", "xfailed": "skipped"}
+
+
 def _case_outcomes(junit: Path) -> dict[str, str]:
-    """Test id (``classname::name``) -> passed|failed|skipped, straight from JUnit."""
-    outcomes: dict[str, str] = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            outcomes[name] = "failed"
-        elif case.find("skipped") is not None:
-            outcomes[name] = "skipped"
-        else:
-            outcomes[name] = "passed"
-    return outcomes
+    """Test id (``classname::name``, the key of :func:`patch_properties`) ->
+    passed|failed|skipped. With no files to match, ``parse_junit`` keeps the
+    JUnit ``classname::name`` as the id."""
+    outcomes = parse_junit(junit).outcomes
+    return {test: _TABLE_OUTCOME.get(o, o) for test, o in outcomes.items()}
 
 
 def _counts(outcomes: dict[str, str], tests: Sequence[str]) -> Counts:
