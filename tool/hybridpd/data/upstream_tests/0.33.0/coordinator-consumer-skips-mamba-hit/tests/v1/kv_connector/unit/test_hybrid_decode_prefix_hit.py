@@ -40,7 +40,7 @@ BLOCK_SIZE = 16
 PREFIX_BLOCKS = 4
 
 
-def _create_hybrid_pd_scheduler(
+def create_hybrid_pd_scheduler(
     kv_role: str,
     matched_tokens: int,
     supports_divergent_hits: bool = False,
@@ -116,7 +116,7 @@ def _create_hybrid_pd_scheduler(
     )
 
 
-def _seed_decode_side_prefix(manager: KVCacheManager, num_blocks: int) -> None:
+def seed_decode_side_prefix(manager: KVCacheManager, num_blocks: int) -> None:
     """Cache a ``num_blocks`` prefix the way a decode instance holds it: every
     full-attention block, and no Mamba state inside the prefix."""
     [fill] = create_requests(
@@ -147,7 +147,7 @@ def _num_computed_tokens_of_replay(scheduler: Scheduler, num_blocks: int) -> int
     it starts with (local prefix-cache hit plus external tokens)."""
     manager = scheduler.kv_cache_manager
     assert isinstance(manager.coordinator, HybridKVCacheCoordinator)
-    _seed_decode_side_prefix(manager, PREFIX_BLOCKS)
+    seed_decode_side_prefix(manager, PREFIX_BLOCKS)
     [replay] = create_requests(
         num_requests=1,
         num_tokens=num_blocks * BLOCK_SIZE,
@@ -173,7 +173,7 @@ def test_kv_consumer_keeps_full_attention_hit(supports_divergent_hits: bool):
     rest, also with a connector that does not declare
     supports_divergent_local_hybrid_hits (e.g. a MultiConnector of NIXL and
     an offloading connector)."""
-    scheduler = _create_hybrid_pd_scheduler(
+    scheduler = create_hybrid_pd_scheduler(
         "kv_consumer",
         matched_tokens=BLOCK_SIZE,
         supports_divergent_hits=supports_divergent_hits,
@@ -187,7 +187,7 @@ def test_kv_consumer_keeps_full_attention_hit(supports_divergent_hits: bool):
 def test_kv_consumer_without_external_tokens_uses_common_hit():
     """A diverged hit that no connector load backs has no Mamba state at its
     end: the request falls back to the hit every group agrees on."""
-    scheduler = _create_hybrid_pd_scheduler("kv_consumer", matched_tokens=0)
+    scheduler = create_hybrid_pd_scheduler("kv_consumer", matched_tokens=0)
 
     assert _num_computed_tokens_of_replay(scheduler, PREFIX_BLOCKS + 2) == 0
 
@@ -197,7 +197,7 @@ def test_other_roles_keep_mamba_aligned_hit(kv_role: str):
     """A producer computes its Mamba states itself, and kv_both is decided
     per request: without a capable connector their hit stays the one every
     group agrees on (none here), plus the external tokens."""
-    scheduler = _create_hybrid_pd_scheduler(kv_role, matched_tokens=BLOCK_SIZE)
+    scheduler = create_hybrid_pd_scheduler(kv_role, matched_tokens=BLOCK_SIZE)
 
     num_computed = _num_computed_tokens_of_replay(scheduler, PREFIX_BLOCKS + 2)
 
