@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import git
 
+from . import kernels
 from . import wheel_overlay as wo
 
 PACKAGE = "vllm"
@@ -432,10 +433,10 @@ def _needs_install(site: Path, dist_info: Path, wheel_sha: str) -> bool:
 
 
 _PROOF_SCRIPT = r"""
-import hashlib, importlib, importlib.util, json, os, sys
+import hashlib, importlib.util, json, os, sys
 expected = json.loads(sys.argv[1])
 import vllm
-out = {"vllm_file": vllm.__file__, "files": [], "compiled_ops": None}
+out = {"vllm_file": vllm.__file__, "files": []}
 root = os.path.dirname(os.path.dirname(vllm.__file__))
 for e in expected:
     path, sha = e["path"], e.get("sha256")
@@ -451,11 +452,6 @@ for e in expected:
     else:
         ok = origin is not None and hashlib.sha256(open(origin, "rb").read()).hexdigest() == sha
     out["files"].append({"path": path, "origin": origin, "ok": ok})
-try:
-    importlib.import_module("vllm._C")
-    out["compiled_ops"] = "ok"
-except Exception as exc:
-    out["compiled_ops"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 print("HYBRIDPD-PROOF " + json.dumps(out))
 """
 
@@ -690,8 +686,15 @@ def build(
         raise BuildError(f"the venv does not import the patched {', '.join(wrong)}")
     if not Path(proof["vllm_file"]).resolve().is_relative_to(site.resolve()):
         raise BuildError(f"the venv imports vllm from {proof['vllm_file']}, not {site}")
-    if proof["compiled_ops"] != "ok":
-        warn(f"vllm imports, but its compiled ops do not load: {proof['compiled_ops']}")
+    # The compiled ops are loaded the way vLLM's platform loads them (on x86 CPU builds
+    # one of three ISA variants), never as a bare `import vllm._C`: that is the AVX-512
+    # build and dies with SIGILL on AVX2-only hosts.
+    ops = kernels.probe(py, variant, env, cwd=venv)
+    proof["kernels"] = ops.to_json()
+    proof["compiled_ops"] = ops.status
+    log(f"compiled ops: {ops.module} ({ops.status})")
+    if not ops.ok:
+        warn(f"vllm imports, but its compiled ops ({ops.module}) do not load: {ops.status}")
     # The test route imports the checkout's vllm/ instead: it must find the same platform.
     proc = _run([py, "-c", _PLATFORM_SCRIPT], capture=True, cwd=venv,
                 env={**env, "PYTHONPATH": str(checkout)})

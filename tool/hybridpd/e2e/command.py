@@ -190,8 +190,14 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
     )
     first = envs[builds[0]]
     process_env = sc.server_env(opts, "P", 0)
-    caps = {b: probe(e, process_env) for b, e in envs.items()}
+    caps = {b: probe(e, process_env, device) for b, e in envs.items()}
     for b, c in caps.items():
+        _log(f"[{b}] compiled ops: {c['kernels']['module']} ({c['kernels']['status']})")
+        if c["kernels"]["status"] != "ok":
+            raise E2EError(
+                f"[{b}] vLLM's compiled ops ({c['kernels']['module']}) do not load in"
+                f" {envs[b].venv}: {c['kernels']['status']}"
+            )
         if c["nixl"] != "ok":
             raise E2EError(f"[{b}] NixlConnector cannot load nixl in {envs[b].venv}: {c['nixl']}")
     notes = []

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridpd import build as build_mod
+from hybridpd import kernels
 from hybridpd.series import Series
 
 from .servers import E2EError
@@ -177,8 +178,8 @@ print("HYBRIDPD-E2E-PROBE " + json.dumps(out))
 """
 
 
-def probe(env: Env, process_env: dict) -> dict:
-    """What the venv can do: import nixl, import vLLM's Qwen3.5 module."""
+def probe(env: Env, process_env: dict, device: str) -> dict:
+    """What the venv can do: load vLLM's compiled ops, import nixl and vLLM's Qwen3.5 module."""
     proc = subprocess.run(
         [str(env.python), "-c", _PROBE], capture_output=True, text=True, env=process_env,
         cwd=str(env.venv),
@@ -189,4 +190,6 @@ def probe(env: Env, process_env: dict) -> dict:
     if line is None:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
         raise E2EError(f"[{env.build}] `import vllm` fails in {env.venv}: {tail[0][:300]}")
-    return json.loads(line.split(" ", 1)[1])
+    out = json.loads(line.split(" ", 1)[1])
+    out["kernels"] = kernels.probe(env.python, variant_for(device), process_env, env.venv).to_json()
+    return out

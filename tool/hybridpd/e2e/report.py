@@ -124,6 +124,13 @@ def markdown(report: dict) -> str:
                 f"- {run['build']} / {run['connector']}: "
                 + ("all checks pass" if not failed else "failed: " + ", ".join(failed))
             )
+    ops = {
+        b: c["kernels"] for b, c in (report.get("capabilities") or {}).items() if c.get("kernels")
+    }
+    if ops:
+        lines += ["", "Compiled ops vLLM loaded: " + "; ".join(
+            f"{b} `{k['module']}` ({k['status']})" for b, k in ops.items()
+        ) + "."]
     if report.get("notes"):
         lines += ["", *[f"- {n}" for n in report["notes"]]]
     return "\n".join(lines) + "\n"
