@@ -93,15 +93,29 @@ def test_crash_during_startup_names_the_process(tmp_path: Path, dummy: Path) -> 
 
 
 def test_killed_mid_run_interrupts_the_main_thread(tmp_path: Path, dummy: Path) -> None:
-    """A server killed while the run waits on something else ends the run, named."""
+    """A server killed while the run blocks on something else ends the run, named.
+
+    The blocking call is a sleep far longer than the deadline: the watchdog must break
+    into it (a flag-only interrupt would be seen only after the sleep returns).
+    """
     with pytest.raises(ProcessFailed) as info:
         with Processes(tmp_path / "logs", grace=1, poll=0.1) as procs:
             proc, url = _start(procs, dummy, "decode")
             procs.wait_ready({"decode": url}, 20)
-            threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
-            time.sleep(30)  # stands for a request that would hang
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            time.sleep(300)  # stands for a request that would hang
+    assert time.monotonic() - killed < 30
     assert "decode was killed by SIGKILL" in str(info.value)
     assert procs.leftovers() == {}
+
+
+def test_a_wake_up_after_the_run_ended_is_ignored(tmp_path: Path, dummy: Path) -> None:
+    with Processes(tmp_path / "logs", grace=1, poll=0.1) as procs:
+        _start(procs, dummy, "decode")
+    procs._armed = False
+    procs._on_wake(signal.SIGUSR1, None)  # no exception once the context has ended
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
 def test_not_ready_in_time(tmp_path: Path, dummy: Path) -> None:

@@ -11,8 +11,11 @@ Invariants:
   failure) stops every group it started: SIGTERM, a grace period, then SIGKILL, and
   waits for each direct child so none is left as a zombie;
 - a process that exits while it is expected to run is a failure that names it: the
-  watchdog thread interrupts the main thread, which turns the interrupt into
-  :class:`ProcessFailed` (its exit status and the tail of its log).
+  watchdog thread wakes the main thread with a real signal (``SIGUSR1``, sent to that
+  thread), whose handler raises there, so even a blocking call (a sleep, a request
+  that would hang) ends within the watchdog's poll interval; the context turns it into
+  :class:`ProcessFailed` (its exit status and the tail of its log). ``_thread.
+  interrupt_main`` is not enough: it only sets a flag that a blocking call never reads.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ from typing import Callable, Mapping, Sequence
 from hybridpd.errors import HybridpdError
 
 Progress = Callable[[str], None]
+
+# The signal the watchdog sends to the main thread when a process died.
+_WAKE = signal.SIGUSR1
+
+
+class _Woken(BaseException):
+    """Raised in the main thread by the watchdog's signal; becomes ProcessFailed."""
 
 
 class E2EError(HybridpdError):
@@ -115,29 +125,48 @@ class Processes:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
-        self._old_sigterm = None
+        self._old_handlers: dict[int, object] = {}
+        self._main: int | None = None  # the thread the watchdog wakes with _WAKE
+        self._armed = False
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "Processes":
         if threading.current_thread() is threading.main_thread():
-            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._main = threading.get_ident()
+            for sig, handler in ((signal.SIGTERM, self._on_sigterm), (_WAKE, self._on_wake)):
+                self._old_handlers[sig] = signal.signal(sig, handler)
+        self._armed = True
         self._watchdog = threading.Thread(target=self._watch, name="e2e-watchdog", daemon=True)
         self._watchdog.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._armed = False  # a wake-up that arrives from now on is ignored
         self.close()
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
-        # A watchdog interrupt arrives as KeyboardInterrupt: report what died instead.
-        if exc_type is KeyboardInterrupt and self.failure is not None:
+        if self._watchdog is not None:
+            self._watchdog.join()  # no wake-up can be sent once the handler is gone
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+        # A watchdog wake-up (or, off the main thread, its KeyboardInterrupt): report
+        # what died instead.
+        if exc_type in (_Woken, KeyboardInterrupt) and self.failure is not None:
             raise self.failure from None
         return False
 
     def _on_sigterm(self, signum, frame) -> None:
         raise KeyboardInterrupt("SIGTERM")
+
+    def _on_wake(self, signum, frame) -> None:
+        if self._armed:
+            raise _Woken()
+
+    def _wake_main(self) -> None:
+        if self._main is not None:
+            signal.pthread_kill(self._main, _WAKE)
+        else:  # used off the main thread: no handler of ours to run there
+            _thread.interrupt_main()
 
     def start(
         self,
@@ -239,7 +268,7 @@ class Processes:
                 code = p.popen.poll()
                 if code is not None and p.expect_running and self.failure is None:
                     self.failure = p.failure(_exit_reason(code))
-                    _thread.interrupt_main()
+                    self._wake_main()
                     return
 
     def wait_ready(
@@ -274,7 +303,7 @@ class Processes:
                 name = next(iter(pending))
                 self.failure = self.procs[name].failure(f"not ready after {timeout:.0f} s")
                 raise self.failure
-            time.sleep(self.poll)
+            time.sleep(min(self.poll, 0.5))  # the watchdog may poll slower
         return ready
 
 
