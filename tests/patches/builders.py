@@ -214,6 +214,17 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
                 ]
             },
         }
+    if kind == "decodebench+nixl":
+        return {
+            "kv_role": kv_role,
+            "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {"kv_connector": "DecodeBenchConnector", "kv_role": kv_role},
+                    {"kv_connector": "NixlConnector", "kv_role": kv_role},
+                ]
+            },
+        }
     raise ValueError(kind)
 
 

@@ -72,6 +72,7 @@ TEST_PACKAGES: dict[str, str] = {
     "pytest-timeout": "per-test timeout, so one hung test cannot eat the run",
     "tblib": "imported at module level by tests/conftest.py",
     "ray": "imported at module level by tests/v1/kv_connector/unit/test_nixl_connector.py",
+    "hypothesis": "the property-based Mamba-state tests in tests/patches",
 }
 
 #: Lock files a release may carry for its test dependencies, first match wins.

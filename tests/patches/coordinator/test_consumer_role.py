@@ -1,4 +1,5 @@
-"""A kv_consumer instance keeps the attention prefix hit of a hybrid model.
+"""A kv_consumer instance keeps the attention prefix hit of a hybrid model
+for the requests whose KV load restores the Mamba state, and only for them.
 
 Patch: coordinator-consumer-skips-mamba-hit. On a decode instance the
 connector delivers only the running Mamba state at the end of each prompt,
@@ -6,7 +7,8 @@ so the Mamba groups never hold the per-block states of a shared prefix.
 Stock v0.20.2 reduces the hit of every group to that of the Mamba groups
 (0); stock v0.32+ keeps the attention hit only when every connector declares
 ``supports_divergent_local_hybrid_hits`` (NIXL alone does, a MultiConnector
-with a connector that does not declare it does not).
+with a connector that does not declare it does not). The role alone never
+decides: see tests/patches/decode_hit for the state-level checks.
 """
 
 import pytest
@@ -57,29 +59,10 @@ def test_kv_consumer_takes_attention_prefix_from_local_cache(kind):
 
 
 @pytest.mark.patch(PATCH)
-@pytest.mark.vllm_versions("<0.23")
-def test_kv_consumer_coordinator_leaves_mamba_groups_out_without_request_flag():
-    # v0.20.2's coordinator decides from the role alone: on a consumer every
-    # request pulls its KV and running state from a producer.
-    sched = _decode_instance_with_cached_prefix("nixl")
-    second = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=3))
-
-    blocks, num_hit_tokens = sched.kv_cache_manager.get_computed_blocks(second)
-
-    assert num_hit_tokens == len(PREFIX)
-    full_attention, *mamba_groups = blocks.blocks
-    assert len(full_attention) == len(PREFIX) // BLOCK_SIZE
-    # The Mamba groups contribute no blocks: their state arrives with the
-    # request's KV transfer.
-    assert all(len(group) == 0 for group in mamba_groups)
-
-
-@pytest.mark.patch(PATCH)
-@pytest.mark.vllm_versions(">=0.23")
 def test_kv_consumer_request_without_transfer_falls_back_to_common_hit():
     # Guard: a request no connector loads (NIXL loads only remote prefills)
     # has no Mamba state at the end of the attention hit, so it gets the hit
-    # every group agrees on (none here).
+    # every group agrees on (none here), whatever the instance's role.
     sched = _decode_instance_with_cached_prefix("nixl")
     assert local_hit_tokens(sched, request(PREFIX + prompt(2 * BLOCK_SIZE, seed=3))) == 0
 

@@ -1,0 +1,203 @@
+"""The Mamba-state invariant, checked on a real Scheduler after every step.
+
+A request on a hybrid model may start computing at a position p > 0 only if
+the Mamba state at p is available:
+
+- a cached Mamba block at the end of its local hit, holding the state of this
+  request's own prefix (its block hash is the request's hash at that block), or
+- a KV load for the request by a connector that restores the Mamba state at
+  the end of the loaded tokens (NIXL transfers the running state with the KV).
+
+A connector that does not restore the state at the end of a *divergent*
+local hit (DecodeBench, offloading, LMCache) may still load tokens on top of
+a local hit whose Mamba state is cached: what it loads is its own business.
+What it cannot do is complete a local hit that ran deeper than the Mamba
+groups. Breaking this is silent in a real engine: the linear-attention layers
+read a state that belongs to no prefix of the request and the request returns
+wrong tokens.
+
+``MambaStateChecker`` observes the scheduler from outside: it wraps the
+connector's ``update_state_after_alloc`` (called once per admission, with the
+request's blocks and the external tokens the scheduler took) and, after
+``schedule()``, derives each admitted request's resume point from the real
+request. It copies no vLLM logic: the state sources it accepts are the ground
+truth of what each connector moves, not what the code under test believes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import get_block_hash
+from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.request import RequestStatus
+
+# Connectors whose load restores the Mamba state at the end of the loaded
+# tokens (what they transfer, not what they declare).
+STATE_RESTORING_CONNECTORS = frozenset(
+    {"NixlConnector", "NixlPullConnector", "NixlPushConnector"}
+)
+
+
+@dataclasses.dataclass
+class Admission:
+    """One admission of a request: what the scheduler handed the connector."""
+
+    request_id: str
+    external_tokens: int
+    serving_connector: str | None  # class name of the connector that loads
+    mamba_blocks: list[list[Any]]  # per Mamba group, the request's blocks
+    # per Mamba group: block index -> hash of the cached block found for the
+    # request's own prefix at that index when it was admitted (the state a
+    # hit there reads; releases up to v0.2x hand that block to the request,
+    # later ones copy its state into a fresh block)
+    cached_states: list[dict[int, Any]] = dataclasses.field(default_factory=list)
+    resume_point: int | None = None
+
+
+class MambaStateViolation(AssertionError):
+    pass
+
+
+def _serving_connector(connector: Any, request_id: str) -> str | None:
+    children = getattr(connector, "_connectors", None)
+    if children is None:
+        return type(connector).__name__
+    chosen = connector._requests_to_connector.get(request_id)
+    return None if chosen is None else type(children[chosen]).__name__
+
+
+class MambaStateChecker:
+    """Checks every admission of ``sched`` against the invariant.
+
+    Call :meth:`after_schedule` with each ``SchedulerOutput`` (the
+    :func:`checked_step` helper does). ``admissions`` keeps every checked
+    admission, so a test can also assert *which* state a request resumed from.
+    """
+
+    def __init__(self, sched: Any):
+        self.sched = sched
+        self.block_size = sched.block_size
+        groups = sched.kv_cache_config.kv_cache_groups
+        self.mamba_group_ids = [
+            i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)
+        ]
+        self.pending: dict[str, Admission] = {}
+        self.admissions: list[Admission] = []
+        # Requests whose async load was checked when it started: the request
+        # is admitted again once the load finished, at the loaded position.
+        self.loaded: dict[str, int] = {}
+        connector = sched.connector
+        if connector is not None:
+            original = connector.update_state_after_alloc
+
+            def update_state_after_alloc(request, blocks, num_external_tokens):
+                self.pending[request.request_id] = Admission(
+                    request_id=request.request_id,
+                    external_tokens=num_external_tokens,
+                    serving_connector=(
+                        _serving_connector(connector, request.request_id)
+                        if num_external_tokens > 0
+                        else None
+                    ),
+                    mamba_blocks=[list(blocks.blocks[g]) for g in self.mamba_group_ids],
+                    cached_states=self._cached_states(request),
+                )
+                return original(request, blocks, num_external_tokens)
+
+            connector.update_state_after_alloc = update_state_after_alloc
+        self._before: dict[str, RequestStatus] = {}
+
+    def _cached_states(self, req: Any) -> list[dict[int, Any]]:
+        pool = self.sched.kv_cache_manager.block_pool
+        out = []
+        for gid in self.mamba_group_ids:
+            found = {}
+            for i, h in enumerate(req.block_hashes):
+                cached = pool.get_cached_block(h, [gid])
+                if cached is not None and cached[0].block_hash is not None:
+                    found[i] = get_block_hash(cached[0].block_hash)
+            out.append(found)
+        return out
+
+    def before_schedule(self) -> None:
+        self._before = {rid: r.status for rid, r in self.sched.requests.items()}
+
+    def after_schedule(self, output: Any) -> None:
+        for rid, adm in list(self.pending.items()):
+            req = self.sched.requests.get(rid)
+            if req is None:
+                del self.pending[rid]
+                continue
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                adm.resume_point = req.num_computed_tokens
+                self.loaded[rid] = adm.resume_point
+            elif rid in output.num_scheduled_tokens:
+                adm.resume_point = (
+                    req.num_computed_tokens - output.num_scheduled_tokens[rid]
+                )
+            else:  # admitted, then not scheduled after all (no room)
+                continue
+            del self.pending[rid]
+            if self.loaded.get(rid) == adm.resume_point and adm.external_tokens == 0:
+                del self.loaded[rid]  # scheduled after its load: checked then
+                continue
+            self.admissions.append(adm)
+            self.check(req, adm)
+        # Admissions without a connector call are checked from the blocks.
+        if self.sched.connector is None:
+            for rid in output.num_scheduled_tokens:
+                req = self.sched.requests[rid]
+                if self._before.get(rid) in (RequestStatus.RUNNING, None):
+                    continue
+                blocks = self.sched.kv_cache_manager.get_blocks(rid).blocks
+                adm = Admission(
+                    rid, 0, None, [list(blocks[g]) for g in self.mamba_group_ids],
+                    self._cached_states(req),
+                    req.num_computed_tokens - output.num_scheduled_tokens[rid],
+                )
+                self.admissions.append(adm)
+                self.check(req, adm)
+
+    def check(self, req: Any, adm: Admission) -> None:
+        assert adm.resume_point is not None
+        if adm.resume_point == 0 or not self.mamba_group_ids:
+            return
+        if (
+            adm.external_tokens > 0
+            and adm.serving_connector in STATE_RESTORING_CONNECTORS
+        ):
+            return  # the load restores the state at the resume point
+        local = adm.resume_point - adm.external_tokens
+        if local == 0:
+            return  # a load on top of no local hit brings its own state
+        problem = self.local_state_problem(req, local, adm)
+        if problem:
+            raise MambaStateViolation(
+                f"{req.request_id} resumes at {adm.resume_point} (local hit {local}, "
+                f"{adm.external_tokens} external from {adm.serving_connector}): "
+                f"{problem}"
+            )
+
+    def local_state_problem(self, req: Any, local: int, adm: Admission) -> str | None:
+        """Why the Mamba state at the end of a local hit of ``local`` tokens is
+        not the request's own, or None when every Mamba group holds it."""
+        if local % self.block_size:
+            return f"the local hit ends inside a block ({local} % {self.block_size})"
+        index = local // self.block_size - 1
+        want = req.block_hashes[index]
+        for gid, cached in zip(self.mamba_group_ids, adm.cached_states):
+            state = cached.get(index)
+            if state is None:
+                return f"Mamba group {gid} has no cached state at block {index}"
+            if state != want:
+                return f"Mamba group {gid} block {index} holds another prefix's state"
+        return None
+
+
+def checked_schedule(sched: Any, checker: MambaStateChecker):
+    checker.before_schedule()
+    output = sched.schedule()
+    checker.after_schedule(output)
+    return output
