@@ -142,3 +142,10 @@ def test_prompts_share_exactly_the_asked_prefix() -> None:
 def test_tiny_model_cache_key_is_stable() -> None:
     assert spec_id(0, "qwen3_5") == spec_id(0, "qwen3_5")
     assert len({spec_id(0, "qwen3_5"), spec_id(1, "qwen3_5"), spec_id(0, "qwen3_next")}) == 3
+
+
+def test_state_sensitive_variant_has_its_own_key_and_the_default_keeps_its_own() -> None:
+    assert spec_id(0, "qwen3_next", "default") == spec_id(0, "qwen3_next")
+    # the key the committed e2e reports were produced with
+    assert spec_id(0, "qwen3_next") == "ca74a9f2c3f5"
+    assert spec_id(0, "qwen3_next", "state-sensitive") != spec_id(0, "qwen3_next")

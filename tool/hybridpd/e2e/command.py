@@ -52,19 +52,20 @@ def _log(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict) -> Path:
-    """The tiny model for ``arch``/``seed``, written once under ``cache`` with ``env``."""
+def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict,
+               variant: str = "default") -> Path:
+    """The tiny model for ``arch``/``seed``/``variant``, written once under ``cache``."""
     import shutil
     import subprocess
 
-    dest = cache / f"tiny-{arch}-{spec_id(seed, arch)}"
+    dest = cache / f"tiny-{arch}-{spec_id(seed, arch, variant)}"
     if (dest / "hybridpd-tiny.json").exists():
         return dest
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     proc = subprocess.run(
         [str(env.python), str(Path(__file__).with_name("tinymodel.py")), str(tmp),
-         "--seed", str(seed), "--arch", arch],
+         "--seed", str(seed), "--arch", arch, "--variant", variant],
         capture_output=True, text=True, env=process_env,
     )
     if proc.returncode != 0:
@@ -123,6 +124,9 @@ def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict) -
 @click.option("--output-len", type=int, default=16, show_default=True, help="prefix-repetition.")
 @click.option("--num-prompts", type=int, default=16, show_default=True, help="prefix-repetition.")
 @click.option("--concurrency", type=int, default=4, show_default=True, help="prefix-repetition.")
+@click.option("--decode-num-blocks", type=int, metavar="N",
+              help="The decode instance's KV pool in blocks (--num-gpu-blocks-override); "
+              "correctness: small enough to preempt. [default: correctness 16, else from memory]")
 @click.option("--gpus", default="0,1", show_default=True, help="cuda: GPU of P, GPU of D.")
 @click.option("--gpu-memory-utilization", type=float, default=0.85, show_default=True)
 @click.option("--server-arg", "server_args", multiple=True, metavar="ARG",
@@ -138,8 +142,8 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
                 compare, out_dir, patched_venv, stock_venv, stock_only, torch_spec, block_size,
                 max_model_len, decode_prefix_caching, prompt_tokens, shared_tokens, max_tokens,
                 baseline_tokens, prefix_len, suffix_len, num_prefixes, output_len, num_prompts,
-                concurrency, gpus, gpu_memory_utilization, server_args, ready_timeout, seed,
-                expect_patched_hit, as_json):
+                concurrency, decode_num_blocks, gpus, gpu_memory_utilization, server_args,
+                ready_timeout, seed, expect_patched_hit, as_json):
     """Serve a hybrid model with 1 prefill + 1 decode vLLM instance and measure the
     decode side's prefix cache, patched (ON) against stock (OFF).
 
@@ -187,6 +191,10 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
         decode_prefix_caching=decode_prefix_caching, gpus=gpu_pair,
         gpu_memory_utilization=gpu_memory_utilization, extra_args=tuple(server_args),
         ready_timeout=ready_timeout,
+        decode_num_blocks=(
+            decode_num_blocks if decode_num_blocks is not None
+            else (16 if scenario == "correctness" else None)
+        ),
     )
     first = envs[builds[0]]
     process_env = sc.server_env(opts, "P", 0)
@@ -216,12 +224,15 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
                 _log(f"note: {notes[-1]}")
         from hybridpd.build import cache_dir
 
-        model_path = tiny_model(first, arch, seed, cache_dir() / "e2e" / "models", process_env)
+        # correctness compares outputs: its model's tokens must depend on the Mamba state.
+        variant = "state-sensitive" if scenario == "correctness" else "default"
+        model_path = tiny_model(first, arch, seed, cache_dir() / "e2e" / "models", process_env,
+                                variant)
         manifest = json.loads((model_path / "hybridpd-tiny.json").read_text())
         vocab = manifest["vocab_size"]
         model = str(model_path)
         _log(f"tiny model {manifest['architectures'][0]} ({manifest['parameters']:,} parameters) at {model}")
-    elif scenario == "smoke":
+    elif scenario in ("smoke", "correctness"):
         vocab = _vocab_size(model)
 
     report = {
@@ -261,6 +272,13 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
                                 pair, procs, vocab,
                                 sc.SmokeOptions(prompt_tokens, shared_tokens, max_tokens,
                                                 baseline_tokens, seed),
+                                _log,
+                            )
+                        elif scenario == "correctness":
+                            result = sc.run_correctness(
+                                pair, procs, vocab,
+                                sc.CorrectnessOptions(block_size=block_size,
+                                                      max_tokens=max_tokens, seed=seed),
                                 _log,
                             )
                         else:
@@ -325,6 +343,8 @@ def _failures(run: dict, scenario: str, expect_patched_hit: bool, pin: str) -> l
     (patched must hit; on pins with upstream's capability gate (v0.24+), stock must
     hit exactly for the connector sets upstream handles)."""
     where = f"{run['build']} / {run['connector']}"
+    if scenario == "correctness":
+        return _correctness_failures(run, where, expect_patched_hit)
     if scenario != "smoke":
         return []
     out = []
@@ -349,6 +369,19 @@ def _failures(run: dict, scenario: str, expect_patched_hit: bool, pin: str) -> l
             out.append(f"{where}: stock lost the decode-side hit that upstream keeps for this connector")
         if not capable and hit:
             out.append(f"{where}: stock already keeps the decode-side hit, so the gate proves nothing")
+    return out
+
+
+def _correctness_failures(run: dict, where: str, expect_patched_hit: bool) -> list[str]:
+    checks = run.get("checks", {})
+    out = [
+        f"{where}: {r['label']} differs from the single-instance reference: {r['note']}"
+        for r in run.get("requests", []) if not r["equal"]
+    ]
+    if not checks.get("preemption_forced", True):
+        out.append(f"{where}: no preemption on the decode instance (the pool is too large)")
+    if expect_patched_hit and run["build"] == "patched" and not checks.get("decode_local_hit"):
+        out.append(f"{where}: the decode instance took no local prefix hit for request B")
     return out
 
 

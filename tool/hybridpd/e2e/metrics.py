@@ -21,6 +21,7 @@ NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_TRANSFERS = "vllm:nixl_bytes_transferred_count"
 NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors_sum"
 PROMPT_TOKENS = "vllm:prompt_tokens"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
 
 OF_INTEREST = (
     PREFIX_CACHE_HITS,
@@ -31,6 +32,7 @@ OF_INTEREST = (
     NIXL_TRANSFERS,
     NIXL_DESCRIPTORS,
     PROMPT_TOKENS,
+    NUM_PREEMPTIONS,
 )
 
 

@@ -100,7 +100,28 @@ def bench_table(report: dict) -> list[str]:
     return lines
 
 
+def correctness_table(report: dict) -> list[str]:
+    lines = [
+        "| build | connector | request | decode hit | equal to reference | common prefix |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in report["runs"]:
+        for r in run.get("requests", []):
+            hit = r.get("decode_local_hit_tokens")
+            lines.append(
+                f"| {run['build']} | {run['connector']} | {r['label']} | "
+                f"{'' if hit is None else hit} | {'yes' if r['equal'] else 'NO'} | "
+                f"{r['common_prefix_tokens']}/{len(r['reference_token_ids'])} |"
+            )
+        if "decode_preemptions" in run:
+            lines.append(f"| {run['build']} | {run['connector']} | preemptions on D | "
+                         f"{run['decode_preemptions']} | | |")
+    return lines
+
+
 def table(report: dict) -> list[str]:
+    if report["scenario"] == "correctness":
+        return correctness_table(report)
     return bench_table(report) if report["scenario"] == "prefix-repetition" else smoke_table(report)
 
 

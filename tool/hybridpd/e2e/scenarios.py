@@ -18,6 +18,15 @@ Each request's ``decode_local_hit_tokens`` is the change of D's
 ``vllm:nixl_bytes_transferred_sum``; TTFT is measured at the client, through the
 proxy, on a streamed response.
 
+``correctness`` compares every output with a single-instance reference (the prefill
+instance alone, its prefix cache reset before each reference request), greedy, in
+fp32 so that near-ties do not decide tokens: a warm-up, a prompt that shares a
+block-aligned prefix with it (the decode-side hit), that prefix plus one token (a hit
+of prompt length - 1), a plain request sent straight to the decode instance, and
+concurrent requests on a decode KV pool small enough to preempt (checked on D's
+``vllm:num_preemptions``). A decode instance that resumes a request where it has no
+Mamba state answers with wrong tokens here.
+
 ``prefix-repetition`` runs ``vllm bench serve --dataset-name prefix_repetition``
 through the proxy (the seed's workload) and records its TTFT and throughput beside
 D's metric deltas.
@@ -41,7 +50,7 @@ from .servers import E2EError, Processes, free_port
 
 Log = Callable[[str], None]
 
-SCENARIOS = ("smoke", "prefix-repetition")
+SCENARIOS = ("smoke", "prefix-repetition", "correctness")
 ROLES = ("kv_both", "kv_producer/kv_consumer")
 
 #: ``--connector`` values: the decode instance's connector set. The prefill instance
@@ -77,6 +86,9 @@ class ServerOptions:
     cpu_kvcache_gib: int = 2
     extra_args: tuple[str, ...] = ()
     ready_timeout: float = 900.0
+    # The decode instance's KV pool in blocks (--num-gpu-blocks-override), to force
+    # preemption; None: sized from memory.
+    decode_num_blocks: int | None = None
 
 
 def nixl_config(role: str, device: str) -> dict:
@@ -190,6 +202,8 @@ def start_pair(
         cfg = kv_transfer_config(connector, side, role, opts.device)
         caching = True if side == "P" else opts.decode_prefix_caching
         cmd = server_command(env, model, ports[name], cfg, opts, caching)
+        if side == "D" and opts.decode_num_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(opts.decode_num_blocks)]
         procs.start(name, cmd, server_env(opts, side, nixl_ports[name]), cwd=procs.log_dir)
         commands[name] = cmd
     urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
@@ -221,6 +235,10 @@ class Completion:
     ttft_ms: float
     latency_ms: float
     prompt_tokens: int
+    # With ``logprobs=k``: per generated token its text, logprob and the top k.
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
 
 
 def complete(
@@ -253,6 +271,9 @@ def complete(
     tokens: list[int] = []
     text = []
     usage = {}
+    pieces: list[str] = []
+    token_lps: list[float] = []
+    top_lps: list[dict[str, float]] = []
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             for raw in resp:
@@ -271,6 +292,10 @@ def complete(
                         ttft = time.monotonic() - t0
                     tokens.extend(ids)
                     text.append(choice.get("text") or "")
+                    lp = choice.get("logprobs") or {}
+                    pieces.extend(lp.get("tokens") or [])
+                    token_lps.extend(lp.get("token_logprobs") or [])
+                    top_lps.extend(lp.get("top_logprobs") or [])
     except (urllib.error.URLError, OSError, ValueError) as exc:
         if procs is not None:
             procs.check_soon()  # a dead server is the better explanation
@@ -287,6 +312,9 @@ def complete(
         round((ttft or latency) * 1e3, 1),
         round(latency * 1e3, 1),
         int(usage.get("prompt_tokens") or len(prompt)),
+        pieces,
+        token_lps,
+        [dict(t or {}) for t in top_lps],
     )
 
 
@@ -433,6 +461,148 @@ def run_smoke(pair: Pair, procs: Processes, vocab_size: int, opts: SmokeOptions,
         "single_instance_common_prefix_tokens": first,
         "outputs_match_baseline": cold_equal and checks["first_tokens_equal_single_instance"],
         "checks": checks,
+    }
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+@dataclass(frozen=True)
+class CorrectnessOptions:
+    block_size: int = 128
+    prefix_blocks: int = 4  # the shared prefix: whole blocks, so a hit can end on it
+    max_tokens: int = 16
+    concurrent: int = 6  # requests in flight at once on the small decode pool
+    concurrent_max_tokens: int = 64
+    seed: int = 0
+
+
+#: Nats. Two runs' logprobs of the same token must agree within this, and a different
+#: greedy choice counts as a tie only when the reference ranks both tokens within it.
+#: bf16 numerics differ between a PD pair and a single instance (measured on the
+#: state-sensitive tiny model: up to 0.11 nats within 16 tokens, 0.18 within 160); a
+#: resume without its Mamba state changes the distribution far beyond this.
+LOGPROB_TOLERANCE = 0.3
+#: Top logprobs asked for each generated token.
+TOP_LOGPROBS = 5
+
+
+def compare_with_reference(
+    out: Completion, ref: Completion, tolerance: float = LOGPROB_TOLERANCE
+) -> tuple[bool, str]:
+    """Whether ``out`` is ``ref`` up to numerics, and a note on where they part."""
+    n = common_prefix(out.token_ids, ref.token_ids)
+    for j in range(n):
+        if abs(out.token_logprobs[j] - ref.token_logprobs[j]) > tolerance:
+            return False, (f"token {j}: logprob {out.token_logprobs[j]:.3f} vs reference "
+                           f"{ref.token_logprobs[j]:.3f}")
+    if n == len(ref.token_ids):
+        return True, ""
+    alt = ref.top_logprobs[n].get(out.tokens[n]) if n < len(ref.top_logprobs) else None
+    if alt is not None and ref.token_logprobs[n] - alt <= tolerance:
+        return True, f"tie at token {n} ({ref.token_logprobs[n] - alt:.3f} nats apart)"
+    return False, (f"token {n}: {out.token_ids[n]} where the reference has "
+                   f"{ref.token_ids[n]} ({'not in its top' if alt is None else f'{ref.token_logprobs[n] - alt:.3f} nats below'})")
+
+
+def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
+    """The requests, in the order they are sent: ``via`` is ``pd`` (through the proxy)
+    or ``decode`` (straight to the decode instance, no KV transfer); ``group`` 0 runs
+    one at a time, group 1 all at once."""
+    rng = random.Random(opts.seed)
+    low = 2  # 0 and 1 are the tiny tokenizer's special tokens
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    bs, n = opts.block_size, opts.max_tokens
+    prefix = tokens(opts.prefix_blocks * bs)
+    cases = [
+        {"label": "A warm-up", "via": "pd", "prompt": prefix + tokens(bs // 2), "max_tokens": n},
+        {"label": "B shares A's block-aligned prefix", "via": "pd",
+         "prompt": prefix + tokens(bs // 2 + 7), "max_tokens": n},
+        {"label": "C A's prefix + 1 token", "via": "pd", "prompt": prefix + tokens(1),
+         "max_tokens": n},
+        {"label": "D plain request to the decode instance", "via": "decode",
+         "prompt": prefix + tokens(bs // 2 + 3), "max_tokens": n},
+    ]
+    cases = [{**c, "group": 0} for c in cases]
+    cases += [
+        {"label": f"E{i} concurrent", "via": "pd", "prompt": prefix + tokens(bs // 2 + i),
+         "max_tokens": opts.concurrent_max_tokens, "group": 1}
+        for i in range(opts.concurrent)
+    ]
+    return cases
+
+
+def run_correctness(
+    pair: Pair, procs: Processes, vocab_size: int, opts: CorrectnessOptions, log: Log
+) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = correctness_cases(vocab_size, opts)
+    extra = {"logprobs": TOP_LOGPROBS}
+
+    def run(url: str, case: dict) -> Completion:
+        return complete(url, case["prompt"], case["max_tokens"], procs, extra=extra)
+
+    # The reference: the prefill instance alone, cold for every prompt.
+    for case in cases:
+        post(f"{pair.prefill}/reset_prefix_cache")
+        case["reference"] = run(pair.prefill, case)
+    post(f"{pair.prefill}/reset_prefix_cache")
+    log(f"  reference outputs of {len(cases)} prompts from the prefill instance alone")
+
+    def url(case: dict) -> str:
+        return pair.proxy if case["via"] == "pd" else pair.decode
+
+    rows = []
+    before = settled_scrape(pair.decode, wait=0.5)
+    for case in (c for c in cases if c["group"] == 0):
+        out = run(url(case), case)
+        after = settled_scrape(pair.decode)
+        rows.append({**_correctness_row(case, out),
+                     "decode_local_hit_tokens": int(after.delta(before, metrics.PREFIX_CACHE_HITS)),
+                     "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES))})
+        before = after
+        log(f"  {case['label']}: decode local hit {rows[-1]['decode_local_hit_tokens']} tokens, "
+            f"{'equal to' if rows[-1]['equal'] else 'DIFFERS from'} the reference "
+            f"{rows[-1]['note']}".rstrip())
+    group = [c for c in cases if c["group"] == 1]
+    with ThreadPoolExecutor(len(group)) as pool:
+        outs = list(pool.map(lambda c: run(url(c), c), group))
+    after = settled_scrape(pair.decode)
+    preemptions = int(after.delta(before, metrics.NUM_PREEMPTIONS))
+    rows += [_correctness_row(c, o) for c, o in zip(group, outs)]
+    log(f"  {len(group)} concurrent requests: {preemptions} preemptions on the decode instance, "
+        f"{sum(r['equal'] for r in rows[-len(group):])} equal to the reference")
+    checks = {
+        "outputs_equal_reference": all(r["equal"] for r in rows),
+        "decode_local_hit": rows[1]["decode_local_hit_tokens"] > 0,
+        "preemption_forced": preemptions > 0,
+    }
+    return {
+        "requests": rows,
+        "decode_preemptions": preemptions,
+        "outputs_match_baseline": checks["outputs_equal_reference"],
+        "checks": checks,
+    }
+
+
+def _correctness_row(case: dict, out: Completion) -> dict:
+    ref = case["reference"]
+    equal, note = compare_with_reference(out, ref)
+    return {
+        "label": case["label"],
+        "via": case["via"],
+        "prompt_tokens": len(case["prompt"]),
+        "output_token_ids": out.token_ids,
+        "reference_token_ids": ref.token_ids,
+        "output_token_logprobs": out.token_logprobs,
+        "reference_token_logprobs": ref.token_logprobs,
+        "equal": equal,
+        "note": note,
+        "common_prefix_tokens": common_prefix(out.token_ids, ref.token_ids),
     }
 
 

@@ -86,16 +86,29 @@ SPEC = {
     "lm_head_scale": 8.0,
 }
 
+#: The ``state-sensitive`` variant (the correctness scenario): with the default init the
+#: embedding dominates the residual stream and the Gated-DeltaNet state barely moves the
+#: greedy tokens (removing the linear-attention layers altogether changes ~8 % of them),
+#: so a request resumed without its Mamba state still "matches". Scaling their output
+#: projections up and making their state decay slowly (A_log, so g = -exp(A_log) *
+#: softplus(.) is near 0) makes the tokens depend on the state built over the whole
+#: prompt (measured in fp32: the last 32 top-1 tokens of a 600-token prompt and of its
+#: last 88 tokens alone agree 0 % of the time, against 97 % with the default init).
+VARIANTS = {
+    "default": {},
+    "state-sensitive": {"linear_out_proj_scale": 16.0, "linear_a_log": -8.0},
+}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 MANIFEST = "hybridpd-tiny.json"
 
 
-def spec_id(seed: int, arch: str = "qwen3_5") -> str:
-    """Stable short id of (generator version, spec, arch, seed): the model's cache key."""
-    blob = json.dumps(
-        {"v": GENERATOR_VERSION, "spec": SPEC, "arch": ARCHITECTURES[arch], "seed": seed},
-        sort_keys=True,
-    )
+def spec_id(seed: int, arch: str = "qwen3_5", variant: str = "default") -> str:
+    """Stable short id of (generator version, spec, arch, seed, variant): the model's
+    cache key (the default variant keeps the ids it always had)."""
+    key = {"v": GENERATOR_VERSION, "spec": SPEC, "arch": ARCHITECTURES[arch], "seed": seed}
+    if VARIANTS[variant]:
+        key["variant"] = VARIANTS[variant]
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -167,7 +180,7 @@ def train_tokenizer(dest: Path, seed: int) -> int:
     return tok.get_vocab_size()
 
 
-def write(dest: Path, seed: int = 0, arch: str = "qwen3_5") -> dict:
+def write(dest: Path, seed: int = 0, arch: str = "qwen3_5", variant: str = "default") -> dict:
     """Write the model into ``dest`` (created; must be empty or missing)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -203,6 +216,12 @@ def write(dest: Path, seed: int = 0, arch: str = "qwen3_5") -> dict:
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(SPEC["embedding_scale"])
         model.get_output_embeddings().weight.mul_(SPEC["lm_head_scale"])
+        extra = VARIANTS[variant]
+        for name, param in model.named_parameters():
+            if "linear_out_proj_scale" in extra and name.endswith("linear_attn.out_proj.weight"):
+                param.mul_(extra["linear_out_proj_scale"])
+            if "linear_a_log" in extra and name.endswith("linear_attn.A_log"):
+                param.fill_(extra["linear_a_log"])
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(dest), safe_serialization=True)
     # transformers may write a generation_config with sampling defaults; the e2e runs
@@ -218,7 +237,8 @@ def write(dest: Path, seed: int = 0, arch: str = "qwen3_5") -> dict:
         "seed": seed,
         "arch": arch,
         "architectures": list(architectures),
-        "spec_id": spec_id(seed, arch),
+        "spec_id": spec_id(seed, arch, variant),
+        "variant": variant,
         "vocab_size": vocab,
         "parameters": sum(p.numel() for p in model.parameters()),
         "files": {p.name: _sha256(p) for p in files},
@@ -234,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dest", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3_5")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="default")
     args = ap.parse_args(argv)
-    manifest = write(args.dest, args.seed, args.arch)
+    manifest = write(args.dest, args.seed, args.arch, args.variant)
     print(json.dumps(manifest))
     return 0
 

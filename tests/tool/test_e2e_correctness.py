@@ -1,0 +1,92 @@
+"""The correctness scenario's requests, checks and table (no servers)."""
+
+from __future__ import annotations
+
+from hybridpd.e2e import report as report_mod
+from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e.command import _failures
+
+OPTS = sc.CorrectnessOptions(block_size=128, prefix_blocks=4, max_tokens=16, concurrent=3)
+
+
+def test_cases_cover_each_fallback_on_an_exact_block_aligned_prefix() -> None:
+    cases = sc.correctness_cases(1000, OPTS)
+    prefix = 4 * 128
+    a, b, c, d, *concurrent = cases
+    assert [x["via"] for x in cases] == ["pd", "pd", "pd", "decode", "pd", "pd", "pd"]
+    assert b["prompt"][:prefix] == a["prompt"][:prefix]
+    assert b["prompt"][prefix] != a["prompt"][prefix] or b["prompt"] != a["prompt"]
+    assert len(c["prompt"]) == prefix + 1 and c["prompt"][:prefix] == a["prompt"][:prefix]
+    assert d["prompt"][:prefix] == a["prompt"][:prefix]
+    assert all(x["group"] == 1 and x["prompt"][:prefix] == a["prompt"][:prefix] for x in concurrent)
+    assert min(t for x in cases for t in x["prompt"]) >= 2  # no special tokens
+    assert sc.correctness_cases(1000, OPTS) == cases  # seeded
+
+
+def _run(build: str, equal: bool = True, preemptions: int = 2, hit: int = 512) -> dict:
+    rows = [
+        {"label": label, "via": "pd", "prompt_tokens": 600, "output_token_ids": [3] * 16,
+         "reference_token_ids": [3] * 16 if equal or i else [4] * 16, "equal": equal or i > 0,
+         "common_prefix_tokens": 16 if equal or i else 0,
+         "note": "" if equal or i else "token 0: 3 where the reference has 4 (not in its top)",
+         "decode_local_hit_tokens": hit if i == 1 else 0}
+        for i, label in enumerate(["A", "B", "C", "D"])
+    ]
+    return {"build": build, "connector": "nixl", "requests": rows,
+            "decode_preemptions": preemptions,
+            "checks": {"outputs_equal_reference": equal,
+                       "decode_local_hit": hit > 0, "preemption_forced": preemptions > 0}}
+
+
+def test_every_differing_output_fails_the_run() -> None:
+    failures = _failures(_run("patched", equal=False), "correctness", False, "0.32.0")
+    assert failures == [
+        "patched / nixl: A differs from the single-instance reference: "
+        "token 0: 3 where the reference has 4 (not in its top)"
+    ]
+
+
+def test_a_run_without_preemption_proves_nothing_about_it() -> None:
+    failures = _failures(_run("patched", preemptions=0), "correctness", False, "0.32.0")
+    assert failures == ["patched / nixl: no preemption on the decode instance (the pool is too large)"]
+
+
+def test_the_gate_flag_also_asks_for_the_decode_hit() -> None:
+    assert _failures(_run("patched"), "correctness", True, "0.32.0") == []
+    assert _failures(_run("patched", hit=0), "correctness", True, "0.32.0") == [
+        "patched / nixl: the decode instance took no local prefix hit for request B"
+    ]
+    assert _failures(_run("stock", hit=0), "correctness", True, "0.32.0") == []
+
+
+def test_table_lists_every_request_and_the_preemptions() -> None:
+    report = {"scenario": "correctness", "runs": [_run("patched", equal=False)]}
+    lines = report_mod.table(report)
+    assert "| patched | nixl | A | 0 | NO | 0/16 |" in lines
+    assert "| patched | nixl | B | 512 | yes | 16/16 |" in lines
+    assert lines[-1] == "| patched | nixl | preemptions on D | 2 | | |"
+
+
+def _c(ids, lps, tops=None) -> sc.Completion:
+    return sc.Completion(ids, "", 0.0, 0.0, 1, [f"t{i}" for i in ids], lps,
+                         tops or [{f"t{i}": lp} for i, lp in zip(ids, lps)])
+
+
+def test_equal_outputs_within_tolerance_are_equal() -> None:
+    assert sc.compare_with_reference(_c([5, 6], [-1.0, -2.0]), _c([5, 6], [-1.05, -2.02])) == (True, "")
+
+
+def test_a_different_choice_is_accepted_only_as_a_near_tie_in_the_reference() -> None:
+    ref = _c([5, 6], [-1.0, -2.0], [{"t5": -1.0}, {"t6": -2.0, "t7": -2.05}])
+    ok, note = sc.compare_with_reference(_c([5, 7], [-1.0, -2.04]), ref)
+    assert ok and note == "tie at token 1 (0.050 nats apart)"
+    far = _c([5, 6], [-1.0, -2.0], [{"t5": -1.0}, {"t6": -2.0, "t7": -3.5}])
+    ok, note = sc.compare_with_reference(_c([5, 7], [-1.0, -2.0]), far)
+    assert not ok and note == "token 1: 7 where the reference has 6 (1.500 nats below)"
+    ok, note = sc.compare_with_reference(_c([9, 9], [-0.1, -0.1]), ref)
+    assert not ok and note == "token 0: 9 where the reference has 5 (not in its top)"
+
+
+def test_drifting_logprobs_of_the_same_tokens_fail() -> None:
+    ok, note = sc.compare_with_reference(_c([5, 6], [-1.0, -2.5]), _c([5, 6], [-1.0, -2.0]))
+    assert not ok and note == "token 1: logprob -2.500 vs reference -2.000"
