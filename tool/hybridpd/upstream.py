@@ -66,15 +66,17 @@ FULL_SELECTION: dict[str, tuple[str, ...]] = {
 #: Kept: test_prefix_caching.py (KV cache manager + coordinator, find_longest_cache_hit),
 #: test_single_type_kv_cache_manager.py (per-spec managers incl. Mamba), the
 #: Mamba-align chunk split where the pin has it (scheduler patch (a)), and the LMCache
-#: and Multi connector tests (patches (d), (e)). Left out: test_scheduler.py,
+#: and Multi connector tests (patches (d), (e)), and test_scheduler.py: every pin carries
+#: a patch that changes vllm/v1/core/sched/scheduler.py (the decode-side hit's
+#: reconciliation; on v0.20.2 also the admission of external KV). Left out:
 #: test_kv_cache_utils.py, test_nixl_connector.py, test_nixl_connector_hma.py (the full
 #: gate and the committed baselines cover them). Measured cost on 2 cores: vLLM's
-#: autouse cleanup fixture makes every test cost ~0.4 s idle, ~1 s loaded, so 0.20.2's
-#: subset (108 tests) takes ~1.5 min and 0.3x's (~370 tests) ~4 min idle, ~10 min loaded.
+#: autouse cleanup fixture makes every test cost ~0.4 s idle, ~1 s loaded.
 REDUCED_SELECTION: dict[str, tuple[str, ...]] = {
     version: tuple(f for f in files if f.endswith((
         "/test_prefix_caching.py",
         "/test_single_type_kv_cache_manager.py",
+        "/test_scheduler.py",
         "/test_mamba_align_chunk_split.py",
         "/test_lmcache_connector.py",
         "/test_multi_connector.py",
