@@ -199,29 +199,22 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
 
     ``nixl``: NixlConnector alone (it declares that it delivers the Mamba
     state). ``nixl+decodebench``: a MultiConnector of NIXL and a connector that
-    does not declare it, which is where upstream's capability gate is false.
+    does not declare it, which is where upstream's capability gate is false;
+    ``decodebench+nixl``: the same children in the other order.
     """
     if kind == "nixl":
         return {"kv_role": kv_role, "kv_connector": "NixlConnector"}
-    if kind == "nixl+decodebench":
+    children = {
+        "nixl+decodebench": ["NixlConnector", "DecodeBenchConnector"],
+        "decodebench+nixl": ["DecodeBenchConnector", "NixlConnector"],
+    }
+    if kind in children:
         return {
             "kv_role": kv_role,
             "kv_connector": "MultiConnector",
             "kv_connector_extra_config": {
                 "connectors": [
-                    {"kv_connector": "NixlConnector", "kv_role": kv_role},
-                    {"kv_connector": "DecodeBenchConnector", "kv_role": kv_role},
-                ]
-            },
-        }
-    if kind == "decodebench+nixl":
-        return {
-            "kv_role": kv_role,
-            "kv_connector": "MultiConnector",
-            "kv_connector_extra_config": {
-                "connectors": [
-                    {"kv_connector": "DecodeBenchConnector", "kv_role": kv_role},
-                    {"kv_connector": "NixlConnector", "kv_role": kv_role},
+                    {"kv_connector": name, "kv_role": kv_role} for name in children[kind]
                 ]
             },
         }

@@ -201,3 +201,18 @@ def checked_schedule(sched: Any, checker: MambaStateChecker):
     output = sched.schedule()
     checker.after_schedule(output)
     return output
+
+
+def checked_step(sched: Any, checker: MambaStateChecker):
+    """One engine step checked by ``checker``: the worker samples a token for every
+    scheduled request and finishes every KV load in flight."""
+    from .builders import model_runner_output
+
+    output = checked_schedule(sched, checker)
+    reqs = [sched.requests[rid] for rid in output.num_scheduled_tokens]
+    loading = {
+        rid for rid, r in sched.requests.items()
+        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    }
+    sched.update_from_output(output, model_runner_output(reqs, loading or None))
+    return output

@@ -15,13 +15,10 @@ real connectors, checks every admission with :class:`MambaStateChecker`
 
 import pytest
 
-from vllm.v1.request import RequestStatus
-
 from ..builders import (
     BLOCK_SIZE,
     connectors,
     hybrid_kv_cache_config,
-    model_runner_output,
     prompt,
     remote_prefill_params,
     request,
@@ -31,7 +28,7 @@ from ..builders import (
 from ..mamba_state import (
     STATE_RESTORING_CONNECTORS,
     MambaStateChecker,
-    checked_schedule,
+    checked_step,
 )
 
 CONSUMER = "coordinator-consumer-skips-mamba-hit"
@@ -43,24 +40,12 @@ def _patches(fn):
     return pytest.mark.patch(CONSUMER)(pytest.mark.patch(PER_REQUEST)(fn))
 
 
-def _step(sched, checker):
-    """One engine step; the worker finishes every KV load that is in flight."""
-    output = checked_schedule(sched, checker)
-    reqs = [sched.requests[rid] for rid in output.num_scheduled_tokens]
-    loading = {
-        rid for rid, r in sched.requests.items()
-        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    }
-    sched.update_from_output(output, model_runner_output(reqs, loading or None))
-    return output
-
-
 def _serve(sched, checker, req):
     """Admit ``req`` and drive it until its prompt is computed (loads finish
     one step after they start)."""
     sched.add_request(req)
     for _ in range(4 * req.num_prompt_tokens):
-        _step(sched, checker)
+        checked_step(sched, checker)
         if req.num_computed_tokens >= req.num_prompt_tokens:
             return
     raise AssertionError(f"{req.request_id} did not get through its prompt")
@@ -168,7 +153,7 @@ def test_preempted_request_resumes_only_where_state_is_cached(kind):
         sched.add_request(r)
     preempted = False
     for _ in range(400):
-        _step(sched, checker)
+        checked_step(sched, checker)
         preempted |= any(r.num_preemptions > 0 for r in reqs)
         if all(r.is_finished() for r in reqs):
             break
