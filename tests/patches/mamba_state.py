@@ -47,7 +47,6 @@ class Admission:
     request_id: str
     external_tokens: int
     serving_connector: str | None  # class name of the connector that loads
-    mamba_blocks: list[list[Any]]  # per Mamba group, the request's blocks
     # per Mamba group: block index -> hash of the cached block found for the
     # request's own prefix at that index when it was admitted (the state a
     # hit there reads; releases up to v0.2x hand that block to the request,
@@ -101,7 +100,6 @@ class MambaStateChecker:
                         if num_external_tokens > 0
                         else None
                     ),
-                    mamba_blocks=[list(blocks.blocks[g]) for g in self.mamba_group_ids],
                     cached_states=self._cached_states(request),
                 )
                 return original(request, blocks, num_external_tokens)
@@ -145,16 +143,14 @@ class MambaStateChecker:
                 continue
             self.admissions.append(adm)
             self.check(req, adm)
-        # Admissions without a connector call are checked from the blocks.
+        # Without a connector nothing is loaded: admissions are found by status.
         if self.sched.connector is None:
             for rid in output.num_scheduled_tokens:
                 req = self.sched.requests[rid]
                 if self._before.get(rid) in (RequestStatus.RUNNING, None):
                     continue
-                blocks = self.sched.kv_cache_manager.get_blocks(rid).blocks
                 adm = Admission(
-                    rid, 0, None, [list(blocks[g]) for g in self.mamba_group_ids],
-                    self._cached_states(req),
+                    rid, 0, None, self._cached_states(req),
                     req.num_computed_tokens - output.num_scheduled_tokens[rid],
                 )
                 self.admissions.append(adm)
