@@ -15,7 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from hybridpd.e2e.servers import ProcessFailed, Processes, free_port, group_members
+import random
+import socket
+
+from hybridpd.e2e import servers
+from hybridpd.e2e.servers import (
+    ProcessFailed,
+    Processes,
+    StartupFailed,
+    free_port,
+    group_members,
+)
 
 DUMMY = textwrap.dedent(
     """
@@ -32,6 +42,10 @@ DUMMY = textwrap.dedent(
     if mode == "crash":
         print("engine core died: boom", flush=True)
         sys.exit(3)
+    if mode == "hang-in-use":  # vLLM's NIXL listener thread: dies, the engine waits
+        print("zmq.error.ZMQError: Address already in use (tcp://localhost:1)", flush=True)
+        while True:
+            time.sleep(1)
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
@@ -141,3 +155,85 @@ def test_check_soon_waits_for_the_exit_to_show(tmp_path: Path, dummy: Path) -> N
             procs.wait_ready({"decode": url}, 20)
             threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
             procs.check_soon(within=5)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice() -> None:
+    low, _ = servers.ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(10000 <= p < low for p in ports), ports
+
+
+def test_free_port_skips_a_port_something_listens_on() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+
+        class Fixed(random.Random):  # offers the busy port first, then another one
+            offers = [busy, busy + 1 if busy + 1 < 60000 else busy - 1]
+
+            def randint(self, a, b):
+                return self.offers.pop(0) if self.offers else super().randint(a, b)
+
+        port = free_port(Fixed(), ephemeral=(65000, 65535))
+    assert port != busy
+
+
+def test_free_port_falls_back_to_the_kernel_without_room_below_the_range() -> None:
+    port = free_port(ephemeral=(1024, 65535))
+    assert port > 0 and port not in (free_port(ephemeral=(1024, 65535)),)
+
+
+def test_a_server_that_hangs_after_its_port_was_taken_fails_fast(tmp_path: Path, dummy: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(StartupFailed) as info:
+        with Processes(tmp_path / "logs", grace=1) as procs:
+            proc, url = _start(procs, dummy, "decode", delay=0.1, mode="hang-in-use")
+            procs.wait_ready({"decode": url}, 60)
+    assert time.monotonic() - t0 < 30  # not the ready timeout
+    assert info.value.port_in_use
+    assert "decode failed to start: zmq.error.ZMQError: Address already in use" in str(info.value)
+    assert str(tmp_path / "logs" / "decode.log") in str(info.value)
+    assert group_members(proc.pid) == []  # reaped all the same
+
+
+def test_start_pair_starts_again_on_new_ports_when_a_port_was_taken(monkeypatch, tmp_path: Path) -> None:
+    from hybridpd.e2e import scenarios
+
+    attempts, stopped = [], []
+
+    def once(procs, *args):
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise StartupFailed("decode", "Address already in use (tcp://localhost:1)", None)
+        return scenarios.Pair("p", "d", "x")
+
+    class Procs:
+        procs = {"prefill": 1, "decode": 1, "proxy": 1}
+
+        def stop(self, name):
+            stopped.append(name)
+
+    monkeypatch.setattr(scenarios, "_start_pair_once", once)
+    said = []
+    pair = scenarios.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
+    assert pair.decode == "d" and len(attempts) == 3
+    assert stopped == ["proxy", "decode", "prefill"] * 2
+    assert "starting the pair again on new ports (2/3)" in said[0]
+
+    attempts.clear()
+    monkeypatch.setattr(scenarios, "START_ATTEMPTS", 2)
+    with pytest.raises(StartupFailed):
+        scenarios.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
+
+
+def test_start_pair_does_not_retry_other_startup_failures(monkeypatch) -> None:
+    from hybridpd.e2e import scenarios
+
+    def once(*args):
+        raise StartupFailed("decode", "something else", None)
+
+    monkeypatch.setattr(scenarios, "_start_pair_once", once)
+    with pytest.raises(StartupFailed, match="something else"):
+        scenarios.start_pair(None, None, "m", "nixl", "kv_both", None, print)

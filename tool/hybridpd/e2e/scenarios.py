@@ -46,7 +46,7 @@ from typing import Callable
 
 from . import metrics
 from .envs import Env
-from .servers import E2EError, Processes, free_port
+from .servers import E2EError, Processes, StartupFailed, free_port
 
 Log = Callable[[str], None]
 
@@ -186,7 +186,39 @@ class Pair:
     commands: dict = field(default_factory=dict)
 
 
+#: How often a pair is started again when a port was taken under a server.
+START_ATTEMPTS = 3
+
+
 def start_pair(
+    procs: Processes,
+    env: Env,
+    model: str,
+    connector: str,
+    role: str,
+    opts: ServerOptions,
+    progress: Log,
+) -> Pair:
+    """Start P, D and the proxy and wait until all three answer.
+
+    Ports are picked before the servers bind them; one that another process takes
+    in between (the server logs "Address already in use") gets the pair stopped and
+    started again on new ports, at most :data:`START_ATTEMPTS` times in all.
+    """
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_pair_once(procs, env, model, connector, role, opts, progress)
+        except StartupFailed as exc:
+            if not exc.port_in_use or attempt == START_ATTEMPTS:
+                raise
+            progress(f"{exc}; starting the pair again on new ports ({attempt + 1}/{START_ATTEMPTS})")
+            for name in ("proxy", "decode", "prefill"):
+                if name in procs.procs:
+                    procs.stop(name)
+    raise AssertionError("unreachable")
+
+
+def _start_pair_once(
     procs: Processes,
     env: Env,
     model: str,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,6 +37,9 @@ from typing import Callable, Mapping, Sequence
 from hybridpd.errors import HybridpdError
 
 Progress = Callable[[str], None]
+
+#: The log line of a server whose port was taken between our pick and its bind.
+ADDRESS_IN_USE = "Address already in use"
 
 # The signal the watchdog sends to the main thread when a process died.
 _WAKE = signal.SIGUSR1
@@ -59,11 +63,71 @@ class ProcessFailed(E2EError):
         super().__init__(f"{name} {reason}{where}{last}")
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class StartupFailed(ProcessFailed):
+    """A starting process logged a line that means it will never get ready.
+
+    Some failures do not end the process: vLLM's NIXL side-channel listener dies
+    in its own thread when its port is taken, and the engine waits for it forever.
+    """
+
+    def __init__(self, name: str, line: str, log: Path | None):
+        self.line = line
+        super().__init__(name, f"failed to start: {line.strip()[:200]}", log)
+
+    @property
+    def port_in_use(self) -> bool:
+        return ADDRESS_IN_USE in self.line
+
+
+#: Ports handed out by :func:`free_port` in this process: never handed out twice.
+_GIVEN: set[int] = set()
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The ports the kernel picks for ``bind(0)`` and outgoing connections."""
+    try:
+        low, high = (int(x) for x in Path(path).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(rng: random.Random | None = None, ephemeral: tuple[int, int] | None = None) -> int:
+    """A TCP port nothing listens on now, and that nothing else is likely to take.
+
+    A server binds its port seconds after we pick it (vLLM's NIXL side channel only
+    after the model loaded). A port from the kernel's ephemeral range can be taken
+    in between: by ``bind(0)`` of the servers themselves (vLLM's engine and ZMQ
+    ports) or as the local end of any outgoing connection. So pick below that range
+    (where only explicit binds go), check that it binds on all addresses, and never
+    hand the same port out twice; fall back to the kernel's choice when there is no
+    room below the range.
+    """
+    rng = rng or random.SystemRandom()
+    low, _ = ephemeral or ephemeral_range()
+    lo, hi = 10000, low - 1
+    for _ in range(200 if hi - lo > 100 else 0):
+        port = rng.randint(lo, hi)
+        if port not in _GIVEN and _bindable(port):
+            _GIVEN.add(port)
+            return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+
+
+def _bindable(port: int) -> bool:
+    for host in ("0.0.0.0", "127.0.0.1"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -104,6 +168,24 @@ class Proc:
     popen: subprocess.Popen
     started: float = field(default_factory=time.monotonic)
     expect_running: bool = True
+    _scanned: int = 0  # bytes of the log :meth:`fatal_line` has read
+
+    def fatal_line(self, markers: Sequence[str]) -> str | None:
+        """The first new log line holding one of ``markers`` (whole lines only)."""
+        if not markers:
+            return None
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._scanned)
+                chunk = f.read()
+        except OSError:
+            return None
+        end = chunk.rfind(b"\n") + 1  # a partial last line is read again next time
+        self._scanned += end
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            if any(m in line for m in markers):
+                return line
+        return None
 
     @property
     def pid(self) -> int:
@@ -276,10 +358,12 @@ class Processes:
         urls: Mapping[str, str],
         timeout: float,
         progress: Progress | None = None,
+        fatal: Sequence[str] = (ADDRESS_IN_USE,),
     ) -> dict[str, float]:
         """Poll each ``name -> url`` until it answers 200; seconds each took.
 
-        Fails as soon as one of the named processes exits, or at ``timeout``.
+        Fails as soon as one of the named processes exits, logs a line holding one
+        of ``fatal`` (:class:`StartupFailed`), or at ``timeout``.
         """
         t0 = time.monotonic()
         pending = dict(urls)
@@ -287,6 +371,12 @@ class Processes:
         last_shown = -1
         while pending:
             self.check()
+            for name in pending:
+                line = self.procs[name].fatal_line(fatal)
+                if line is not None:
+                    # Not kept as self.failure: the caller may stop the process
+                    # and start it again (a port taken under it).
+                    raise StartupFailed(name, line, self.procs[name].log)
             for name, url in list(pending.items()):
                 if _http_ok(url):
                     ready[name] = round(time.monotonic() - self.procs[name].started, 1)
