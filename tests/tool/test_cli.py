@@ -74,6 +74,7 @@ def test_checkout_apply_status_flow(project: Project, tmp_path: Path) -> None:
         "applied": [],
         "already": ["feature"],
         "upstream": ["fix-add"],
+        "recovered": None,
     }
     assert "already applied" in run(project.series_path, "apply", "--dir", str(repo)).stdout
 

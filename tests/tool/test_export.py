@@ -7,7 +7,9 @@ import pytest
 from builders import FIX_ADD, Project, commit_patch, standard_project
 from hybridpd import gitops
 from hybridpd.apply import apply
-from hybridpd.errors import PatchCommitError
+from click.testing import CliRunner
+from hybridpd.cli import main
+from hybridpd.errors import ExportError, PatchCommitError
 from hybridpd.export import check, export
 from hybridpd.series import Pin, Series
 
@@ -35,13 +37,17 @@ def test_export_is_byte_stable(tmp_path: Path) -> None:
     assert snapshot(tmp_path / "out") == exported
 
 
-def test_export_removes_dropped_patches_and_reports_unrecorded(tmp_path: Path) -> None:
+def test_export_removes_dropped_patches_only_with_prune(tmp_path: Path) -> None:
     project, series = standard_project(tmp_path)
     repo = project.checkout("1.0")
     apply(series, repo)
-    gitops.reset_hard(repo, "HEAD~1")  # drop `feature`
+    gitops.reset_hard(repo, "HEAD~1")  # drop `feature`, which series.toml carries
     commit_patch(repo, "brand-new", {"new.txt": "new\n"}, "Brand new")
-    result = export(series, repo)
+    before = snapshot(series.patch_dir(series.pin("1.0")))
+    with pytest.raises(ExportError, match=r"1 patch\(es\) carried on 1.0 have no commit in .*: feature"):
+        export(series, repo)
+    assert snapshot(series.patch_dir(series.pin("1.0"))) == before  # nothing written
+    result = export(series, repo, prune=True)
     assert (result.written, result.removed, result.unrecorded) == (
         ("brand-new",),
         ("feature",),
@@ -51,6 +57,30 @@ def test_export_removes_dropped_patches_and_reports_unrecorded(tmp_path: Path) -
         "brand-new.patch",
         "fix-add.patch",
     ]
+
+
+def test_export_of_an_unapplied_checkout_keeps_the_series(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    repo = project.checkout("1.0")  # stock: no patch commits
+    patch_dir = series.patch_dir(series.pin("1.0"))
+    before = snapshot(patch_dir)
+    result = CliRunner().invoke(main, ["--series", str(series.path), "export", "--dir", str(repo)])
+    assert result.exit_code == 1
+    assert "2 patch(es) carried on 1.0 have no commit" in result.output
+    assert "fix-add, feature" in result.output or "feature, fix-add" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert snapshot(patch_dir) == before
+    assert check(series, round_trip=False) == []
+
+
+def test_export_removes_the_file_of_an_unrecorded_patch(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    repo = project.checkout("1.0")
+    apply(series, repo)
+    stray = series.patch_dir(series.pin("1.0")) / "gone.patch"
+    stray.write_text("x")
+    assert export(series, repo).removed == ("gone",)
+    assert not stray.exists()
 
 
 def test_export_refuses_a_commit_without_trailer(tmp_path: Path) -> None:

@@ -213,14 +213,40 @@ def test_continue_after_resolution_finishes(stopped: tuple[Series, Path, Result]
     assert check(ported) == []
 
 
-def test_resolution_that_changes_nothing_is_upstream_empty(
+def test_continue_with_nothing_resolved_refuses_and_loses_nothing(
     stopped: tuple[Series, Path, Result],
 ) -> None:
     series, dest, _ = stopped
-    gitops.reset_hard(dest, "HEAD")  # keep 2.0's README, drop the new file too
-    report = port_mod.resume(series, dest, "continue")
-    assert results(report)[1] == ("feature", "upstream", "empty")
-    assert gitops.commits(dest, "v2.0..HEAD")[-1].trailer_values(TRAILER) == ["fix-add"]
+    series_text = series.path.read_text()
+    gitops.reset_hard(dest, "HEAD")  # nothing of feature staged: nothing resolved
+    for _ in range(2):  # the reported case: --continue twice
+        result = cli(series, "--continue", "--dir", str(dest))
+        assert result.exit_code == 1, result.output
+        assert (
+            "nothing is staged for feature: resolve the conflicts, `git add` the files, "
+            "then --continue; or, if 2.0 already has the change, --skip --upstream RELEASE"
+        ) in result.output
+        assert len(result.output.strip().splitlines()) == 1
+    # Still stopped on feature, the earlier patch kept; nothing written.
+    state = port_mod.PortState.load(dest)
+    assert (state.current, [d["id"] for d in state.done]) == ("feature", ["fix-add"])
+    assert gitops.am_in_progress(dest)
+    assert series.path.read_text() == series_text
+    assert not series.patch_dir(series.pin("2.0")).exists()
+    # The explicit way out still works.
+    result = cli(series, "--skip", "--upstream", "1.5", "--dir", str(dest))
+    assert result.exit_code == 0, result.output
+
+
+def test_a_commit_that_changes_nothing_is_refused(stopped: tuple[Series, Path, Result]) -> None:
+    series, dest, _ = stopped
+    before = port_mod.PortState.load(dest).before
+    gitops.check(dest, "am", "--abort")  # the user ends git am by hand...
+    gitops.check(dest, "commit", "--allow-empty", "-m", "feature, resolved to nothing")
+    with pytest.raises(HybridpdError, match="the commit changes nothing for feature"):
+        port_mod.resume(series, dest, "continue")
+    assert gitops.resolve(dest, "HEAD~1") == before
+    assert "ported = false" in series.path.read_text()
 
 
 def test_skip_marks_the_patch_upstream(stopped: tuple[Series, Path, Result]) -> None:

@@ -173,3 +173,43 @@ def test_edits_the_builders_layout(tmp_path: Path) -> None:
         editor.set_pin_ported("2.0", True)
         editor.set_patch_state("fix-add", "2.0", "carried")
     assert load(series.path).carried(series.pin("2.0"))[0].id == "fix-add"
+
+
+def test_a_write_killed_half_way_leaves_the_old_file(path: Path, monkeypatch) -> None:
+    """The process dies (here: an interrupt) after writing half of the new text."""
+    import builtins
+    import io
+
+    real_open = io.open
+    before = path.read_text()
+    others = sorted(p.name for p in path.parent.iterdir())
+
+    class HalfWriter:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise KeyboardInterrupt
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def dying_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return HalfWriter(f) if "w" in mode and Path(file).parent == path.parent else f
+
+    monkeypatch.setattr(io, "open", dying_open)
+    monkeypatch.setattr(builtins, "open", dying_open)
+    with pytest.raises(KeyboardInterrupt):
+        seriesedit.set_patch_state(path, "one", "1.0", "upstream", "1.0")
+    monkeypatch.undo()
+    assert path.read_text() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == others  # no temporary file left

@@ -6,8 +6,10 @@ of HEAD. Every commit after that tag is one applied patch and carries the traile
 patch is recognized. Applied patches form an in-order subsequence of the pin's carried
 patches; the carried patches they skip are ones whose change the tree already has.
 
-:func:`apply` is atomic (on failure the checkout is exactly as it was) and idempotent
-(a fully applied checkout is left untouched).
+:func:`apply` is atomic (on failure, Ctrl-C, SIGTERM or SIGHUP the checkout is exactly
+as it was; after SIGKILL the next hybridpd operation on it restores it, see
+:mod:`hybridpd.guard`), idempotent (a fully applied checkout is left untouched), and
+exclusive (one hybridpd operation per checkout at a time).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpd import gitops
+from hybridpd import gitops, guard
 from hybridpd.errors import (
     ApplyError,
     DirtyTreeError,
@@ -35,12 +37,14 @@ class ApplyResult:
 
     ``applied``: patches applied by this call; ``already``: applied before it;
     ``upstream``: carried patches skipped because the tree already has their change.
+    ``recovered``: set when this call first undid an earlier apply that was killed.
     """
 
     pin: str
     applied: tuple[str, ...]
     already: tuple[str, ...]
     upstream: tuple[str, ...]
+    recovered: str | None = None  # a killed earlier operation this call undid first
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,11 @@ def apply(series: Series, repo: Path) -> ApplyResult:
             f"the series is not ported to {pin.version} yet "
             f"(hybridpd port --from {ported[-1]} --to {pin.version})"
         )
+    with guard.operation(repo, "apply") as recovered:
+        return _apply_locked(series, repo, pin, recovered)
+
+
+def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -> ApplyResult:
     changes = gitops.status(repo)
     if changes:
         shown = ", ".join(line.strip() for line in changes[:_SHOWN_DIRTY])
@@ -131,13 +140,18 @@ def apply(series: Series, repo: Path) -> ApplyResult:
     original_head = gitops.head(repo)
     applied: list[str] = []
     upstream = list(plan.skipped)
-    try:
-        for patch in plan.remaining:
-            (applied if _apply_one(series, repo, pin, patch) else upstream).append(patch.id)
-    except BaseException:
-        _restore(repo, original_head, changes)
-        raise
-    return ApplyResult(pin.version, tuple(applied), tuple(plan.applied), tuple(upstream))
+    with guard.journal(repo, "apply"):
+        try:
+            for number, patch in enumerate(plan.remaining, start=1):
+                guard.fault(f"apply:patch-{number}")
+                (applied if _apply_one(series, repo, pin, patch) else upstream).append(patch.id)
+            guard.fault("apply:done")
+        except BaseException:
+            _restore(repo, original_head, changes)
+            raise
+    return ApplyResult(
+        pin.version, tuple(applied), tuple(plan.applied), tuple(upstream), recovered
+    )
 
 
 def status(series: Series, repo: Path) -> Status:
@@ -209,8 +223,7 @@ def _apply_one(series: Series, repo: Path, pin: Pin, patch: Patch) -> bool:
 
 
 def _restore(repo: Path, head: str, status_before: list[str]) -> None:
-    """Put ``repo`` back at ``head`` and check the work tree is as it was."""
-    gitops.am_abort(repo)
-    gitops.reset_hard(repo, head)
+    """Put ``repo`` back at ``head`` (the journal's) and check the work tree is as it was."""
+    guard.recover(repo)
     if gitops.head(repo) != head or gitops.status(repo) != status_before:
         raise GitError(f"{repo}: could not restore the checkout to {head[:12]}; inspect it")

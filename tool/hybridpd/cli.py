@@ -12,8 +12,8 @@ the "Commands defined in other modules" section at the bottom of this file.
 from __future__ import annotations
 
 import functools
-import json
 import shlex
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Any
 
 import click
 
-from hybridpd import __version__, exportpr, testrun
+from hybridpd import __version__, exportpr, jsonout, testrun
 from hybridpd import build as build_mod
 from hybridpd import install as install_mod
 from hybridpd import port as port_mod
@@ -49,8 +49,7 @@ class State:
         return series_mod.load(series_mod.locate(self.series_option))
 
 
-def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2))
+_echo_json = jsonout.emit
 
 
 def _dir_option(**kwargs: Any) -> Any:
@@ -67,10 +66,10 @@ _checkout_dir = _dir_option(
     show_default=True,
     help="The checkout (made by `hybridpd checkout`).",
 )
-_json_flag = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+_json_flag = jsonout.flag()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=jsonout.JsonGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hybridpd")
 @click.option(
     "--series",
@@ -89,6 +88,22 @@ def main(ctx: click.Context, series_path: Path | None) -> None:
     patches/<pin>/, and let `check` prove the committed files are current.
     """
     ctx.obj = State(series_path)
+    _interrupt_on(signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt_on(*signals: signal.Signals) -> None:
+    """Make ``signals`` end a command the way Ctrl-C does, through its restore path.
+
+    Only where the signal still has its default action (a caller that handles it,
+    such as a test harness, keeps its handler).
+    """
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in signals:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, interrupt)
 
 
 @main.command()
@@ -135,6 +150,8 @@ def apply(state: State, repo: Path, as_json: bool) -> None:
     exactly and the error names the patch and files. Running it again is a no-op.
     """
     result = apply_series(state.series, repo)
+    if result.recovered:
+        click.echo(result.recovered, err=True)
     if as_json:
         _echo_json(
             {
@@ -142,6 +159,7 @@ def apply(state: State, repo: Path, as_json: bool) -> None:
                 "applied": list(result.applied),
                 "already": list(result.already),
                 "upstream": list(result.upstream),
+                "recovered": result.recovered,
             }
         )
         return
@@ -232,15 +250,22 @@ def _pin_json(series: Series, pin: series_mod.Pin) -> dict[str, Any]:
 
 @main.command()
 @_checkout_dir
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="Also remove the files of patches series.toml carries on the pin that have "
+    "no commit in the checkout (without it, export refuses and writes nothing).",
+)
 @click.pass_obj
-def export(state: State, repo: Path) -> None:
+def export(state: State, repo: Path, prune: bool) -> None:
     """Write the checkout's patch commits to patches/<pin>/<id>.patch.
 
-    Output is byte-stable. Files of patches no longer in the checkout are removed;
-    series.toml is never edited, but patches without a record are reported.
+    Output is byte-stable. Files of patches no longer in the checkout are removed,
+    except those series.toml carries on the pin (that needs --prune); series.toml is
+    never edited, but patches without a record are reported.
     """
     series = state.series
-    result = export_series(series, repo)
+    result = export_series(series, repo, prune=prune)
     for label, ids in (("wrote", result.written), ("removed", result.removed)):
         for patch_id in ids:
             click.echo(f"{label:<9} {result.pin}/{patch_id}.patch")

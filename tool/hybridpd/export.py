@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpd import checkout as checkout_mod
-from hybridpd import gitops
+from hybridpd import gitops, guard
 from hybridpd.apply import apply, checkout_pin, patch_commits
 from hybridpd.errors import ApplyError, ExportError
 from hybridpd.series import Pin, Series
@@ -42,12 +42,22 @@ class ExportResult:
     dirty: bool
 
 
-def export(series: Series, repo: Path, out_dir: Path | None = None) -> ExportResult:
+def export(
+    series: Series, repo: Path, out_dir: Path | None = None, prune: bool = False
+) -> ExportResult:
     """Write ``repo``'s patch commits to ``out_dir`` (default: the pin's patch dir).
 
-    Files of patches that no longer have a commit are removed; a commit without a
-    ``Hybridpd-Patch`` trailer is an error (nothing is written then).
+    Files of patches that no longer have a commit are removed. Nothing is written
+    (an :class:`ExportError`) when a commit has no ``Hybridpd-Patch`` trailer, or
+    when a patch that ``series.toml`` records as carried on the pin has a file but
+    no commit, unless ``prune``: exporting an unapplied checkout must not delete
+    the pin's series.
     """
+    with guard.operation(repo, "export"):
+        return _export_locked(series, repo, out_dir, prune)
+
+
+def _export_locked(series: Series, repo: Path, out_dir: Path | None, prune: bool) -> ExportResult:
     pin = checkout_pin(series, repo)
     out_dir = out_dir or series.patch_dir(pin)
     exported: dict[str, bytes] = {}
@@ -57,6 +67,15 @@ def export(series: Series, repo: Path, out_dir: Path | None = None) -> ExportRes
                 f"patch {patch_id} is on more than one commit (second: {commit.sha[:12]})"
             )
         exported[patch_id] = gitops.format_patch(repo, commit.sha)
+    stale = sorted(p.stem for p in out_dir.glob("*.patch") if p.stem not in exported)
+    carried = {patch.id for patch in series.carried(pin)}
+    lost = [i for i in stale if i in carried]
+    if lost and not prune:
+        raise ExportError(
+            f"{len(lost)} patch(es) carried on {pin.version} have no commit in {repo}: "
+            f"{', '.join(lost)} (not applied? `hybridpd apply --dir {repo}`); "
+            "--prune removes their files"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     written, unchanged = [], []
     for patch_id, content in exported.items():
@@ -66,7 +85,7 @@ def export(series: Series, repo: Path, out_dir: Path | None = None) -> ExportRes
         else:
             path.write_bytes(content)
             written.append(patch_id)
-    removed = sorted(p.stem for p in out_dir.glob("*.patch") if p.stem not in exported)
+    removed = stale
     for patch_id in removed:
         (out_dir / f"{patch_id}.patch").unlink()
     unrecorded = [i for i in exported if series.patch(i) is None]
@@ -141,6 +160,7 @@ def _round_trip_problems(series: Series, pin: Pin, fresh_checkout: FreshCheckout
     with tempfile.TemporaryDirectory(prefix="hybridpd-check-") as tmp:
         repo, out_dir = Path(tmp) / "src", Path(tmp) / "export"
         fresh_checkout(series, pin, repo)
+        guard.fault("check:round-trip")
         try:
             result = apply(series, repo)
         except ApplyError as exc:

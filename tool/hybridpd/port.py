@@ -11,8 +11,9 @@ Each patch gets one result:
 * ``resolved``: conflicted, and was resolved by hand (``--continue``);
 * ``upstream``, with its evidence: ``recorded`` (series.toml already says so: the
   record is upstream on V2, or already on V1; not replayed), ``reverse-applies``
-  (the tree already has the change), ``empty`` (the merge, or the manual
-  resolution, left nothing to commit) or ``manual`` (``--skip --upstream RELEASE``);
+  (the tree already has the change), ``empty`` (the automatic 3-way merge left
+  nothing to commit) or ``manual`` (``--skip --upstream RELEASE``, the only way a
+  patch that stopped the port is dropped);
 * ``conflict``: the port stops there (see below).
 
 Invariants:
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridpd import cache, gitops, seriesedit
+from hybridpd import cache, gitops, guard, seriesedit
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
 from hybridpd.errors import HybridpdError
@@ -276,12 +277,25 @@ def resume(
     """Go on with the port in ``dest`` after it stopped on a conflict.
 
     ``continue``: the conflicts are resolved and staged; the patch is committed as
-    ``resolved`` (or counted ``upstream``/``empty`` when the resolution changes
-    nothing). ``skip``: V2 already has the change; the patch is dropped and recorded
+    ``resolved``. A resolution that changes nothing is refused (as ``git am
+    --continue`` refuses one), and the port stays stopped: only ``skip`` drops a
+    patch. ``skip``: V2 already has the change; the patch is dropped and recorded
     upstream since ``upstream`` (evidence ``manual``). Then the port runs on.
     """
     dest = dest.absolute()
     state = _load_state(series, dest)
+    with guard.operation(dest, "port"):
+        return _resume_locked(series, dest, state, action, upstream, log)
+
+
+def _resume_locked(
+    series: Series,
+    dest: Path,
+    state: PortState,
+    action: Literal["continue", "skip"],
+    upstream: str | None,
+    log: Log,
+) -> PortReport:
     if action == "skip":
         if not upstream:
             raise PortError("--skip needs --upstream RELEASE (the first release with the change)")
@@ -307,11 +321,12 @@ def abort(dest: Path) -> PortState:
     """
     dest = dest.absolute()
     state = PortState.load(dest)
-    gitops.am_abort(dest)
-    gitops.reset_hard(dest, state.stock)
-    gitops.check(dest, "clean", "--quiet", "-d", "--force")
-    _drop_base(dest)
-    PortState.path(dest).unlink()
+    with guard.operation(dest, "port --abort"):
+        gitops.am_abort(dest)
+        gitops.reset_hard(dest, state.stock)
+        gitops.check(dest, "clean", "--quiet", "-d", "--force")
+        _drop_base(dest)
+        PortState.path(dest).unlink()
     return state
 
 
@@ -386,15 +401,15 @@ def _continue_current(series: Series, dest: Path, state: PortState) -> None:
         marked = [f for f in files if _marker_lines(dest / f)]
         if marked:
             raise PortError(f"conflict markers are left in {', '.join(marked)}")
-        if not gitops.run(dest, "diff", "--cached", "--quiet", "HEAD").ok:
-            _am(dest, "--continue")
-        else:
-            _am(dest, "--skip")  # the resolution changes nothing: git am cannot commit it
+        if gitops.run(dest, "diff", "--cached", "--quiet", "HEAD").ok:
+            # As `git am --continue` does: a resolution that stages nothing is not
+            # one. Dropping the patch loses it from the pin, so only an explicit
+            # --skip --upstream RELEASE may say the release has the change.
+            raise PortError(_nothing_resolved(patch_id, state.to_version, "nothing is staged"))
+        _am(dest, "--continue")
     head = gitops.head(dest)
     if head == before or _tree(dest, head) == _tree(dest, before):
-        _reset_to(dest, before)
-        v2 = series.pin(state.to_version)
-        state.record(_upstream(series, v2, patch_id, "empty", files))
+        raise PortError(_nothing_resolved(patch_id, state.to_version, "the commit changes nothing"))
     else:
         if gitops.resolve(dest, f"{head}~1") != before:
             raise PortError(
@@ -404,6 +419,13 @@ def _continue_current(series: Series, dest: Path, state: PortState) -> None:
         _ensure_trailer(dest, patch_id)
         state.record(PatchResult(patch_id, "resolved", None, files))
     state.save(dest)
+
+
+def _nothing_resolved(patch_id: str, version: str, what: str) -> str:
+    return (
+        f"{what} for {patch_id}: resolve the conflicts, `git add` the files, then "
+        f"--continue; or, if {version} already has the change, --skip --upstream RELEASE"
+    )
 
 
 def finish(series: Series, dest: Path, state: PortState) -> PortReport:

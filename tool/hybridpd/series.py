@@ -167,8 +167,17 @@ def locate(explicit: Path | None = None, cwd: Path | None = None) -> Path:
 def load(path: Path) -> Series:
     """Read and validate the series file at ``path``; SeriesError names the bad field."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SeriesError(f"{path}: {exc}") from exc
+    return parse(text, path)
+
+
+def parse(text: str, path: Path) -> Series:
+    """Validate ``text`` as the series file that would live at ``path``."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise SeriesError(f"{path}: {exc}") from exc
     return _Parser(path).series(data)
 

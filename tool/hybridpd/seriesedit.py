@@ -7,9 +7,10 @@ the lines it is about.
 
 Invariants:
 
-* A write never leaves an invalid series behind: after writing, the file is loaded
-  again with :func:`hybridpd.series.load`; if that fails, the previous text is put
-  back and the :class:`~hybridpd.errors.SeriesError` is raised.
+* A write never leaves an invalid or partial series behind: the new text is
+  validated with :func:`hybridpd.series.parse` before anything is written (a
+  :class:`~hybridpd.errors.SeriesError` otherwise), then written to a temporary file
+  beside the series and renamed over it.
 * Several edits that are only valid together (marking a pin ported *and* giving every
   patch a state on it) are made on one :class:`Editor` inside :func:`edit`, and
   written and validated once.
@@ -18,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from tomlkit.items import AoT, Table, Whitespace
 from tomlkit.toml_document import TOMLDocument
 
 from hybridpd.errors import SeriesError
-from hybridpd.series import STATES, Series, load
+from hybridpd.series import STATES, Series, load, parse
 
 
 class Editor:
@@ -129,15 +131,24 @@ def edit(path: Path) -> Iterator[Editor]:
 
 
 def write_validated(path: Path, text: str, before: str) -> Series:
-    """Write ``text`` to ``path`` if it loads as a valid series, else restore ``before``."""
+    """Write ``text`` to ``path`` if it parses as a valid series; else raise, writing nothing.
+
+    The write is atomic (a temporary file beside ``path``, then a rename): a reader,
+    or a process killed mid-write, sees the old file or the new one, never a part.
+    """
     if text == before:
         return load(path)
-    path.write_text(text, encoding="utf-8")
+    series = parse(text, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        return load(path)
-    except SeriesError:
-        path.write_text(before, encoding="utf-8")
-        raise
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return series
 
 
 def set_pin_ported(path: Path, version: str, ported: bool) -> Series:

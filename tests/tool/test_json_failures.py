@@ -1,0 +1,51 @@
+"""The --json contract on failure: one JSON document on stdout, exit codes kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from builders import standard_project
+from click.testing import CliRunner
+from hybridpd.cli import main
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+
+def run(series_path: Path, *args: str):
+    return CliRunner().invoke(main, ["--series", str(series_path), *args])
+
+
+def test_a_failed_operation_prints_the_failure_document(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    result = run(series.path, "apply", "--dir", str(tmp_path / "nowhere"), "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False and doc["error"]
+    assert f"Error: {doc['error']}" in result.stderr
+
+
+def test_a_usage_error_in_the_command_keeps_exit_2(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    result = run(series.path, "port", "--skip", "--dir", str(tmp_path), "--json")
+    assert result.exit_code == 2
+    assert json.loads(result.stdout) == {
+        "ok": False,
+        "error": "--skip needs --upstream RELEASE (the first release with the change)",
+    }
+
+
+def test_a_command_that_describes_its_failure_prints_one_document(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    (series.patch_dir(series.pin("1.0")) / "fix-add.patch").unlink()
+    result = run(series.path, "check", "--no-apply", "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)  # one document: check's own
+    assert doc["ok"] is False and doc["problems"]
+
+
+def test_without_json_stdout_stays_empty_on_failure(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    result = run(series.path, "apply", "--dir", str(tmp_path / "nowhere"))
+    assert result.exit_code == 1 and result.stdout == ""

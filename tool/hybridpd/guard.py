@@ -1,0 +1,174 @@
+"""One hybridpd operation at a time on a checkout, and recovery from one that was killed.
+
+Invariants:
+
+* :func:`operation` holds an exclusive ``flock`` on ``<git dir>/hybridpd.lock`` for
+  the whole operation. A second hybridpd on the same checkout fails at once with one
+  line naming the operation and pid that hold it. The kernel drops a ``flock`` when
+  its holder dies, even by SIGKILL, so the lock is never stale.
+* An operation that changes the checkout writes a journal
+  (``<git dir>/hybridpd-journal.json``: operation, pid, HEAD, the git lock files
+  present) before its first change, and removes it once the checkout is final,
+  after success or after its own restore. A journal that the next caller finds (it
+  holds the lock, so the journal's writer is dead) means that operation was killed:
+  :func:`recover` puts HEAD, index and work tree back at the journal's HEAD, removes
+  the git lock files the dead operation left (never one that was there before it),
+  and aborts the ``git am`` session, which the dead operation started (it refuses
+  to start beside one).
+* Without a journal, git state that is not hybridpd's (a ``git am`` session, an
+  ``index.lock``) is refused with one line that says what to do; hybridpd never
+  aborts a ``git am`` it did not start.
+* :func:`fault` is the deterministic hook of the fault-injection tests:
+  ``HYBRIDPD_FAULT=<point>`` (or ``<point>:TERM``) makes the process kill itself with
+  SIGKILL (SIGTERM) when it reaches ``<point>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+from hybridpd import gitops
+from hybridpd.errors import HybridpdError
+
+LOCK = "hybridpd.lock"
+JOURNAL = "hybridpd-journal.json"
+FAULT_ENV = "HYBRIDPD_FAULT"
+
+# The git dirs whose lock this process holds (a flock is per open file: taking it
+# twice in one process would fail against itself).
+_HELD: set[str] = set()
+
+
+class BusyError(HybridpdError):
+    """Another hybridpd operation holds the checkout."""
+
+
+class InterruptedStateError(HybridpdError):
+    """The checkout is in the middle of a git operation that is not hybridpd's."""
+
+
+def git_dir(repo: Path) -> Path:
+    return repo / gitops.check(repo, "rev-parse", "--git-dir").strip()
+
+
+def fault(point: str) -> None:
+    """Kill this process at ``point`` if ``$HYBRIDPD_FAULT`` names it (tests only)."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted:
+        return
+    name, sig = wanted, signal.SIGKILL
+    if wanted.endswith(":TERM"):
+        name, sig = wanted.removesuffix(":TERM"), signal.SIGTERM
+    if name == point:
+        os.kill(os.getpid(), sig)
+
+
+@contextlib.contextmanager
+def operation(repo: Path, name: str) -> Iterator[str | None]:
+    """Hold ``repo``'s hybridpd lock for ``name``; recover a killed operation first.
+
+    Yields what :func:`recover` did (a line for the user), or None.
+    """
+    gdir = git_dir(repo)
+    key = str(gdir.resolve())
+    if key in _HELD:  # an operation inside another one (port's export): already ours
+        yield None
+        return
+    fh = open(gdir / LOCK, "a+")
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another hybridpd"
+            raise BusyError(
+                f"{repo} is busy: {holder} is running on it; run again when it ends"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"hybridpd {name} (pid {os.getpid()})\n")
+        fh.flush()
+        _HELD.add(key)
+        yield recover(repo)
+    finally:
+        _HELD.discard(key)
+        fh.close()  # releases the flock
+
+
+def recover(repo: Path) -> str | None:
+    """Undo the operation recorded in the journal; a line saying so, or None.
+
+    Call with the lock held (so the journal's writer is not running). Without a
+    journal, foreign interrupted state is refused (:class:`InterruptedStateError`).
+    The journal is removed only once the checkout is back at its HEAD.
+    """
+    gdir = git_dir(repo)
+    path = gdir / JOURNAL
+    if not path.is_file():
+        _refuse_foreign_state(repo, gdir)
+        return None
+    data = json.loads(path.read_text())
+    for lock in _git_locks(gdir) - set(data["locks"]):
+        (gdir / lock).unlink(missing_ok=True)
+    if (gdir / "rebase-apply").is_dir():  # started by the journal's operation
+        gitops.check(repo, "am", "--abort")
+    gitops.reset_hard(repo, data["head"])
+    path.unlink()
+    return (
+        f"{repo}: recovered from an interrupted `hybridpd {data['operation']}` "
+        f"(pid {data['pid']}): HEAD, index and work tree restored to {data['head'][:12]}"
+    )
+
+
+@contextlib.contextmanager
+def journal(repo: Path, name: str) -> Iterator[None]:
+    """Record ``repo``'s HEAD and git locks before the body changes the checkout.
+
+    On a normal exit the journal is removed. On an exception it stays for the
+    caller's restore (:func:`recover`, which removes it once the checkout is back);
+    a process killed in the body leaves it for the next operation.
+    """
+    if gitops.am_in_progress(repo):  # recover() will abort the session: it must be ours
+        raise InterruptedStateError(f"{repo}: a `git am` session is in progress")
+    gdir = git_dir(repo)
+    path = gdir / JOURNAL
+    data = {
+        "operation": name,
+        "pid": os.getpid(),
+        "head": gitops.head(repo),
+        "locks": sorted(_git_locks(gdir)),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    yield
+    path.unlink(missing_ok=True)
+
+
+def _git_locks(gdir: Path) -> set[str]:
+    """git's lock files under ``gdir`` (relative paths), not counting hybridpd's."""
+    found = set()
+    for pattern in ("*.lock", "refs/**/*.lock"):
+        for path in gdir.glob(pattern):
+            if path.name != LOCK:
+                found.add(str(path.relative_to(gdir)))
+    return found
+
+
+def _refuse_foreign_state(repo: Path, gdir: Path) -> None:
+    if (gdir / "rebase-apply").is_dir() and not (gdir / "hybridpd-port.json").is_file():
+        raise InterruptedStateError(
+            f"{repo} is in the middle of a `git am` that hybridpd did not start: finish it "
+            f"(git -C {repo} am --continue) or abort it (git -C {repo} am --abort), then run again"
+        )
+    if (gdir / "index.lock").exists():
+        raise InterruptedStateError(
+            f"{gdir / 'index.lock'} exists: another git command is running on {repo}, or one "
+            "crashed; if none is running, remove the file and run again"
+        )

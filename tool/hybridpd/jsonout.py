@@ -1,0 +1,62 @@
+"""The ``--json`` contract: every command run with ``--json`` prints one JSON document
+on stdout, whether it succeeds or fails.
+
+On success the document is the command's own (see each command). On failure, unless
+the command already printed its document (``check`` and ``port`` describe their
+failures themselves), it is ``{"ok": false, "error": "<the one-line message>"}``; the
+message also goes to stderr as ``Error: ...`` and the exit code stays 1 (a failed
+operation) or 2 (bad usage).
+
+Commands declare the flag with :func:`flag`, print with :func:`emit`, and the
+command group (:class:`JsonGroup`) writes the failure document.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+_META = "hybridpd.json"
+
+
+def _remember(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    ctx.meta[_META] = {"on": value, "emitted": False}
+    return value
+
+
+def flag(help: str = "Print JSON for machines.") -> Any:
+    """The ``--json`` option (``as_json``). Eager: a later usage error still sees it."""
+    return click.option(
+        "--json", "as_json", is_flag=True, is_eager=True, callback=_remember, help=help
+    )
+
+
+def emit(data: Any) -> None:
+    """Print the command's JSON document."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and _META in ctx.meta:
+        ctx.meta[_META]["emitted"] = True
+    click.echo(json.dumps(data, indent=2))
+
+
+def failure_document(ctx: click.Context, exc: click.ClickException) -> dict | None:
+    """What a failed ``--json`` run prints on stdout, or None."""
+    state = ctx.meta.get(_META)
+    if not state or not state["on"] or state["emitted"]:
+        return None
+    return {"ok": False, "error": exc.format_message()}
+
+
+class JsonGroup(click.Group):
+    """A group whose commands keep the ``--json`` contract on failure."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            doc = failure_document(ctx, exc)
+            if doc is not None:
+                click.echo(json.dumps(doc))
+            raise
