@@ -39,6 +39,8 @@ from hybridpd.errors import HybridpdError
 LOCK = "hybridpd.lock"
 JOURNAL = "hybridpd-journal.json"
 FAULT_ENV = "HYBRIDPD_FAULT"
+#: A stopped `hybridpd port` keeps its git am session on purpose; its state file says so.
+PORT_STATE = "hybridpd-port.json"
 
 # The git dirs whose lock this process holds (a flock is per open file: taking it
 # twice in one process would fail against itself).
@@ -162,7 +164,7 @@ def _git_locks(gdir: Path) -> set[str]:
 
 
 def _refuse_foreign_state(repo: Path, gdir: Path) -> None:
-    if (gdir / "rebase-apply").is_dir() and not (gdir / "hybridpd-port.json").is_file():
+    if (gdir / "rebase-apply").is_dir() and not (gdir / PORT_STATE).is_file():
         raise InterruptedStateError(
             f"{repo} is in the middle of a `git am` that hybridpd did not start: finish it "
             f"(git -C {repo} am --continue) or abort it (git -C {repo} am --abort), then run again"

@@ -52,7 +52,7 @@ from hybridpd.errors import HybridpdError
 from hybridpd.export import export
 from hybridpd.series import Pin, Series
 
-STATE_FILE = "hybridpd-port.json"
+STATE_FILE = guard.PORT_STATE
 #: Where the V1 release commit is kept in the port directory while a port runs.
 BASE_REF = "refs/hybridpd/port-from"
 STATE_SCHEMA = 1
