@@ -74,6 +74,8 @@ def checkout_pin(series: Series, repo: Path) -> Pin:
     """The pin ``repo`` was checked out at (see the module docstring)."""
     if not repo.is_dir() or not gitops.is_repo(repo):
         raise UnknownPinError(f"{repo} is not a git checkout (see hybridpd checkout)")
+    if gitops.resolve(repo, "HEAD") is None:
+        raise UnknownPinError(f"{repo} is a git repository without commits (see hybridpd checkout)")
     tags = gitops.tag_commits(repo)
     pins_by_commit = {tags[pin.tag]: pin for pin in series.pins if pin.tag in tags}
     for sha in gitops.first_parent_history(repo):

@@ -33,7 +33,8 @@ from typing import Callable, Mapping, Sequence
 
 import git
 
-from . import kernels
+from . import guard, kernels
+from .cache import cache_dir
 from . import wheel_overlay as wo
 
 PACKAGE = "vllm"
@@ -86,14 +87,6 @@ def _stderr(msg: str) -> None:
 
 class BuildError(Exception):
     """A build step failed; the message is one line, fit for the user."""
-
-
-def cache_dir() -> Path:
-    """``$HYBRIDPD_CACHE``, else ``$XDG_CACHE_HOME/hybridpd``, else ``~/.cache/hybridpd``."""
-    if os.environ.get("HYBRIDPD_CACHE"):
-        return Path(os.environ["HYBRIDPD_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hybridpd"
 
 
 def _norm(name: str) -> str:
@@ -212,6 +205,12 @@ def find_cached_wheel(dest: Path, distribution: str, version: str) -> Path | Non
 def download_wheel(py: Path, distribution: str, version: str, dest: Path, log: Log) -> Path:
     """The release wheel in ``dest``, downloaded with the venv's pip unless cached."""
     dest.mkdir(parents=True, exist_ok=True)
+    # pip writes the wheel in place: one downloader at a time, the others then reuse it.
+    with guard.entry(dest / f"{distribution}-{version}", log):
+        return _download_wheel_locked(py, distribution, version, dest, log)
+
+
+def _download_wheel_locked(py: Path, distribution: str, version: str, dest: Path, log: Log) -> Path:
     cached = find_cached_wheel(dest, distribution, version)
     if cached:
         log(f"using cached {cached}")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import click
 
-from hybridpd import pkgindex
-from hybridpd.errors import ChecksumError
+from hybridpd import guard, pkgindex
+from hybridpd.errors import ChecksumError, LocalFileError
 
 CACHE_ENV = "HYBRIDPD_CACHE"
 
@@ -44,6 +44,14 @@ def sdist(package: str, filename: str, sha256: str) -> Path:
     configured for (see :mod:`hybridpd.pkgindex`) when the cache has no good copy.
     """
     path = cache_dir() / "sdists" / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with guard.entry(path, lambda msg: click.echo(msg, err=True)):
+        return _verified_or_downloaded(package, path, filename, sha256)
+
+
+def _verified_or_downloaded(package: str, path: Path, filename: str, sha256: str) -> Path:
+    if path.exists() and not path.is_file():
+        raise LocalFileError(f"cache entry {path} is not a file; remove it and run again")
     if path.is_file():
         actual = file_sha256(path)
         if actual == sha256:
@@ -52,7 +60,6 @@ def sdist(package: str, filename: str, sha256: str) -> Path:
             f"cached {path} has sha256 {actual}, expected {sha256}; re-downloading", err=True
         )
         path.unlink()
-    path.parent.mkdir(parents=True, exist_ok=True)
     settings = pkgindex.pip_settings()
     found = pkgindex.find_file(package, filename, settings)
     # Fail before a long download when the index already tells us the hash is wrong.

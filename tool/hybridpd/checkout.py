@@ -28,7 +28,7 @@ from typing import Literal
 
 import click
 
-from hybridpd import cache, gitops
+from hybridpd import cache, gitops, guard
 from hybridpd.errors import CheckoutError, HybridpdError
 from hybridpd.series import Pin, Series
 
@@ -132,17 +132,25 @@ def _strip_top_directory(members: list[tarfile.TarInfo], archive: Path) -> list[
 
 @contextlib.contextmanager
 def owned_directory(dest: Path) -> Iterator[None]:
-    """Create ``dest`` if needed; on failure undo that, or empty a pre-existing one."""
+    """Create ``dest`` if needed and hold its lock (:func:`hybridpd.guard.directory`);
+    on failure undo the creation, or empty a pre-existing directory.
+
+    A second process on the same ``dest`` fails with one line and changes nothing;
+    one that gets the lock after another process filled ``dest`` finds it not empty.
+    """
     created = next((p for p in reversed((dest, *dest.parents)) if not p.exists()), None)
     dest.mkdir(parents=True, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        else:
-            _empty(dest)
-        raise
+    with guard.directory(dest, "checkout"):
+        if any(dest.iterdir()):  # another process filled it before we got the lock
+            raise CheckoutError(f"{dest} already exists and is not an empty directory")
+        try:
+            yield
+        except BaseException:
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            else:
+                _empty(dest)
+            raise
 
 
 def _empty(directory: Path) -> None:

@@ -58,3 +58,17 @@ class ExportError(HybridpdError):
 
 class CheckFailed(HybridpdError):
     """``hybridpd check`` found problems."""
+
+
+class LocalFileError(HybridpdError):
+    """A local file or directory (a checkout, the cache) could not be read or written.
+
+    Kept apart from :class:`PackageIndexError`: the fix is on this machine (a path,
+    permissions, free space), not on the network.
+    """
+
+    @classmethod
+    def from_os_error(cls, exc: OSError) -> LocalFileError:
+        names = [str(n) for n in (exc.filename, exc.filename2) if n is not None]
+        where = " -> ".join(names) or "a local file"
+        return cls(f"local file system: {where}: {exc.strerror or exc}")

@@ -18,6 +18,11 @@ Invariants:
 * Without a journal, git state that is not hybridpd's (a ``git am`` session, an
   ``index.lock``) is refused with one line that says what to do; hybridpd never
   aborts a ``git am`` it did not start.
+* :func:`directory` holds an exclusive ``flock`` on a directory being created (a
+  checkout or a port's new tree), so two hybridpd processes never write one
+  directory at once: the second fails with one line and touches nothing.
+* :func:`entry` serialises writers of one cache entry (a download): a second caller
+  waits, saying so once, and then finds the first one's result.
 * :func:`fault` is the deterministic hook of the fault-injection tests:
   ``HYBRIDPD_FAULT=<point>`` (or ``<point>:TERM``) makes the process kill itself with
   SIGKILL (SIGTERM) when it reaches ``<point>``.
@@ -30,7 +35,7 @@ import fcntl
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hybridpd import gitops
@@ -101,6 +106,66 @@ def operation(repo: Path, name: str) -> Iterator[str | None]:
     finally:
         _HELD.discard(key)
         fh.close()  # releases the flock
+
+
+@contextlib.contextmanager
+def directory(dest: Path, name: str) -> Iterator[None]:
+    """Hold ``dest``'s own lock (a ``flock`` on the directory) while ``name`` fills it.
+
+    Re-entrant within a process (port's checkout runs inside port's). Fails at once
+    with :class:`BusyError` when another process holds it.
+    """
+    key = f"dir:{dest.resolve()}"
+    if key in _HELD:
+        yield
+        return
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BusyError(
+                f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
+            ) from None
+        _HELD.add(key)
+        try:
+            yield
+        finally:
+            _HELD.discard(key)
+    finally:
+        os.close(fd)  # releases the flock
+
+
+@contextlib.contextmanager
+def entry(path: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Be the only writer of cache entry ``path`` (lock file ``.<name>.lock`` beside it).
+
+    A second caller waits for the first, saying so on ``log`` once. The holder removes
+    the lock file when it is done; a waiter that then wakes on the removed file takes
+    the lock again on a new one (it checks the inode), so two holders never overlap.
+    """
+    lock = path.with_name(f".{path.name}.lock")
+    said = False
+    while True:
+        fh = open(lock, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not said:
+                log(f"waiting for another hybridpd process that is writing {path}")
+                said = True
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            if os.fstat(fh.fileno()).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        fh.close()  # its holder removed it: lock the new file
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        fh.close()
 
 
 def recover(repo: Path) -> str | None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from hybridpd.errors import LocalFileError
+
 _META = "hybridpd.json"
 
 
@@ -50,11 +52,19 @@ def failure_document(ctx: click.Context, exc: click.ClickException) -> dict | No
 
 
 class JsonGroup(click.Group):
-    """A group whose commands keep the ``--json`` contract on failure."""
+    """A group whose commands keep the ``--json`` contract on failure.
+
+    An ``OSError`` that reaches it is a local file system error (network errors are
+    :class:`~hybridpd.errors.PackageIndexError` by then): it is reported in one line
+    like any other failure, not as a traceback.
+    """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except OSError as exc:
+                raise LocalFileError.from_os_error(exc) from exc
         except click.ClickException as exc:
             doc = failure_document(ctx, exc)
             if doc is not None:

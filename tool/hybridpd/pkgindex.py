@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import click
 
 from hybridpd import __version__
-from hybridpd.errors import ChecksumError, PackageIndexError
+from hybridpd.errors import ChecksumError, LocalFileError, PackageIndexError
 
 _ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 _JSON_TYPE = "application/vnd.pypi.simple.v1+json"
@@ -266,13 +266,25 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
     """
     with _open(url, settings) as response:
         size = int(response.headers.get("Content-Length") or 0)
-        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        # Local errors (no space, no permission) are LocalFileError, not OSError:
+        # _open would report an OSError from this body as the index's failure.
+        try:
+            fd, tmp_name = tempfile.mkstemp(
+                dir=dest.parent, prefix=f".{dest.name}.", suffix=".part"
+            )
+        except OSError as exc:
+            raise LocalFileError.from_os_error(exc) from exc
         tmp = Path(tmp_name)
         try:
             digest = hashlib.sha256()
             with os.fdopen(fd, "wb") as out, _progress(dest.name, size) as advance:
                 for chunk in iter(lambda: response.read(_CHUNK), b""):
-                    out.write(chunk)
+                    try:
+                        out.write(chunk)
+                    except OSError as exc:
+                        raise LocalFileError.from_os_error(
+                            OSError(exc.errno, exc.strerror, str(tmp))
+                        ) from exc
                     digest.update(chunk)
                     advance(len(chunk))
             if digest.hexdigest() != sha256:
@@ -280,7 +292,10 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
                     f"{dest.name} from {url} has sha256 {digest.hexdigest()}, "
                     f"series.toml expects {sha256}"
                 )
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except OSError as exc:
+                raise LocalFileError.from_os_error(exc) from exc
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -264,7 +264,8 @@ def start(
             plan=[p.id for p in series.patches],
         )
         state.save(dest)
-    return _run(series, dest, state, log)
+    with guard.operation(dest, "port"):
+        return _run(series, dest, state, log)
 
 
 def resume(

@@ -226,7 +226,7 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
                     f"Qwen3.5 module does not import in this venv: {why}"
                 )
                 _log(f"note: {notes[-1]}")
-        from hybridpd.build import cache_dir
+        from hybridpd.cache import cache_dir
 
         # correctness compares outputs: its model's tokens must depend on the Mamba state.
         variant = "state-sensitive" if scenario == "correctness" else "default"

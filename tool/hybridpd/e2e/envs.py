@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from hybridpd import build as build_mod
-from hybridpd import kernels
-from hybridpd.series import Series
+from hybridpd import cache, guard, kernels
+from hybridpd.series import Pin, Series
 
 from .servers import E2EError
 
@@ -58,7 +58,7 @@ class Env:
 
 
 def env_root(pin: str, device: str, build: str) -> Path:
-    return build_mod.cache_dir() / "e2e" / f"{pin}-{device}-{build}"
+    return cache.cache_dir() / "e2e" / f"{pin}-{device}-{build}"
 
 
 def variant_for(device: str) -> str:
@@ -127,6 +127,19 @@ def prepare(
     root: Path | None = None,
 ) -> Env:
     """Make (or reuse) the ``build`` environment of pin ``version`` for ``device``."""
+    if build not in BUILDS:
+        raise E2EError(f"unknown build {build!r}")
+    pin = series.pin(version)
+    root = root or env_root(pin.version, device, build)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # One writer per environment: a second e2e waits, then reuses the first one's.
+    with guard.entry(root, log):
+        return _prepare_locked(series, pin, build, device, log, torch, root)
+
+
+def _prepare_locked(
+    series: Series, pin: Pin, build: str, device: str, log: Log, torch: str | None, root: Path
+) -> Env:
     # Imported here: the CLI's module graph stays light for the unit tests.
     from hybridpd.apply import apply as apply_series
     from hybridpd.checkout import checkout as make_checkout
@@ -135,10 +148,6 @@ def prepare(
     import shutil
     import time
 
-    if build not in BUILDS:
-        raise E2EError(f"unknown build {build!r}")
-    pin = series.pin(version)
-    root = root or env_root(pin.version, device, build)
     src, venv = root / "src", root / "venv"
     variant = variant_for(device)
     timings: dict[str, float] = {}
