@@ -6,8 +6,10 @@
 #   2. `hybridpd check`: records, patch files and a fresh checkout + apply + export agree;
 #   3. per ported pin, `hybridpd test`: the red->green patch tests (stock / without the
 #      patch / patched) and vLLM's own tests of the touched modules;
-#   4. the CPU prefill/decode end-to-end smoke on v0.32.0 (`hybridpd e2e`), stock and
-#      patched, when the e2e command is available.
+#   4. the CPU prefill/decode end-to-end runs on v0.32.0 (`hybridpd e2e`): the smoke,
+#      stock and patched, and the correctness scenario on the patched build (every
+#      output against a single instance, with preemption on the decode instance), and
+#      the same scenario on a mutant build, where it must go red.
 #
 # Tiers. By default step 3 runs the reduced upstream selection on the patched tree and
 # compares it with the committed stock baseline (tool/hybridpd/data/upstream/), which
@@ -71,6 +73,12 @@ if [ "$e2e" = 1 ]; then
       "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \
       --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit \
       --out "${HYBRIDPD_E2E_OUT:-out/e2e-smoke}"
+    step "hybridpd e2e correctness (0.32.0, CPU, patched vs a single instance)" \
+      "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
+      --role kv_producer/kv_consumer --connector nixl --max-model-len 1024 \
+      --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
+    step "the correctness gate goes red on a mutant that resumes without Mamba state" \
+      bash ci/mutant-correctness.sh "$hpd" "${HYBRIDPD_E2E_MUTANT_OUT:-out/e2e-mutant}"
   else
     echo "ci/test.sh: hybridpd has no e2e command" >&2
     exit 1

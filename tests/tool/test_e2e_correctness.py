@@ -90,3 +90,32 @@ def test_a_different_choice_is_accepted_only_as_a_near_tie_in_the_reference() ->
 def test_drifting_logprobs_of_the_same_tokens_fail() -> None:
     ok, note = sc.compare_with_reference(_c([5, 6], [-1.0, -2.5]), _c([5, 6], [-1.0, -2.0]))
     assert not ok and note == "token 1: logprob -2.500 vs reference -2.000"
+
+
+def _scored(prompt_len: int, rows: list[dict[int, float]]) -> list[dict[int, float]]:
+    return [{}] * prompt_len + rows
+
+
+def test_teacher_forced_accepts_a_recomputed_path_that_left_the_reference_at_a_tie() -> None:
+    # The output took token 7 where the free-running reference took 6 (a near-tie), then
+    # went on greedily from its own tokens: every token is the model's choice given them.
+    out = _c([5, 7, 8], [-1.0, -2.0, -0.5])
+    scored = _scored(3, [{5: -1.02, 9: -3.0}, {6: -1.95, 7: -2.05}, {8: -0.52, 2: -1.5}])
+    ok, note = sc.compare_teacher_forced(out, 3, scored)
+    assert ok and note == "every token agrees with the teacher-forced reference (within 0.100 nats)"
+
+
+def test_teacher_forced_fails_a_token_the_model_would_not_choose() -> None:
+    # What a resume without the Mamba state gives: from token 2 on the request follows a
+    # distribution that is not the model's, although its first tokens agree.
+    out = _c([5, 6, 4], [-1.0, -2.0, -0.3])
+    scored = _scored(3, [{5: -1.0}, {6: -2.0}, {8: -0.4, 4: -2.9}])
+    ok, note = sc.compare_teacher_forced(out, 3, scored)
+    assert not ok and note == "token 2: 4 is 2.500 nats below the teacher-forced reference's choice"
+
+
+def test_teacher_forced_fails_the_same_token_with_another_distribution() -> None:
+    out = _c([5, 6], [-1.0, -0.2])
+    scored = _scored(2, [{5: -1.0}, {6: -0.9}])
+    ok, note = sc.compare_teacher_forced(out, 2, scored)
+    assert not ok and note == "token 1: logprob -0.200 vs teacher-forced -0.900"

@@ -537,6 +537,62 @@ def compare_with_reference(
                    f"{ref.token_ids[n]} ({'not in its top' if alt is None else f'{ref.token_logprobs[n] - alt:.3f} nats below'})")
 
 
+def score(base_url: str, tokens: list[int], top: int, procs: Processes | None = None,
+          timeout: float = 600.0) -> list[dict[int, float]]:
+    """Teacher-forced logprobs of ``tokens`` (vLLM's ``prompt_logprobs``): for each
+    position ``i > 0``, the logprobs of the ``top`` likeliest tokens and of ``tokens[i]``
+    given ``tokens[:i]``; position 0 is empty."""
+    body = {"model": "e2e", "prompt": tokens, "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": top}
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data = json.load(resp)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        if procs is not None:
+            procs.check_soon()
+        raise E2EError(f"scoring request to {base_url} failed: {exc}") from None
+    rows = data["choices"][0].get("prompt_logprobs") or []
+    if len(rows) != len(tokens):
+        raise E2EError(f"{base_url} scored {len(rows)} of {len(tokens)} prompt tokens")
+    return [{int(k): float(v["logprob"]) for k, v in (row or {}).items()} for row in rows]
+
+
+def compare_teacher_forced(
+    out: Completion, prompt_len: int, scored: list[dict[int, float]],
+    tolerance: float = LOGPROB_TOLERANCE,
+) -> tuple[bool, str]:
+    """Whether every token of ``out`` is the reference model's greedy choice given
+    ``out``'s own earlier tokens (up to a near-tie), with the same logprob.
+
+    A request that was preempted recomputes its tokens in a prefill, whose bf16
+    numerics differ from the decode steps of a free-running reference; after a near-tie
+    the two runs then go on from different tokens. Scored on its own output, such a
+    request still agrees token by token. A request that resumed without its Mamba
+    state does not: from the resume point on, its distribution is not the model's.
+    """
+    worst = 0.0
+    for j, tok in enumerate(out.token_ids):
+        row = scored[prompt_len + j]
+        lp = row.get(tok)
+        if lp is None:
+            return False, f"token {j}: {tok} was not scored"
+        below = max(row.values()) - lp
+        if below > tolerance:
+            return False, (f"token {j}: {tok} is {below:.3f} nats below the teacher-forced "
+                           "reference's choice")
+        gap = abs(out.token_logprobs[j] - lp)
+        if gap > tolerance:
+            return False, (f"token {j}: logprob {out.token_logprobs[j]:.3f} vs teacher-forced "
+                           f"{lp:.3f}")
+        worst = max(worst, below, gap)
+    return True, f"every token agrees with the teacher-forced reference (within {worst:.3f} nats)"
+
+
 def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
     """The requests, in the order they are sent: ``via`` is ``pd`` (through the proxy)
     or ``decode`` (straight to the decode instance, no KV transfer); ``group`` 0 runs
@@ -589,16 +645,17 @@ def run_correctness(
         return pair.proxy if case["via"] == "pd" else pair.decode
 
     rows = []
+    first: dict[int, Completion] = {}
     before = settled_scrape(pair.decode, wait=0.5)
     for case in (c for c in cases if c["group"] == 0):
-        out = run(url(case), case)
+        out = first[id(case)] = run(url(case), case)
         after = settled_scrape(pair.decode)
         rows.append({**_correctness_row(case, out),
                      "decode_local_hit_tokens": int(after.delta(before, metrics.PREFIX_CACHE_HITS)),
                      "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES))})
         before = after
         log(f"  {case['label']}: decode local hit {rows[-1]['decode_local_hit_tokens']} tokens, "
-            f"{'equal to' if rows[-1]['equal'] else 'DIFFERS from'} the reference "
+            f"{'equal to' if rows[-1]['equal'] else 'parts from'} the free-running reference "
             f"{rows[-1]['note']}".rstrip())
     group = [c for c in cases if c["group"] == 1]
     with ThreadPoolExecutor(len(group)) as pool:
@@ -606,6 +663,20 @@ def run_correctness(
     after = settled_scrape(pair.decode)
     preemptions = int(after.delta(before, metrics.NUM_PREEMPTIONS))
     rows += [_correctness_row(c, o) for c, o in zip(group, outs)]
+    # Every output is then scored on its own tokens by the prefill instance alone, cold
+    # (compare_teacher_forced): the free-running comparison stops checking at the first
+    # near-tie, this one checks every token.
+    done = {**first, **{id(c): o for c, o in zip(group, outs)}}
+    for case, row in zip(cases, rows):
+        out = done[id(case)]
+        post(f"{pair.prefill}/reset_prefix_cache")
+        scored = score(pair.prefill, case["prompt"] + out.token_ids, TOP_LOGPROBS, procs)
+        ok, note = compare_teacher_forced(out, len(case["prompt"]), scored)
+        row["free_running"] = {"equal": row["equal"], "note": row["note"]}
+        row["equal"], row["note"] = ok, note
+        if not ok or not row["free_running"]["equal"]:
+            log(f"  {case['label']}: free-running: {row['free_running']['note'] or 'equal'}; "
+                f"teacher-forced: {note}")
     log(f"  {len(group)} concurrent requests: {preemptions} preemptions on the decode instance, "
         f"{sum(r['equal'] for r in rows[-len(group):])} equal to the reference")
     checks = {

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The e2e correctness gate must be able to fail: run it on a mutant of the patched
+# v0.32.0 build whose scheduler never reconciles a divergent hybrid hit, so a request
+# whose local attention hit has no Mamba state behind it (request C: a cached
+# block-aligned prefix + 1 token, nothing to load) resumes from a missing state.
+# Passes only if the gate goes red on request C.
+#
+# Usage: ci/mutant-correctness.sh HYBRIDPD OUT_DIR (after the correctness step, which
+# prepared the patched environment).
+set -euo pipefail
+
+hpd="$1"
+out="$2"
+mkdir -p "$(dirname "$out")"
+cache="${HYBRIDPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hybridpd}"
+patched="$cache/e2e/0.32.0-cpu-patched/venv"
+mutant="$cache/e2e/0.32.0-cpu-mutant/venv"
+[ -x "$patched/bin/python" ] || { echo "mutant: no patched environment at $patched" >&2; exit 1; }
+
+rm -rf "$(dirname "$mutant")"
+mkdir -p "$(dirname "$mutant")"
+trap 'rm -rf "$(dirname "$mutant")"' EXIT
+cp -al "$patched" "$mutant"  # hard links: the edit below replaces one file only
+sched=$(echo "$mutant"/lib/python3.*/site-packages/vllm/v1/core/sched/scheduler.py)
+anchor='                        if hit_diverged and not ('
+grep -qxF "$anchor" "$sched" || { echo "mutant: reconciliation not found in $sched" >&2; exit 1; }
+sed -i "s/^$anchor\$/                        if False and hit_diverged and not (/" "$sched"
+
+set +e
+"$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
+  --role kv_producer/kv_consumer --connector nixl --max-model-len 1024 \
+  --patched-venv "$mutant" --expect-patched-hit --out "$out" 2>"$out.stderr"
+rc=$?
+set -e
+cat "$out.stderr" >&2
+expected="FAILED: patched / nixl: C A's prefix + 1 token differs from the single-instance reference"
+if [ "$rc" = 1 ] && grep -qF "$expected" "$out.stderr"; then
+  echo "mutant: the correctness gate is red on the mutant, as it must be"
+else
+  echo "mutant: the correctness gate did not catch a resume without the Mamba state (exit $rc)" >&2
+  exit 1
+fi
