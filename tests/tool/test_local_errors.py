@@ -209,3 +209,18 @@ def test_a_second_download_of_one_cache_entry_waits_for_the_first(
     assert proc.wait(timeout=120) == 0, lines
     reader.join(timeout=10)
     assert gitops.resolve(tmp_path / "a", "v1.0") == gitops.head(tmp_path / "a")
+
+
+def test_a_closed_stdout_is_not_a_local_file_error(
+    project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `hybridpd list --json | head`: click ends quietly on EPIPE, as before.
+    from hybridpd import cli
+
+    def closed(_data) -> None:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_echo_json", closed)
+    result = run(project.series_path, "list", "--json")
+    assert result.exit_code == 1
+    assert "local file system" not in result.stderr and "Error" not in result.stderr

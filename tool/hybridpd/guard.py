@@ -127,6 +127,12 @@ def directory(dest: Path, name: str) -> Iterator[None]:
             raise BusyError(
                 f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
             ) from None
+        if not dest.is_dir() or os.fstat(fd).st_ino != os.stat(dest).st_ino:
+            # Removed (a failed writer cleaned up) and perhaps made again since we
+            # opened it: the lock we hold is on a directory that is gone.
+            raise BusyError(
+                f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
+            )
         _HELD.add(key)
         try:
             yield

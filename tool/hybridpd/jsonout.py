@@ -13,7 +13,9 @@ command group (:class:`JsonGroup`) writes the failure document.
 
 from __future__ import annotations
 
+import errno
 import json
+import urllib.error
 from typing import Any
 
 import click
@@ -64,6 +66,10 @@ class JsonGroup(click.Group):
             try:
                 return super().invoke(ctx)
             except OSError as exc:
+                # A closed stdout (`hybridpd list | head`) is click's to handle
+                # quietly, and a network error is not a local one.
+                if exc.errno == errno.EPIPE or isinstance(exc, urllib.error.URLError):
+                    raise
                 raise LocalFileError.from_os_error(exc) from exc
         except click.ClickException as exc:
             doc = failure_document(ctx, exc)

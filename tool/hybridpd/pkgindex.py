@@ -287,6 +287,12 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
                         ) from exc
                     digest.update(chunk)
                     advance(len(chunk))
+                try:
+                    out.flush()  # the last short chunk: a full disk shows here
+                except OSError as exc:
+                    raise LocalFileError.from_os_error(
+                        OSError(exc.errno, exc.strerror, str(tmp))
+                    ) from exc
             if digest.hexdigest() != sha256:
                 raise ChecksumError(
                     f"{dest.name} from {url} has sha256 {digest.hexdigest()}, "

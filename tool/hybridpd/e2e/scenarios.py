@@ -667,7 +667,9 @@ def run_correctness(
     # (compare_teacher_forced): the free-running comparison stops checking at the first
     # near-tie, this one checks every token.
     done = {**first, **{id(c): o for c, o in zip(group, outs)}}
-    for case, row in zip(cases, rows):
+    by_label = {case["label"]: case for case in cases}
+    for row in rows:
+        case = by_label[row["label"]]
         out = done[id(case)]
         post(f"{pair.prefill}/reset_prefix_cache")
         scored = score(pair.prefill, case["prompt"] + out.token_ids, TOP_LOGPROBS, procs)
@@ -678,7 +680,7 @@ def run_correctness(
             log(f"  {case['label']}: free-running: {row['free_running']['note'] or 'equal'}; "
                 f"teacher-forced: {note}")
     log(f"  {len(group)} concurrent requests: {preemptions} preemptions on the decode instance, "
-        f"{sum(r['equal'] for r in rows[-len(group):])} equal to the reference")
+        f"{sum(r['equal'] for r in rows[-len(group):])} agree with the model teacher-forced")
     checks = {
         "outputs_equal_reference": all(r["equal"] for r in rows),
         "decode_local_hit": rows[1]["decode_local_hit_tokens"] > 0,
