@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e import scenarios as sc
 from hybridpd.e2e.command import _failures
@@ -119,3 +121,47 @@ def test_teacher_forced_fails_the_same_token_with_another_distribution() -> None
     scored = _scored(2, [{5: -1.0}, {6: -0.9}])
     ok, note = sc.compare_teacher_forced(out, 2, scored)
     assert not ok and note == "token 1: logprob -0.200 vs teacher-forced -0.900"
+
+
+def _flaky(monkeypatch, failures: list[Exception]) -> list[list[int]]:
+    sent: list[list[int]] = []
+
+    def complete(url, prompt, max_tokens, procs=None, **_k):
+        sent.append(prompt)
+        if failures:
+            raise failures.pop(0)
+        return _c([5, 6], [-1.0, -1.0])
+
+    monkeypatch.setattr(sc, "complete", complete)
+    monkeypatch.setattr(sc.time, "sleep", lambda _s: None)
+    return sent
+
+
+PAIR = sc.Pair("http://p", "http://d", "http://proxy")
+
+
+def test_the_warm_up_is_sent_again_after_a_failed_handshake(monkeypatch) -> None:
+    aborted = sc.E2EError("http://proxy returned 0 tokens, expected 2")
+    sent = _flaky(monkeypatch, [aborted, aborted])
+    lines: list[str] = []
+    assert sc.warm_up(PAIR, None, 1000, 64, lines.append) == 3
+    assert len(sent) == 3 and all(p == sent[0] and len(p) == 64 for p in sent)
+    assert lines == [
+        "  warm-up request failed (http://proxy returned 0 tokens, expected 2); "
+        "sending it again (2/3)",
+        "  warm-up request failed (http://proxy returned 0 tokens, expected 2); "
+        "sending it again (3/3)",
+    ]
+
+
+def test_the_warm_up_gives_up_after_its_attempts_and_never_retries_a_dead_server(
+    monkeypatch,
+) -> None:
+    aborted = sc.E2EError("http://proxy returned 0 tokens, expected 2")
+    _flaky(monkeypatch, [aborted, aborted, aborted])
+    with pytest.raises(sc.E2EError, match="the warm-up request failed 3 times"):
+        sc.warm_up(PAIR, None, 1000, 64, lambda _m: None)
+    sent = _flaky(monkeypatch, [sc.ProcessFailed("decode", "exited with 1", None)])
+    with pytest.raises(sc.ProcessFailed):
+        sc.warm_up(PAIR, None, 1000, 64, lambda _m: None)
+    assert len(sent) == 1

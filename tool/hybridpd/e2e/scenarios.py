@@ -46,7 +46,7 @@ from typing import Callable
 
 from . import metrics
 from .envs import Env
-from .servers import E2EError, Processes, StartupFailed, free_port
+from .servers import E2EError, Processes, ProcessFailed, StartupFailed, free_port
 
 Log = Callable[[str], None]
 
@@ -436,6 +436,37 @@ def _measured(
     return row, after
 
 
+#: Attempts of the handshake warm-up (see :func:`warm_up`).
+WARM_UP_ATTEMPTS = 3
+
+
+def warm_up(pair: Pair, procs: Processes, vocab_size: int, length: int, log: Log,
+            attempts: int = WARM_UP_ATTEMPTS) -> int:
+    """Make the first P->D transfer, and with it the NIXL handshake, before anything
+    is measured; the attempts it took.
+
+    vLLM gives the handshake's metadata request a fixed 5 s receive timeout
+    (``_nixl_handshake``). On a loaded 2-core machine P's side-channel thread can miss
+    it: the request is then aborted (0 tokens) and the next request handshakes again.
+    Only this unrelated warm-up request (``length`` tokens, under one block, so
+    nothing it caches is shared) is sent again; a request that is measured never is.
+    A server that died is not retried (``complete`` reports it).
+    """
+    warm = [2 + (t * 7919) % (vocab_size - 2) for t in range(length)]
+    for attempt in range(1, attempts + 1):
+        try:
+            complete(pair.proxy, warm, 2, procs)
+            return attempt
+        except ProcessFailed:
+            raise
+        except E2EError as exc:
+            if attempt == attempts:
+                raise E2EError(f"the warm-up request failed {attempts} times: {exc}") from None
+            log(f"  warm-up request failed ({exc}); sending it again ({attempt + 1}/{attempts})")
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -448,10 +479,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_smoke(pair: Pair, procs: Processes, vocab_size: int, opts: SmokeOptions, log: Log) -> dict:
     a, b = make_prompts(vocab_size, opts)
     n = opts.max_tokens
-    # The first P->D transfer also makes the NIXL handshake (seconds to a minute on a
-    # loaded 2-core machine); a short unrelated request takes it out of r1's TTFT.
-    warm = [2 + (t * 7919) % (vocab_size - 2) for t in range(opts.block_size_hint)]
-    complete(pair.proxy, warm, 2, procs)
+    warm_up(pair, procs, vocab_size, opts.block_size_hint, log)
     start = before = settled_scrape(pair.decode, wait=0.5)
     requests = []
     for label, prompt in (("r1 A cold", a), ("r2 A again", a), ("r3 B shares prefix", b)):
@@ -630,6 +658,7 @@ def run_correctness(
 
     cases = correctness_cases(vocab_size, opts)
     extra = {"logprobs": TOP_LOGPROBS}
+    warm_up(pair, procs, vocab_size, opts.block_size // 2, log)
 
     def run(url: str, case: dict) -> Completion:
         return complete(url, case["prompt"], case["max_tokens"], procs, extra=extra)
