@@ -35,6 +35,7 @@ import fcntl
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -92,8 +93,7 @@ def operation(repo: Path, name: str) -> Iterator[str | None]:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another hybridpd"
+            holder = _holder(fh)
             raise BusyError(
                 f"{repo} is busy: {holder} is running on it; run again when it ends"
             ) from None
@@ -172,6 +172,18 @@ def entry(path: Path, log: Callable[[str], None]) -> Iterator[None]:
     finally:
         lock.unlink(missing_ok=True)
         fh.close()
+
+
+def _holder(fh) -> str:
+    """Who holds the lock, as its holder wrote it just after taking the lock (waits a
+    moment for that write: the holder may be between the two)."""
+    for _ in range(20):
+        fh.seek(0)
+        holder = fh.read().strip()
+        if holder:
+            return holder
+        time.sleep(0.05)
+    return "another hybridpd"
 
 
 def recover(repo: Path) -> str | None:
