@@ -262,16 +262,20 @@ def model_runner_output(
     finished_recving: set[str] | None = None,
     invalid_block_ids: set[int] | None = None,
     token_id: int = 7,
+    failed_recving: set[str] | None = None,
 ):
     """What the worker returns for one step: one sampled token per request,
-    plus the connector's report of finished or failed KV loads."""
+    plus the connector's report of finished or failed KV loads
+    (``failed_recving``, per-request failures, is not in v0.20.2)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     kv_connector_output = None
-    if finished_recving is not None or invalid_block_ids is not None:
+    if finished_recving is not None or invalid_block_ids is not None or failed_recving:
+        extra = {"failed_recving": failed_recving} if failed_recving else {}
         kv_connector_output = KVConnectorOutput(
             finished_recving=finished_recving,
             invalid_block_ids=invalid_block_ids or set(),
+            **extra,
         )
     req_ids = [r.request_id for r in reqs]
     return ModelRunnerOutput(

@@ -17,8 +17,10 @@ read a state that belongs to no prefix of the request and the request returns
 wrong tokens.
 
 ``MambaStateChecker`` observes the scheduler from outside: it wraps the
-connector's ``update_state_after_alloc`` (called once per admission, with the
-request's blocks and the external tokens the scheduler took) and, after
+connector's ``get_num_new_matched_tokens`` (where the hit is decided: it
+records the cached Mamba states the request finds then) and
+``update_state_after_alloc`` (called once per admission, with the request's
+blocks and the external tokens the scheduler took) and, after
 ``schedule()``, derives each admitted request's resume point from the real
 request. It copies no vLLM logic: the state sources it accepts are the ground
 truth of what each connector moves, not what the code under test believes.
@@ -87,11 +89,21 @@ class MambaStateChecker:
         # Requests whose async load was checked when it started: the request
         # is admitted again once the load finished, at the loaded position.
         self.loaded: dict[str, int] = {}
+        # The cached Mamba states each request found when the connector was
+        # asked for its external tokens: the moment the hit is decided, before
+        # allocate_slots may free (and reuse) local Mamba blocks a load skips.
+        self._at_match: dict[str, list[dict[int, Any]]] = {}
         connector = sched.connector
         if connector is not None:
+            original_match = connector.get_num_new_matched_tokens
             original = connector.update_state_after_alloc
 
+            def get_num_new_matched_tokens(request, num_computed_tokens):
+                self._at_match[request.request_id] = self._cached_states(request)
+                return original_match(request, num_computed_tokens)
+
             def update_state_after_alloc(request, blocks, num_external_tokens):
+                cached = self._at_match.pop(request.request_id, None)
                 self.pending[request.request_id] = Admission(
                     request_id=request.request_id,
                     external_tokens=num_external_tokens,
@@ -100,10 +112,13 @@ class MambaStateChecker:
                         if num_external_tokens > 0
                         else None
                     ),
-                    cached_states=self._cached_states(request),
+                    cached_states=(
+                        cached if cached is not None else self._cached_states(request)
+                    ),
                 )
                 return original(request, blocks, num_external_tokens)
 
+            connector.get_num_new_matched_tokens = get_num_new_matched_tokens
             connector.update_state_after_alloc = update_state_after_alloc
         self._before: dict[str, RequestStatus] = {}
 
@@ -199,9 +214,34 @@ def checked_schedule(sched: Any, checker: MambaStateChecker):
     return output
 
 
-def checked_step(sched: Any, checker: MambaStateChecker):
+def _load_failure(sched: Any, failing: set[str]) -> dict[str, Any]:
+    """How the worker reports that the KV loads of ``failing`` failed: per
+    request where the release has ``failed_recving`` (block ids are not unique
+    across KV cache groups), else the blocks the load was writing, in every
+    group (what NIXL reports under the hybrid allocator once fixed): the
+    request's blocks not cached yet, not the local hit it shares with others."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    if not failing:
+        return {}
+    if "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}:
+        return {"failed_recving": set(failing)}
+    manager = sched.kv_cache_manager
+    return {
+        "invalid_block_ids": {
+            b.block_id
+            for rid in failing
+            for group in manager.get_blocks(rid).blocks
+            for b in group
+            if b.block_hash is None and not b.is_null
+        }
+    }
+
+
+def checked_step(sched: Any, checker: MambaStateChecker, failing=frozenset()):
     """One engine step checked by ``checker``: the worker samples a token for every
-    scheduled request and finishes every KV load in flight."""
+    scheduled request and finishes every KV load in flight; the loads of the
+    requests in ``failing`` fail."""
     from .builders import model_runner_output
 
     output = checked_schedule(sched, checker)
@@ -210,5 +250,10 @@ def checked_step(sched: Any, checker: MambaStateChecker):
         rid for rid, r in sched.requests.items()
         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     }
-    sched.update_from_output(output, model_runner_output(reqs, loading or None))
+    sched.update_from_output(
+        output,
+        model_runner_output(
+            reqs, loading or None, **_load_failure(sched, loading & set(failing))
+        ),
+    )
     return output

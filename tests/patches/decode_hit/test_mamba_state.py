@@ -51,14 +51,13 @@ def _serve(sched, checker, req):
     raise AssertionError(f"{req.request_id} did not get through its prompt")
 
 
-def _decode_instance(kind, kv_role, num_blocks=1000):
+def _decode_instance(kind, kv_role, num_blocks=1000, kv_load_failure_policy="fail"):
     """A decode instance that served one remote-prefill request whose prompt
     starts with PREFIX: its attention blocks are cached, its Mamba groups hold
     no state inside PREFIX."""
-    sched = scheduler(
-        vllm_config(**connectors(kind, kv_role)),
-        hybrid_kv_cache_config(num_blocks=num_blocks),
-    )
+    config = vllm_config(**connectors(kind, kv_role))
+    config.kv_transfer_config.kv_load_failure_policy = kv_load_failure_policy
+    sched = scheduler(config, hybrid_kv_cache_config(num_blocks=num_blocks))
     checker = MambaStateChecker(sched)
     first = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
                     kv_transfer_params=remote_prefill_params(6))
@@ -162,3 +161,29 @@ def test_preempted_request_resumes_only_where_state_is_cached(kind):
     # Every preemption was re-admitted, and checked, once more.
     readmitted = [a for a in checker.admissions if a.request_id in {r.request_id for r in reqs}]
     assert len(readmitted) > len(reqs)
+
+
+@_patches
+@pytest.mark.parametrize("kind", FINISHING_KINDS)
+@pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
+def test_failed_load_over_the_attention_hit_recomputes_from_zero(kind, kv_role):
+    # The second request takes the attention hit and NIXL's load of the rest
+    # (and of the Mamba state) fails. Retried, NIXL has nothing to load any
+    # more, and the attention hit alone has no Mamba state at its end: the
+    # retry starts from 0 (or from what DecodeBench loads from 0, where it is
+    # configured).
+    sched, checker = _decode_instance(kind, kv_role, kv_load_failure_policy="recompute")
+    req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=6),
+                  kv_transfer_params=remote_prefill_params(6))
+    sched.add_request(req)
+    checked_step(sched, checker, failing={req.request_id})
+    for _ in range(8 * req.num_prompt_tokens):
+        checked_step(sched, checker)
+        if req.num_computed_tokens >= req.num_prompt_tokens:
+            break
+    first, retry = [a for a in checker.admissions if a.request_id == req.request_id]
+    assert first.resume_point - first.external_tokens == len(PREFIX)
+    assert first.serving_connector in STATE_RESTORING_CONNECTORS
+    assert retry.resume_point - retry.external_tokens == 0
+    assert retry.serving_connector in (None, "DecodeBenchConnector")
+    assert req.num_computed_tokens >= req.num_prompt_tokens
