@@ -90,8 +90,10 @@ class MambaStateChecker:
         # is admitted again once the load finished, at the loaded position.
         self.loaded: dict[str, int] = {}
         # The cached Mamba states each request found when the connector was
-        # asked for its external tokens: the moment the hit is decided, before
-        # allocate_slots may free (and reuse) local Mamba blocks a load skips.
+        # asked for its external tokens: the moment the hit is decided. A load
+        # on top of a local hit is checked against these (allocate_slots may
+        # free, and reuse, the local Mamba block the load makes redundant); a
+        # local hit alone against what is cached after allocate_slots.
         self._at_match: dict[str, list[dict[int, Any]]] = {}
         connector = sched.connector
         if connector is not None:
@@ -104,6 +106,8 @@ class MambaStateChecker:
 
             def update_state_after_alloc(request, blocks, num_external_tokens):
                 cached = self._at_match.pop(request.request_id, None)
+                if num_external_tokens == 0:
+                    cached = None
                 self.pending[request.request_id] = Admission(
                     request_id=request.request_id,
                     external_tokens=num_external_tokens,
@@ -215,11 +219,12 @@ def checked_schedule(sched: Any, checker: MambaStateChecker):
 
 
 def _load_failure(sched: Any, failing: set[str]) -> dict[str, Any]:
-    """How the worker reports that the KV loads of ``failing`` failed: per
-    request where the release has ``failed_recving`` (block ids are not unique
-    across KV cache groups), else the blocks the load was writing, in every
-    group (what NIXL reports under the hybrid allocator once fixed): the
-    request's blocks not cached yet, not the local hit it shares with others."""
+    """How the worker reports that the async KV loads of ``failing`` failed:
+    per request where the release has ``failed_recving`` (it rejects
+    block-level reports for several KV cache groups), else the blocks the load
+    was writing, in every group (what NIXL reports under the hybrid allocator
+    once fixed): the request's blocks not cached yet, not the local hit it
+    shares with others."""
     from vllm.v1.outputs import KVConnectorOutput
 
     if not failing:
