@@ -80,7 +80,7 @@ class PatchRow:
     def ok(self) -> bool:
         if self.patched.failed:
             return False
-        return self.proven or self.state == "upstream"
+        return self.proven or self.state in ("upstream", "dropped")
 
     def to_json(self) -> dict:
         return {
@@ -381,7 +381,7 @@ def format_table(report: TestReport) -> str:
             f"{c.passed}/{c.failed}" if c else "-"
             for c in (row.stock, row.without, row.patched)
         ]
-        verdict = ("yes" if row.proven else "upstream") if row.ok else "NO"
+        verdict = ("yes" if row.proven else row.state) if row.ok else "NO"
         lines.append(
             f"  {row.id:<40} {cells[0]:>9} {cells[1]:>9} {cells[2]:>9}  {verdict}"
         )
