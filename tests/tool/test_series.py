@@ -113,13 +113,18 @@ def test_pin_accepts_v_prefix_and_lists_known_pins(tmp_path: Path) -> None:
         (
             '[patches.pins."2.0"]\nstate = "carried"',
             '[patches.pins."2.0"]\nstate = "dropped"',
-            'patches\\[1\\] \\(id "second"\\): field "dropped" is missing',
+            'patches\\[1\\] \\(id "second"\\): field "dropped" is required when a pin drops',
         ),
         ('removal = "r"\n[patches.pins."1.0"]\nstate = "carried"\n[patches.pins."2.0"]\nstate = "carried"',
          'removal = "r"\ndropped = "x"\n[patches.pins."1.0"]\nstate = "carried"\n'
          '[patches.pins."2.0"]\nstate = "carried"',
          'field "dropped" is set but no pin drops the patch'),
         ('release = "1.5"\n', "", "release is required for an upstream patch"),
+        (
+            '[patches.pins."2.0"]\nstate = "carried"',
+            '[patches.pins."2.0"]\nstate = "carried"\nrelease = "1.9"',
+            'pins."2.0".release is only for an upstream patch',
+        ),
         ('default_pin = "1.0"', 'default_pin = "0.1"', '"default_pin" 0.1 is not a pin'),
         (f'sha256 = "{SHA}"', 'sha256 = "abc"', 'field "sha256" must be 64'),
         ("schema = 1", "schema = 2", 'field "schema" must be 1'),

@@ -12,6 +12,7 @@ the "Commands defined in other modules" section at the bottom of this file.
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 import signal
 import tempfile
@@ -236,8 +237,8 @@ def list_(state: State, version: str | None, candidates: bool, as_json: bool) ->
 
 def _first_sentence(text: str) -> str:
     flat = " ".join(text.split())
-    end = flat.find(". ")
-    return flat if end < 0 else flat[: end + 1]
+    found = re.search(r"\.\s+(?=[A-Z])", flat)  # not at "e.g. " or "v0.32.0 "
+    return flat if found is None else flat[: found.start() + 1]
 
 
 def _pin_json(series: Series, pin: series_mod.Pin) -> dict[str, Any]:

@@ -100,8 +100,8 @@ class Candidate:
 
     @property
     def status(self) -> str:
-        """``candidate`` (carried everywhere, to be proposed), ``drop`` (some pin
-        carries it past its upstream release) or ``upstream``."""
+        """``candidate`` (carried, upstream nowhere yet: to be proposed), ``drop``
+        (some pin carries it past its upstream release) or ``upstream``."""
         if self.since is None:
             return "candidate"
         return "drop" if self.drop_from else "upstream"
@@ -125,7 +125,7 @@ def upstream_candidates(series: Series) -> list[Candidate]:
     A patch no pin carries or has upstream (dropped everywhere) is left out."""
     result = []
     for patch in series.patches:
-        if all(s.state == "dropped" for s in patch.pins.values()):
+        if patch.pins and all(s.state == "dropped" for s in patch.pins.values()):
             continue
         carried = tuple(v for v, s in patch.pins.items() if s.state == "carried")
         upstream = {

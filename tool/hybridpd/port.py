@@ -13,9 +13,9 @@ Each patch gets one result:
   record is upstream on V2, or already on V1; not replayed), ``reverse-applies``
   (the tree already has the change), ``empty`` (the automatic 3-way merge left
   nothing to commit) or ``manual`` (``--skip --upstream RELEASE``, the only way a
-  patch that stopped the port is dropped);
-* ``dropped``: the record drops the patch on V1 (or already on V2); not replayed, and
-  it stays dropped on V2;
+  patch that stopped the port is left out of it);
+* ``dropped`` (evidence ``recorded``): the record drops the patch on V2, or on V1 and
+  V2 has no state for it; not replayed, and it is dropped on V2;
 * ``conflict``: the port stops there (see below).
 
 Invariants:
@@ -361,10 +361,10 @@ def _replay(
     on_v1 = record.pins[v1.version]
     path = series.patch_path(v1, patch_id)
     files = tuple(gitops.patch_files(dest, path)) if path.is_file() else ()
-    if on_v1.state == "dropped" or (on_v2 is not None and on_v2.state == "dropped"):
-        return PatchResult(patch_id, "dropped", "recorded", files)
     if on_v2 is not None and on_v2.state == "upstream":
         return PatchResult(patch_id, "upstream", "recorded", files, release=on_v2.release)
+    if (on_v2 or on_v1).state == "dropped":
+        return PatchResult(patch_id, "dropped", "recorded", files)
     if on_v1.state == "upstream":
         note = f"upstream on {v1.version} already"
         return PatchResult(patch_id, "upstream", "recorded", files, on_v1.release, note)

@@ -258,7 +258,12 @@ class _Parser:
             dropped = table.get("dropped")
             is_dropped = any(st.state == "dropped" for st in states.values())
             if is_dropped:
-                dropped = self.text(table, "dropped", where)
+                if not (isinstance(dropped, str) and dropped.strip()):
+                    raise self.fail(
+                        where,
+                        'field "dropped" is required when a pin drops the patch '
+                        "(why, with the evidence)",
+                    )
             elif dropped is not None:
                 raise self.fail(where, 'field "dropped" is set but no pin drops the patch')
             patches.append(Patch(**fields, pins=states, dropped=dropped))
@@ -288,5 +293,7 @@ class _Parser:
             release = table.get("release")
             if state == "upstream" and not (isinstance(release, str) and release.strip()):
                 raise self.fail(where, f"{field}.release is required for an upstream patch")
+            if state != "upstream" and release is not None:
+                raise self.fail(where, f"{field}.release is only for an upstream patch")
             states[version] = PinState(state, release if state == "upstream" else None)
         return states
