@@ -221,14 +221,17 @@ def run_patch_suite(
     out_dir: Path,
     hf_home: Path,
     log: Callable[[str], None],
+    layers: Sequence[Path] = (),
 ) -> tuple[list[PatchRow], list[str]]:
-    """Run ``tests/patches`` on every tree and build the red/green table."""
+    """Run ``tests/patches`` on every tree and build the red/green table (with the
+    pin's :data:`~hybridpd.testenv.LAYERS` on ``PYTHONPATH``)."""
     tests_dir = patch_tests_dir(series)
     targets = [str(tests_dir)]
 
     def run(tree: Path, label: str) -> dict[str, str]:
         result = run_pytest(
-            venv, tree, targets, out_dir, hf_home=hf_home, label=label, log=log
+            venv, tree, targets, out_dir, hf_home=hf_home, label=label, layers=layers,
+            log=log,
         )
         junit = out_dir / f"{label}.junit.xml"
         if result.status in ("crashed", "timeout", "interrupted") or not junit.is_file():
@@ -327,12 +330,13 @@ def run(
         venv = testenv.ensure_test_env(
             pin.version, trees["stock"], cache.cache_dir(), torch_spec, log
         )
+        layers = testenv.ensure_layers(venv, pin.version, log) if suite != "upstream" else []
     except testenv.TestEnvError as exc:
         raise TestRunError(f"test environment for {pin.version}: {exc}") from exc
     report = TestReport(pin.version, suite)
     if suite in ("patches", "all"):
         report.patches, problems = run_patch_suite(
-            series, pin, venv, trees, out_dir, hf_home, log
+            series, pin, venv, trees, out_dir, hf_home, log, layers
         )
         report.problems += problems
     if suite in ("upstream", "all"):
