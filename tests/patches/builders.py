@@ -114,10 +114,12 @@ def vllm_config(
     block_size: int = BLOCK_SIZE,
     max_num_batched_tokens: int = 1024,
     enable_prefix_caching: bool = True,
+    kv_load_failure_policy: str = "fail",
 ) -> VllmConfig:
     """A VllmConfig of a PD instance with the hybrid allocator enabled.
 
     ``kv_role=None`` builds an instance without any KV connector.
+    ``kv_load_failure_policy``: "fail" (vLLM's default) or "recompute".
     """
     model_config = ModelConfig(
         model=tiny_model_dir(),
@@ -145,6 +147,7 @@ def vllm_config(
             kv_connector=kv_connector,
             kv_role=kv_role,
             kv_connector_extra_config=kv_connector_extra_config or {},
+            kv_load_failure_policy=kv_load_failure_policy,
         )
     return VllmConfig(
         scheduler_config=scheduler_config,
