@@ -342,6 +342,27 @@ def test_refuses_a_busy_directory_and_bad_usage(stopped: tuple[Series, Path, Res
     assert mismatch.exit_code == 2 and "from 1.0 to 2.0" in mismatch.output
 
 
+def test_the_port_lock_is_held_from_the_checkout_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Between the checkout and the replay (fetching the base, writing the state) a
+    # `port --continue` on the same directory must find it busy.
+    from hybridpd import guard
+
+    _, series = port_project(tmp_path)
+    dest = tmp_path / "port"
+    fetch = port_mod._fetch_base
+    held = []
+
+    def fetch_base(*args):
+        held.append(str(guard.git_dir(dest).resolve()) in guard._HELD)
+        return fetch(*args)
+
+    monkeypatch.setattr(port_mod, "_fetch_base", fetch_base)
+    port_mod.start(series, "1.0", "2.0", dest)
+    assert held == [True]
+
+
 def test_failure_before_replay_leaves_nothing(tmp_path: Path) -> None:
     _, series = port_project(tmp_path)
     # 1.0's sdist is neither cached nor on the (empty) index: the base fetch fails

@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -251,20 +252,24 @@ def start(
     ]
     if missing:
         raise PortError(f"missing patch file(s) of {v1.version}: {', '.join(missing)}")
-    with checkout_mod.owned_directory(dest):
-        log(f"checking out {v2.version} (sdist) into {dest}")
-        checkout_mod.checkout(series, v2.version, dest, source="sdist")
-        log(f"fetching {v1.version}'s release commit for 3-way merges")
-        _fetch_base(series, v1, dest)
-        state = PortState(
-            from_version=v1.version,
-            to_version=v2.version,
-            series=str(series.path.resolve()),
-            stock=gitops.head(dest),
-            plan=[p.id for p in series.patches],
-        )
-        state.save(dest)
-    with guard.operation(dest, "port"):
+    with contextlib.ExitStack() as held:
+        with checkout_mod.owned_directory(dest):
+            log(f"checking out {v2.version} (sdist) into {dest}")
+            checkout_mod.checkout(series, v2.version, dest, source="sdist")
+            # The port's lock from the moment the repository exists until the run
+            # ends: a `port --continue` started meanwhile is refused, never let in
+            # between the state file and the first patch.
+            held.enter_context(guard.operation(dest, "port"))
+            log(f"fetching {v1.version}'s release commit for 3-way merges")
+            _fetch_base(series, v1, dest)
+            state = PortState(
+                from_version=v1.version,
+                to_version=v2.version,
+                series=str(series.path.resolve()),
+                stock=gitops.head(dest),
+                plan=[p.id for p in series.patches],
+            )
+            state.save(dest)
         return _run(series, dest, state, log)
 
 
