@@ -29,6 +29,11 @@ Invariants:
   mid-``git am`` with conflict markers in the tree, ready to be resolved.
 * A port that fails before its state is written leaves nothing behind: the directory
   it created is removed (or emptied again, if it existed empty).
+* A port killed while it replays a patch (inside ``git am``, or before the result is
+  saved) is undone to before that patch by the next call, which then replays it
+  again: each replay runs under the checkout journal (:func:`hybridpd.guard.journal`).
+  Killed while it writes ``series.toml`` and the files, ``--continue`` writes them
+  again.
 * ``series.toml`` and ``patches/`` are touched only at the very end, once every patch
   is through: the patch files are exported to a staging directory first, then
   series.toml is edited (validated; on failure nothing is written), then the files
@@ -290,7 +295,9 @@ def resume(
     """
     dest = dest.absolute()
     state = _load_state(series, dest)
-    with guard.operation(dest, "port"):
+    with guard.operation(dest, "port") as recovered:
+        if recovered:
+            log(recovered)
         return _resume_locked(series, dest, state, action, upstream, log)
 
 
@@ -343,13 +350,19 @@ def _run(series: Series, dest: Path, state: PortState, log: Log) -> PortReport:
     """Replay the patches not done yet; stop on a conflict, else finish."""
     v1, v2 = series.pin(state.from_version), series.pin(state.to_version)
     for patch_id in state.plan[len(state.done) :]:
-        result = _replay(series, dest, state, v1, v2, patch_id)
-        if isinstance(result, Conflict):
-            log(f"{patch_id}: conflict")
-            return _report(state, dest, conflict=result)
+        # Killed before its result is saved, a replay is undone by the next call
+        # (guard.recover: the am session, git's locks, HEAD back to before it), and
+        # the patch is replayed again.
+        with guard.journal(dest, "port"):
+            guard.fault("port:replaying")
+            result = _replay(series, dest, state, v1, v2, patch_id)
+            if isinstance(result, Conflict):
+                log(f"{patch_id}: conflict")
+                return _report(state, dest, conflict=result)
+            guard.fault("port:replayed")
+            state.record(result)
+            state.save(dest)
         log(f"{patch_id}: {result.result}" + (f" ({result.evidence})" if result.evidence else ""))
-        state.record(result)
-        state.save(dest)
     return finish(series, dest, state)
 
 
@@ -457,6 +470,7 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
                 state_name = "carried" if r.result in CARRIED_RESULTS else "upstream"
                 editor.set_patch_state(r.id, v2.version, state_name, r.release)
             editor.set_pin_ported(v2.version, True)
+        guard.fault("port:series-written")
         patch_dir = series.patch_dir(v2)
         patch_dir.mkdir(parents=True, exist_ok=True)
         for stale in patch_dir.glob("*.patch"):
