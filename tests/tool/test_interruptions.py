@@ -231,8 +231,7 @@ def test_sigkill_during_check_changes_nothing_and_the_next_check_passes(project)
 # --------------------------------------------------------------------------- port
 
 
-@pytest.fixture
-def port_series(tmp_path: Path) -> Series:
+def _port_series(tmp_path: Path, pin2_files: dict[str, str] | None = None) -> Series:
     """Pins 1.0 and 2.0 (not ported yet), fix-add and feature carried on 1.0."""
     from builders import FEATURE, FIX_ADD, commit_patch
     from hybridpd.export import export
@@ -240,7 +239,7 @@ def port_series(tmp_path: Path) -> Series:
 
     project = Project(tmp_path)
     project.release("1.0")
-    project.release("2.0")
+    project.release("2.0", pin2_files)
     project.unported.add("2.0")
     project.record("fix-add", {"1.0": "carried"})
     project.record("feature", {"1.0": "carried"})
@@ -252,7 +251,12 @@ def port_series(tmp_path: Path) -> Series:
     return load(series.path)
 
 
-@pytest.mark.parametrize("point", ["port:replaying", "port:replayed", "port:series-written"])
+@pytest.fixture
+def port_series(tmp_path: Path) -> Series:
+    return _port_series(tmp_path)
+
+
+@pytest.mark.parametrize("point", ["port:replayed", "port:series-written"])
 def test_sigkill_mid_port_is_recovered_by_continue(port_series, tmp_path: Path, point) -> None:
     from hybridpd.export import check
     from hybridpd.series import load
@@ -290,3 +294,20 @@ def test_sigkill_inside_a_ports_git_am_is_recovered_by_continue(
     assert [p.id for p in ported.carried(ported.pin("2.0"))] == ["fix-add", "feature"]
     assert check(ported) == []
     assert not (gdir / "index.lock").exists() and not (gdir / "rebase-apply").exists()
+
+
+def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path: Path) -> None:
+    # Killed after the state names the conflicting patch but before it returns: the
+    # next call ends the am session (journal), and --continue replays the patch, which
+    # stops on the same conflict again, resolvable as usual.
+    series = _port_series(tmp_path, {"README.txt": "proj, rewritten\n"})
+    dest = tmp_path / "port"
+    killed = hybridpd(series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      fault="port:conflict")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = hybridpd(series, "port", "--continue", "--dir", str(dest))
+    assert resumed.returncode == 1
+    assert "recovered from an interrupted `hybridpd port`" in resumed.stderr
+    assert "stopped: patch feature conflicts with 2.0" in resumed.stdout + resumed.stderr
+    assert "ended outside hybridpd port" not in resumed.stderr
+    assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0

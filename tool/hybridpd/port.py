@@ -33,7 +33,8 @@ Invariants:
   saved) is undone to before that patch by the next call, which then replays it
   again: each replay runs under the checkout journal (:func:`hybridpd.guard.journal`).
   Killed while it writes ``series.toml`` and the files, ``--continue`` writes them
-  again.
+  again (``--abort`` would leave series.toml as far as it got). The ``git am
+  --continue`` that ``--continue`` runs after a resolution is not journaled.
 * ``series.toml`` and ``patches/`` are touched only at the very end, once every patch
   is through: the patch files are exported to a staging directory first, then
   series.toml is edited (validated; on failure nothing is written), then the files
@@ -298,6 +299,11 @@ def resume(
     with guard.operation(dest, "port") as recovered:
         if recovered:
             log(recovered)
+            if state.current is not None and action == "continue":
+                # Killed as it stopped on the conflict: the recovery ended the am
+                # session, so the patch is replayed again (and stops again).
+                state.current = state.before = None
+                state.save(dest)
         return _resume_locked(series, dest, state, action, upstream, log)
 
 
@@ -354,8 +360,11 @@ def _run(series: Series, dest: Path, state: PortState, log: Log) -> PortReport:
         # (guard.recover: the am session, git's locks, HEAD back to before it), and
         # the patch is replayed again.
         with guard.journal(dest, "port"):
-            guard.fault("port:replaying")
-            result = _replay(series, dest, state, v1, v2, patch_id)
+            try:
+                result = _replay(series, dest, state, v1, v2, patch_id)
+            except HybridpdError:
+                guard.recover(dest)  # a refused patch, not an interruption: undo now
+                raise
             if isinstance(result, Conflict):
                 log(f"{patch_id}: conflict")
                 return _report(state, dest, conflict=result)
@@ -390,6 +399,7 @@ def _replay(
     if not outcome.ok:
         state.current, state.before = patch_id, before
         state.save(dest)
+        guard.fault("port:conflict")
         return _conflict(dest, path, patch_id)
     after = gitops.head(dest)
     if after == before:
