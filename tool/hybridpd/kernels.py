@@ -115,12 +115,18 @@ def cpu_flags(py: Path, env: Mapping[str, str], cwd: Path) -> CpuFlags:
     return CpuFlags(data["machine"], data["avx512"], data["avx512_bf16"])
 
 
-def probe(py: Path, variant: str, env: Mapping[str, str], cwd: Path) -> KernelProbe:
-    """Load the compiled ops of the venv of ``py`` the way vLLM does, in a child process."""
-    try:
-        cpu = cpu_flags(py, env, cwd) if variant == "cpu" else None
-    except RuntimeError as exc:
-        return KernelProbe("vllm._C", str(exc), None)
+def probe(
+    py: Path, variant: str, env: Mapping[str, str], cwd: Path, cpu: CpuFlags | None = None
+) -> KernelProbe:
+    """Load the compiled ops of the venv of ``py`` the way vLLM does, in a child process.
+
+    ``cpu``: the host's flags when the caller has them (else torch in the venv is asked,
+    which costs a torch import)."""
+    if cpu is None and variant == "cpu":
+        try:
+            cpu = cpu_flags(py, env, cwd)
+        except RuntimeError as exc:
+            return KernelProbe("vllm._C", str(exc), None)
     module = select_module(variant, cpu)
     proc = subprocess.run(
         [str(py), "-c", _IMPORT_SCRIPT, module, IGNORED_IMPORT_ERROR],
