@@ -287,15 +287,19 @@ def doctor_(state: State, as_json: bool) -> None:
     NIXL, known index traps, free disk and the cache. Installs nothing. Exits 1
     when a check fails.
     """
-    report = doctor.diagnose(state.series, probe=doctor.default_probe)
+    report = doctor.diagnose(
+        state.series, probe=doctor.default_probe, nixl=doctor.default_nixl
+    )
     if as_json:
         _echo_json(report.to_json())
     else:
         for line in report.lines():
             click.echo(line)
     if not report.ok:
-        failed = [c.name for c in report.checks if c.status == "fail"]
-        raise DoctorFailed(f"failed: {', '.join(failed)}")
+        raise DoctorFailed(
+            f"{len(report.failed)} check(s) failed: {', '.join(report.failed)} "
+            "(see each fix above)"
+        )
 
 
 @main.command()

@@ -121,19 +121,21 @@ def find_links_files(settings: PipSettings) -> list[IndexFile]:
             Path(urllib.request.url2pathname(parsed.path)) if parsed.scheme == "file"
             else Path(location) if not parsed.scheme else None
         )
-        if local is not None:
-            if local.is_dir():
-                files += [
-                    IndexFile(p.name, p.absolute().as_uri(), None)
-                    for p in sorted(local.iterdir())
-                    if p.is_file() and p.name.endswith(_ARCHIVES)
-                ]
+        if local is not None and local.is_dir():
+            files += [
+                IndexFile(p.name, p.absolute().as_uri(), None)
+                for p in sorted(local.iterdir())
+                if p.is_file() and p.name.endswith(_ARCHIVES)
+            ]
             continue
+        if local is not None and not local.is_file():
+            continue
+        url = local.absolute().as_uri() if local is not None else location
         try:
-            with _open(location, settings, accept="text/html") as response:
+            with _open(url, settings, accept="text/html") as response:
                 html = response.read().decode("utf-8", errors="replace")
                 base = response.geturl()
-        except (PackageIndexError, _NotFound):
+        except PackageIndexError:
             continue
         files += _files_from_html(html, base)
     return files
