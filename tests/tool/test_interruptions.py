@@ -215,3 +215,99 @@ def test_sigterm_during_check_leaves_no_temporary_tree(project, tmp_path: Path) 
     result = hybridpd(series, "check", fault="check:round-trip:TERM", tmp=tmp)
     assert result.returncode == 1
     assert list(tmp.iterdir()) == []
+
+
+def test_sigkill_during_check_changes_nothing_and_the_next_check_passes(project) -> None:
+    # A killed check cannot remove its temporary tree; it never writes the series.
+    _, series, _ = project
+    before = {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()}
+    killed = hybridpd(series, "check", fault="check:round-trip")
+    assert killed.returncode == -signal.SIGKILL
+    assert {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()} == before
+    again = hybridpd(series, "check")
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+# --------------------------------------------------------------------------- port
+
+
+def _port_series(tmp_path: Path, pin2_files: dict[str, str] | None = None) -> Series:
+    """Pins 1.0 and 2.0 (not ported yet), fix-add and feature carried on 1.0."""
+    from builders import FEATURE, FIX_ADD, commit_patch
+    from hybridpd.export import export
+    from hybridpd.series import load
+
+    project = Project(tmp_path)
+    project.release("1.0")
+    project.release("2.0", pin2_files)
+    project.unported.add("2.0")
+    project.record("fix-add", {"1.0": "carried"})
+    project.record("feature", {"1.0": "carried"})
+    series = project.write()
+    repo = project.checkout("1.0", "author")
+    commit_patch(repo, "fix-add", FIX_ADD, "[Core] Keep the sum in a local")
+    commit_patch(repo, "feature", FEATURE, "Add doubling")
+    export(series, repo)
+    return load(series.path)
+
+
+@pytest.fixture
+def port_series(tmp_path: Path) -> Series:
+    return _port_series(tmp_path)
+
+
+@pytest.mark.parametrize("point", ["port:replayed", "port:series-written"])
+def test_sigkill_mid_port_is_recovered_by_continue(port_series, tmp_path: Path, point) -> None:
+    from hybridpd.export import check
+    from hybridpd.series import load
+
+    dest = tmp_path / "port"
+    killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      fault=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = hybridpd(port_series, "port", "--continue", "--dir", str(dest), "--json")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    ported = load(port_series.path)
+    assert [p.id for p in ported.carried(ported.pin("2.0"))] == ["fix-add", "feature"]
+    assert check(ported) == []
+    # Each patch is one commit on top of the release, once.
+    log = gitops.check(dest, "log", "--format=%s", "v2.0..HEAD").splitlines()
+    assert log == ["Add doubling", "[Core] Keep the sum in a local"]
+
+
+def test_sigkill_inside_a_ports_git_am_is_recovered_by_continue(
+    port_series, tmp_path: Path
+) -> None:
+    from hybridpd.export import check
+    from hybridpd.series import load
+
+    dest = tmp_path / "port"
+    killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      path=_git_that_dies_in_am(tmp_path))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    gdir = guard.git_dir(dest)
+    assert (gdir / "rebase-apply").is_dir() and (gdir / "index.lock").exists()
+    resumed = hybridpd(port_series, "port", "--continue", "--dir", str(dest))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "recovered from an interrupted `hybridpd port`" in resumed.stderr
+    ported = load(port_series.path)
+    assert [p.id for p in ported.carried(ported.pin("2.0"))] == ["fix-add", "feature"]
+    assert check(ported) == []
+    assert not (gdir / "index.lock").exists() and not (gdir / "rebase-apply").exists()
+
+
+def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path: Path) -> None:
+    # Killed after the state names the conflicting patch but before it returns: the
+    # next call ends the am session (journal), and --continue replays the patch, which
+    # stops on the same conflict again, resolvable as usual.
+    series = _port_series(tmp_path, {"README.txt": "proj, rewritten\n"})
+    dest = tmp_path / "port"
+    killed = hybridpd(series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      fault="port:conflict")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = hybridpd(series, "port", "--continue", "--dir", str(dest))
+    assert resumed.returncode == 1
+    assert "recovered from an interrupted `hybridpd port`" in resumed.stderr
+    assert "stopped: patch feature conflicts with 2.0" in resumed.stdout + resumed.stderr
+    assert "ended outside hybridpd port" not in resumed.stderr
+    assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0

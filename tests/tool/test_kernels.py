@@ -102,3 +102,17 @@ def test_a_venv_without_torch_is_one_line(tmp_path):
     probe = kernels.probe(Path(sys.executable), "cpu", env, tmp_path)
     assert not probe.ok
     assert probe.status.startswith("torch cannot report the CPU's capabilities")
+
+
+def test_known_host_flags_skip_torch_and_a_hung_import_times_out(tmp_path):
+    site = _fake_site(tmp_path)
+    env = _env(site, True, True)  # torch would say AVX-512 BF16: it is not asked
+    flags = kernels.host_flags("processor: 0\nflags\t: fpu avx avx2\n", "x86_64")
+    assert flags == CpuFlags("x86_64", False, False)
+    assert kernels.has_avx2("flags : fpu avx avx2\n") and not kernels.has_avx2("flags : avx\n")
+    assert kernels.host_flags("processor: 0\n", "x86_64") is None
+    probe = kernels.probe(Path(sys.executable), "cpu", env, tmp_path, cpu=flags)
+    assert (probe.module, probe.ok) == ("vllm._C_AVX2", True)
+    (site / "vllm" / "_C_AVX2.py").write_text("import time\ntime.sleep(30)\n")
+    slow = kernels.probe(Path(sys.executable), "cpu", env, tmp_path, cpu=flags, timeout=0.5)
+    assert slow.status == "no answer within 0.5 s" and not slow.ok

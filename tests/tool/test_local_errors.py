@@ -130,6 +130,56 @@ def test_a_local_write_error_while_downloading_is_not_a_network_error(
         pkgindex.download(found.url, tmp_path / release.filename, release.sha256, settings)
 
 
+class _FailingFile:
+    """The temporary file of a download whose write or flush hits a full disk."""
+
+    def __init__(self, real, fail_on: str):
+        self.real, self.fail_on = real, fail_on
+
+    def __enter__(self):
+        self.real.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.real.__exit__(*exc)
+
+    def write(self, data):
+        if self.fail_on == "write":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.write(data)
+
+    def flush(self):
+        if self.fail_on == "flush":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.flush()
+
+
+@pytest.mark.parametrize("fail_on", ["write", "flush", "replace"])
+def test_a_full_disk_or_a_refused_rename_while_downloading_leaves_nothing(
+    project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_on: str
+) -> None:
+    release = project.releases["1.0"]
+    settings = pkgindex.PipSettings(index_urls=(project.index(),))
+    found = pkgindex.find_file(PACKAGE, release.filename, settings)
+    dest = tmp_path / "dl" / release.filename
+    dest.parent.mkdir()
+    if fail_on == "replace":
+        def refuse(src, dst):
+            raise OSError(errno.EACCES, "Permission denied", str(dst))
+
+        monkeypatch.setattr(pkgindex.os, "replace", refuse)
+        message = f"local file system: {dest}: Permission denied"
+    else:
+        real_fdopen = pkgindex.os.fdopen
+        monkeypatch.setattr(
+            pkgindex.os, "fdopen", lambda *a, **k: _FailingFile(real_fdopen(*a, **k), fail_on)
+        )
+        message = rf"local file system: {dest.parent}/\.{release.filename}\..*\.part: No space left"
+    with pytest.raises(LocalFileError, match=message):
+        pkgindex.download(found.url, dest, release.sha256, settings)
+    assert list(dest.parent.iterdir()) == []  # no partial file, no temporary file
+
+
 # --------------------------------------------------------------------------- concurrency
 
 
@@ -161,7 +211,7 @@ def test_a_checkout_into_a_directory_being_written_fails_and_touches_nothing(
 ) -> None:
     dest = tmp_path / "tree"
     dest.mkdir()
-    with guard.directory(dest, "checkout"):
+    with guard.directory(dest):
         result = subprocess.run(
             [sys.executable, "-c", CLI, "--series", str(project.series_path),
              "checkout", "1.0", "--dir", str(dest), "--source", "sdist"],
@@ -178,7 +228,7 @@ def test_a_port_into_a_directory_being_written_fails_and_touches_nothing(tmp_pat
     _, series = standard_project(tmp_path)
     dest = tmp_path / "port"
     dest.mkdir()
-    with guard.directory(dest, "checkout"):
+    with guard.directory(dest):
         result = subprocess.run(
             [sys.executable, "-c", CLI, "--series", str(series.path),
              "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest)],

@@ -49,6 +49,28 @@ def test_config_list_sections_override_in_pip_order(monkeypatch: pytest.MonkeyPa
     assert pkgindex.pip_settings().index_urls == ("https://download.example/simple", "file:///e")
 
 
+def test_find_links_come_from_pip_and_offer_their_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    page = tmp_path / "page"  # a directory, given as a file:// URL: only its archives
+    page.mkdir()
+    (page / "index.html").write_text("<a href='x-1.0.tar.gz'>x-1.0.tar.gz</a>")
+    monkeypatch.setattr(pkgindex, "_pip_config_list", lambda: f"global.find-links='{wheels}'\n")
+    monkeypatch.delenv("PIP_INDEX_URL")
+    assert pkgindex.pip_settings().find_links == (str(wheels),)
+    monkeypatch.setenv("PIP_FIND_LINKS", f"{wheels} {page.as_uri()} {tmp_path / 'missing'}")
+    settings = pkgindex.pip_settings()
+    assert settings.find_links == (str(wheels), page.as_uri(), str(tmp_path / "missing"))
+    names = [f.filename for f in pkgindex.find_links_files(settings)]
+    assert names == ["torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    # A file:// URL of a directory lists the directory, as pip does.
+    web = pkgindex.PipSettings((), find_links=("http://127.0.0.1:9/links/", wheels.as_uri()))
+    assert [f.filename for f in pkgindex.find_links_files(web)] == names
+
+
 def test_default_index_comes_from_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     from pip._internal.models.index import PyPI
 

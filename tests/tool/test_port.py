@@ -372,6 +372,57 @@ def test_refuses_a_busy_directory_and_bad_usage(stopped: tuple[Series, Path, Res
     assert mismatch.exit_code == 2 and "from 1.0 to 2.0" in mismatch.output
 
 
+def test_the_port_lock_is_held_from_the_checkout_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once the new port's state file exists (before its first patch), a
+    # `port --continue` on the same directory, from another process, is refused.
+    import subprocess
+    import sys
+
+    _, series = port_project(tmp_path)
+    dest = tmp_path / "port"
+    save = port_mod.PortState.save
+    second = []
+
+    def save_then_probe(self, repo):
+        save(self, repo)
+        if not second:
+            code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+            second.append(subprocess.run(
+                [sys.executable, "-c", code, "--series", str(series.path), "port",
+                 "--continue", "--dir", str(dest)],
+                capture_output=True, text=True, timeout=60,
+            ))
+
+    monkeypatch.setattr(port_mod.PortState, "save", save_then_probe)
+    port_mod.start(series, "1.0", "2.0", dest)
+    (refused, *_) = second
+    assert refused.returncode == 1, refused.stderr
+    assert "is busy: hybridpd port" in refused.stderr
+
+
+def test_a_refused_patch_is_undone_at_once_not_taken_for_an_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridpd import guard
+
+    _, series = port_project(tmp_path)
+    dest = tmp_path / "port"
+
+    def refuse(repo, patch_id):
+        raise port_mod.PortError(f"{patch_id}: refused")
+
+    monkeypatch.setattr(port_mod, "_ensure_trailer", refuse)
+    with pytest.raises(port_mod.PortError, match="fix-add: refused"):
+        port_mod.start(series, "1.0", "2.0", dest)
+    assert not (guard.git_dir(dest) / guard.JOURNAL).exists()
+    assert gitops.head(dest) == port_mod.PortState.load(dest).stock
+    monkeypatch.undo()
+    report = port_mod.resume(series, dest, "continue")
+    assert [r[1] for r in results(report)] == ["clean", "clean"]
+
+
 def test_failure_before_replay_leaves_nothing(tmp_path: Path) -> None:
     _, series = port_project(tmp_path)
     # 1.0's sdist is neither cached nor on the (empty) index: the base fetch fails

@@ -140,7 +140,7 @@ def owned_directory(dest: Path) -> Iterator[None]:
     """
     created = next((p for p in reversed((dest, *dest.parents)) if not p.exists()), None)
     dest.mkdir(parents=True, exist_ok=True)
-    with guard.directory(dest, "checkout"):
+    with guard.directory(dest):
         if any(dest.iterdir()):  # another process filled it before we got the lock
             raise CheckoutError(f"{dest} already exists and is not an empty directory")
         try:

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from hybridpd import __version__, exportpr, jsonout, testrun
+from hybridpd import __version__, doctor, exportpr, jsonout, testrun
 from hybridpd import build as build_mod
 from hybridpd import install as install_mod
 from hybridpd import port as port_mod
@@ -33,7 +33,7 @@ from hybridpd.apply import status as checkout_status
 from hybridpd.checkout import SOURCES, Source
 from hybridpd.checkout import checkout as make_checkout
 from hybridpd.e2e.command import e2e_command
-from hybridpd.errors import CheckFailed, HybridpdError
+from hybridpd.errors import CheckFailed, DoctorFailed, HybridpdError
 from hybridpd.export import check as check_series
 from hybridpd.export import export as export_series
 from hybridpd.series import Series
@@ -285,6 +285,32 @@ def export(state: State, repo: Path, prune: bool) -> None:
         click.echo(f"warning: {patch_id} has no [[patches]] record in series.toml", err=True)
     if result.dirty:
         click.echo(f"warning: {repo} has uncommitted changes; they were not exported", err=True)
+
+
+@main.command(name="doctor")
+@_json_flag
+@click.pass_obj
+def doctor_(state: State, as_json: bool) -> None:
+    """Say what this machine can do with each pin, and what to fix.
+
+    One line per check (ok, warn or fail, with the fix): GPU, CPU kernels, the
+    package index pip is configured with, which pins can test and serve here,
+    NIXL, known index traps, free disk and the cache. Installs nothing. Exits 1
+    when a check fails.
+    """
+    report = doctor.diagnose(
+        state.series, probe=doctor.default_probe, nixl=doctor.default_nixl
+    )
+    if as_json:
+        _echo_json(report.to_json())
+    else:
+        for line in report.lines():
+            click.echo(line)
+    if not report.ok:
+        raise DoctorFailed(
+            f"{len(report.failed)} check(s) failed: {', '.join(report.failed)} "
+            "(see each fix above)"
+        )
 
 
 @main.command()

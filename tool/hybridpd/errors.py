@@ -60,6 +60,10 @@ class CheckFailed(HybridpdError):
     """``hybridpd check`` found problems."""
 
 
+class DoctorFailed(HybridpdError):
+    """``hybridpd doctor`` found something this machine cannot do at all."""
+
+
 class LocalFileError(HybridpdError):
     """A local file or directory (a checkout, the cache) could not be read or written.
 

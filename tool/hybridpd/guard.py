@@ -109,8 +109,8 @@ def operation(repo: Path, name: str) -> Iterator[str | None]:
 
 
 @contextlib.contextmanager
-def directory(dest: Path, name: str) -> Iterator[None]:
-    """Hold ``dest``'s own lock (a ``flock`` on the directory) while ``name`` fills it.
+def directory(dest: Path) -> Iterator[None]:
+    """Hold ``dest``'s own lock (a ``flock`` on the directory) while it is filled.
 
     Re-entrant within a process (port's checkout runs inside port's). Fails at once
     with :class:`BusyError` when another process holds it.

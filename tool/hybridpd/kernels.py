@@ -10,9 +10,10 @@ vLLM's CPU wheels ship three builds of the same ops for x86 and pick one at star
 Importing ``vllm._C`` directly on an AVX2-only host runs AVX-512 instructions and the
 process dies with SIGILL, so a proof of the compiled ops must load the module vLLM
 itself would load. The choice is made here from the capability flags torch reports in
-the venv (the same ``torch.cpu._is_avx512_supported()`` checks vLLM calls), and the
-import runs in a child process of its own, so a crash is reported as a signal instead
-of taking the proof down with it.
+the venv (the same ``torch.cpu._is_avx512_supported()`` checks vLLM calls), or, for a
+caller that cannot spend a torch import (``hybridpd doctor``), from the kernel's
+``/proc/cpuinfo`` flags (:func:`host_flags`); the import runs in a child process of its
+own, so a crash is reported as a signal instead of taking the proof down with it.
 
 The ``_C_AVX2``/``_C_AVX512`` libraries define no Python module init function: importing
 them raises ImportError("dynamic module does not define module export function") *after*
@@ -115,16 +116,47 @@ def cpu_flags(py: Path, env: Mapping[str, str], cwd: Path) -> CpuFlags:
     return CpuFlags(data["machine"], data["avx512"], data["avx512_bf16"])
 
 
-def probe(py: Path, variant: str, env: Mapping[str, str], cwd: Path) -> KernelProbe:
-    """Load the compiled ops of the venv of ``py`` the way vLLM does, in a child process."""
-    try:
-        cpu = cpu_flags(py, env, cwd) if variant == "cpu" else None
-    except RuntimeError as exc:
-        return KernelProbe("vllm._C", str(exc), None)
+def host_flags(cpuinfo: str, machine: str) -> CpuFlags | None:
+    """The same flags from the kernel's ``/proc/cpuinfo`` text (``avx512f``,
+    ``avx512_bf16``), for callers that cannot spend a torch import; None without flags."""
+    line = next((l for l in cpuinfo.splitlines() if l.startswith("flags")), None)
+    if line is None:
+        return None
+    flags = set(line.split(":", 1)[1].split())
+    return CpuFlags(machine.lower(), "avx512f" in flags, "avx512_bf16" in flags)
+
+
+def has_avx2(cpuinfo: str) -> bool:
+    """Whether ``/proc/cpuinfo`` text lists AVX2 (vLLM's CPU kernels need at least it)."""
+    line = next((l for l in cpuinfo.splitlines() if l.startswith("flags")), "")
+    return "avx2" in line.split(":", 1)[-1].split()
+
+
+def probe(
+    py: Path,
+    variant: str,
+    env: Mapping[str, str],
+    cwd: Path,
+    cpu: CpuFlags | None = None,
+    timeout: float | None = None,
+) -> KernelProbe:
+    """Load the compiled ops of the venv of ``py`` the way vLLM does, in a child process.
+
+    ``cpu``: the host's flags when the caller has them (else torch in the venv is asked,
+    which costs a torch import). ``timeout``: seconds the import may take."""
+    if cpu is None and variant == "cpu":
+        try:
+            cpu = cpu_flags(py, env, cwd)
+        except RuntimeError as exc:
+            return KernelProbe("vllm._C", str(exc), None)
     module = select_module(variant, cpu)
-    proc = subprocess.run(
-        [str(py), "-c", _IMPORT_SCRIPT, module, IGNORED_IMPORT_ERROR],
-        capture_output=True, text=True, env=dict(env), cwd=str(cwd), check=False,
-    )
+    try:
+        proc = subprocess.run(
+            [str(py), "-c", _IMPORT_SCRIPT, module, IGNORED_IMPORT_ERROR],
+            capture_output=True, text=True, env=dict(env), cwd=str(cwd), check=False,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return KernelProbe(module, f"no answer within {timeout:g} s", cpu)
     ok = proc.returncode == 0 and "HYBRIDPD-KERNELS ok" in proc.stdout
     return KernelProbe(module, "ok" if ok else _tail(proc), cpu)

@@ -55,6 +55,9 @@ class _Response(Protocol):
     def geturl(self) -> str: ...
 
 
+_ARCHIVES = (".whl", ".tar.gz", ".zip", ".tar.bz2")
+
+
 @dataclass(frozen=True)
 class PipSettings:
     """The parts of pip's configuration that say where and how to fetch files."""
@@ -62,6 +65,7 @@ class PipSettings:
     index_urls: tuple[str, ...]
     cert: str | None = None
     timeout: float = _DEFAULT_TIMEOUT
+    find_links: tuple[str, ...] = ()
 
     def ssl_context(self) -> ssl.SSLContext:
         """Verification context honouring pip's ``cert`` (CA bundle) setting."""
@@ -91,6 +95,7 @@ def pip_settings() -> PipSettings:
         "index-url": os.environ.get("PIP_INDEX_URL"),
         "extra-index-url": os.environ.get("PIP_EXTRA_INDEX_URL"),
         "cert": os.environ.get("PIP_CERT"),
+        "find-links": os.environ.get("PIP_FIND_LINKS"),
         "timeout": os.environ.get("PIP_TIMEOUT") or os.environ.get("PIP_DEFAULT_TIMEOUT"),
     }
     values.update({key: value for key, value in env.items() if value})
@@ -101,7 +106,39 @@ def pip_settings() -> PipSettings:
         index_urls=tuple(dict.fromkeys([index, *extras])),
         cert=values.get("cert") or None,
         timeout=float(timeout) if timeout else _DEFAULT_TIMEOUT,
+        find_links=tuple(values.get("find-links", "").split()),
     )
+
+
+def find_links_files(settings: PipSettings) -> list[IndexFile]:
+    """The files pip's ``find-links`` offer: a local directory's archives, or the
+    links of an HTML page. A location that cannot be read offers none (pip warns and
+    goes on as well)."""
+    files: list[IndexFile] = []
+    for location in settings.find_links:
+        parsed = urllib.parse.urlparse(location)
+        local = (
+            Path(urllib.request.url2pathname(parsed.path)) if parsed.scheme == "file"
+            else Path(location) if not parsed.scheme else None
+        )
+        if local is not None and local.is_dir():
+            files += [
+                IndexFile(p.name, p.absolute().as_uri(), None)
+                for p in sorted(local.iterdir())
+                if p.is_file() and p.name.endswith(_ARCHIVES)
+            ]
+            continue
+        if local is not None and not local.is_file():
+            continue
+        url = local.absolute().as_uri() if local is not None else location
+        try:
+            with _open(url, settings, accept="text/html") as response:
+                html = response.read().decode("utf-8", errors="replace")
+                base = response.geturl()
+        except PackageIndexError:
+            continue
+        files += _files_from_html(html, base)
+    return files
 
 
 def parse_config_list(text: str) -> dict[str, dict[str, str]]:

@@ -31,6 +31,12 @@ Invariants:
   mid-``git am`` with conflict markers in the tree, ready to be resolved.
 * A port that fails before its state is written leaves nothing behind: the directory
   it created is removed (or emptied again, if it existed empty).
+* A port killed while it replays a patch (inside ``git am``, or before the result is
+  saved) is undone to before that patch by the next call, which then replays it
+  again: each replay runs under the checkout journal (:func:`hybridpd.guard.journal`).
+  Killed while it writes ``series.toml`` and the files, ``--continue`` writes them
+  again (``--abort`` would leave series.toml as far as it got). The ``git am
+  --continue`` that ``--continue`` runs after a resolution is not journaled.
 * ``series.toml`` and ``patches/`` are touched only at the very end, once every patch
   is through: the patch files are exported to a staging directory first, then
   series.toml is edited (validated; on failure nothing is written), then the files
@@ -39,6 +45,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -253,20 +260,24 @@ def start(
     ]
     if missing:
         raise PortError(f"missing patch file(s) of {v1.version}: {', '.join(missing)}")
-    with checkout_mod.owned_directory(dest):
-        log(f"checking out {v2.version} (sdist) into {dest}")
-        checkout_mod.checkout(series, v2.version, dest, source="sdist")
-        log(f"fetching {v1.version}'s release commit for 3-way merges")
-        _fetch_base(series, v1, dest)
-        state = PortState(
-            from_version=v1.version,
-            to_version=v2.version,
-            series=str(series.path.resolve()),
-            stock=gitops.head(dest),
-            plan=[p.id for p in series.patches],
-        )
-        state.save(dest)
-    with guard.operation(dest, "port"):
+    with contextlib.ExitStack() as held:
+        with checkout_mod.owned_directory(dest):
+            log(f"checking out {v2.version} (sdist) into {dest}")
+            checkout_mod.checkout(series, v2.version, dest, source="sdist")
+            # The port's lock from the moment the repository exists until the run
+            # ends: a `port --continue` started meanwhile is refused, never let in
+            # between the state file and the first patch.
+            held.enter_context(guard.operation(dest, "port"))
+            log(f"fetching {v1.version}'s release commit for 3-way merges")
+            _fetch_base(series, v1, dest)
+            state = PortState(
+                from_version=v1.version,
+                to_version=v2.version,
+                series=str(series.path.resolve()),
+                stock=gitops.head(dest),
+                plan=[p.id for p in series.patches],
+            )
+            state.save(dest)
         return _run(series, dest, state, log)
 
 
@@ -287,7 +298,14 @@ def resume(
     """
     dest = dest.absolute()
     state = _load_state(series, dest)
-    with guard.operation(dest, "port"):
+    with guard.operation(dest, "port") as recovered:
+        if recovered:
+            log(recovered)
+            if state.current is not None and action == "continue":
+                # Killed as it stopped on the conflict: the recovery ended the am
+                # session, so the patch is replayed again (and stops again).
+                state.current = state.before = None
+                state.save(dest)
         return _resume_locked(series, dest, state, action, upstream, log)
 
 
@@ -340,13 +358,22 @@ def _run(series: Series, dest: Path, state: PortState, log: Log) -> PortReport:
     """Replay the patches not done yet; stop on a conflict, else finish."""
     v1, v2 = series.pin(state.from_version), series.pin(state.to_version)
     for patch_id in state.plan[len(state.done) :]:
-        result = _replay(series, dest, state, v1, v2, patch_id)
-        if isinstance(result, Conflict):
-            log(f"{patch_id}: conflict")
-            return _report(state, dest, conflict=result)
+        # Killed before its result is saved, a replay is undone by the next call
+        # (guard.recover: the am session, git's locks, HEAD back to before it), and
+        # the patch is replayed again.
+        with guard.journal(dest, "port"):
+            try:
+                result = _replay(series, dest, state, v1, v2, patch_id)
+            except HybridpdError:
+                guard.recover(dest)  # a refused patch, not an interruption: undo now
+                raise
+            if isinstance(result, Conflict):
+                log(f"{patch_id}: conflict")
+                return _report(state, dest, conflict=result)
+            guard.fault("port:replayed")
+            state.record(result)
+            state.save(dest)
         log(f"{patch_id}: {result.result}" + (f" ({result.evidence})" if result.evidence else ""))
-        state.record(result)
-        state.save(dest)
     return finish(series, dest, state)
 
 
@@ -376,6 +403,7 @@ def _replay(
     if not outcome.ok:
         state.current, state.before = patch_id, before
         state.save(dest)
+        guard.fault("port:conflict")
         return _conflict(dest, path, patch_id)
     after = gitops.head(dest)
     if after == before:
@@ -460,6 +488,7 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
                 )
                 editor.set_patch_state(r.id, v2.version, state_name, r.release)
             editor.set_pin_ported(v2.version, True)
+        guard.fault("port:series-written")
         patch_dir = series.patch_dir(v2)
         patch_dir.mkdir(parents=True, exist_ok=True)
         for stale in patch_dir.glob("*.patch"):
