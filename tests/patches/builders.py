@@ -114,10 +114,16 @@ def vllm_config(
     block_size: int = BLOCK_SIZE,
     max_num_batched_tokens: int = 1024,
     enable_prefix_caching: bool = True,
+    kv_load_failure_policy: str = "fail",
+    hybrid_kv_cache_manager: bool | None = None,
 ) -> VllmConfig:
     """A VllmConfig of a PD instance with the hybrid allocator enabled.
 
     ``kv_role=None`` builds an instance without any KV connector.
+    ``kv_load_failure_policy``: "fail" (vLLM's default) or "recompute".
+    ``hybrid_kv_cache_manager``: None lets vLLM decide, as a server started
+    without ``--[no-]disable-hybrid-kv-cache-manager`` does; True or False is
+    the operator's explicit choice.
     """
     model_config = ModelConfig(
         model=tiny_model_dir(),
@@ -132,6 +138,8 @@ def vllm_config(
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
+    if hybrid_kv_cache_manager is not None:
+        scheduler_config.disable_hybrid_kv_cache_manager = not hybrid_kv_cache_manager
     cache_config = CacheConfig(
         block_size=block_size,
         gpu_memory_utilization=0.9,
@@ -145,6 +153,7 @@ def vllm_config(
             kv_connector=kv_connector,
             kv_role=kv_role,
             kv_connector_extra_config=kv_connector_extra_config or {},
+            kv_load_failure_policy=kv_load_failure_policy,
         )
     return VllmConfig(
         scheduler_config=scheduler_config,

@@ -106,8 +106,8 @@ class MambaStateChecker:
 
             def update_state_after_alloc(request, blocks, num_external_tokens):
                 cached = self._at_match.pop(request.request_id, None)
-                if num_external_tokens == 0:
-                    cached = None
+                if num_external_tokens == 0 or cached is None:
+                    cached = self._cached_states(request)
                 self.pending[request.request_id] = Admission(
                     request_id=request.request_id,
                     external_tokens=num_external_tokens,
@@ -116,9 +116,7 @@ class MambaStateChecker:
                         if num_external_tokens > 0
                         else None
                     ),
-                    cached_states=(
-                        cached if cached is not None else self._cached_states(request)
-                    ),
+                    cached_states=cached,
                 )
                 return original(request, blocks, num_external_tokens)
 

@@ -151,7 +151,8 @@ class Project:
         return make_index(self.root / "index", list(self.releases.values()), hashes)
 
     def record(self, patch_id: str, states: dict[str, str]) -> None:
-        """Add a record; ``states`` maps version to "carried" or "upstream:<release>"."""
+        """Add a record; ``states`` maps version to "carried", "dropped" or
+        "upstream:<release>"."""
         self.records.append({"id": patch_id, "states": states})
 
     def write(self) -> Series:
@@ -180,6 +181,8 @@ class Project:
                 for key in ("title", "why", "design", "removal")
             ]
             lines.append('upstream = "example/proj#1"')
+            if any(s == "dropped" for s in record["states"].values()):
+                lines.append(f'dropped = "dropped of {record["id"]}. Evidence."')
             for version, state in record["states"].items():
                 name, _, since = state.partition(":")
                 lines += ["", f'[patches.pins."{version}"]', f'state = "{name}"']

@@ -125,6 +125,17 @@ def test_check_finds_records_and_files_that_disagree(tmp_path: Path) -> None:
     ]
 
 
+def test_check_refuses_the_file_of_a_dropped_patch(tmp_path: Path) -> None:
+    project, _ = standard_project(tmp_path)
+    project.records[1]["states"]["2.0"] = "dropped"  # feature, whose 2.0 file exists
+    series = project.write()
+    assert check(series, round_trip=False) == [
+        "patches/2.0/feature.patch: patch is dropped on 2.0; delete the file"
+    ]
+    series.patch_path(series.pin("2.0"), "feature").unlink()
+    assert check(series) == []
+
+
 def test_check_reports_a_carried_patch_already_in_the_release(tmp_path: Path) -> None:
     _, series = standard_project(tmp_path, FIX_ADD)
     assert check(series) == [

@@ -300,6 +300,7 @@ def _list_project(root: Path) -> Project:
     project.record("old-fix", {"1.0": "carried", "2.0": "upstream:2.0", "3.0": "upstream:2.0"})
     project.record("late", {"1.0": "carried", "2.0": "carried", "3.0": "upstream:2.0"})
     project.record("proposal", {"1.0": "carried", "2.0": "carried", "3.0": "carried"})
+    project.record("dead", {"1.0": "dropped", "2.0": "dropped", "3.0": "dropped"})
     project.write()
     return project
 
@@ -323,6 +324,32 @@ def test_list_upstream_candidates_text(tmp_path):
         "candidate  proposal: carried on 1.0, 2.0, 3.0; no upstream release yet "
         "(reference: example/proj#1)"
     ) in lines
+    assert not any("dead" in line for line in lines)
+
+
+def test_list_says_why_a_patch_was_dropped(tmp_path):
+    project = _list_project(tmp_path)
+    result = CliRunner().invoke(
+        main, ["--series", str(project.series_path), "list", "--pin", "3.0"]
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    dead = lines.index("  dropped   dead: title of dead")
+    assert lines[dead + 1] == "            why dropped: dropped of dead."
+    from hybridpd.cli import _first_sentence
+
+    assert _first_sentence("Dead, e.g. on v0.32.0 too.  See\n vllm#1.") == (
+        "Dead, e.g. on v0.32.0 too."
+    )
+    as_json = CliRunner().invoke(
+        main, ["--series", str(project.series_path), "list", "--pin", "3.0", "--json"]
+    )
+    (pin,) = json.loads(as_json.output)["pins"]
+    entry = next(p for p in pin["patches"] if p["id"] == "dead")
+    assert entry == {
+        "id": "dead", "title": "title of dead", "state": "dropped",
+        "dropped": "dropped of dead. Evidence.",
+    }
 
 
 def test_list_upstream_candidates_json(tmp_path):
@@ -339,6 +366,7 @@ def test_list_upstream_candidates_json(tmp_path):
     assert by_id["late"]["keep_on"] == ["1.0"]
     assert by_id["old-fix"]["status"] == "upstream"
     assert by_id["old-fix"]["upstream"] == {"2.0": "2.0", "3.0": "2.0"}
+    assert "dead" not in by_id
 
 
 def test_list_upstream_candidates_refuses_pin(tmp_path):

@@ -132,6 +132,36 @@ def test_recorded_upstream_is_not_replayed(tmp_path: Path) -> None:
     assert ported.state(ported.pin("2.0"), "gone") == PinState("upstream", "0.9")
 
 
+def test_a_dropped_patch_is_not_replayed_and_stays_dropped(tmp_path: Path) -> None:
+    project, _ = port_project(tmp_path)
+    project.records[0]["states"]["1.0"] = "dropped"  # fix-add
+    series = project.write()
+    series.patch_path(series.pin("1.0"), "fix-add").unlink()
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert results(report) == [
+        ("fix-add", "dropped", "recorded"),
+        ("feature", "clean", None),
+    ]
+    assert "total = a + b" not in (tmp_path / "port" / "proj" / "core.py").read_text()
+    ported = load(series.path)
+    assert ported.state(ported.pin("2.0"), "fix-add") == PinState("dropped")
+    assert not ported.patch_path(ported.pin("2.0"), "fix-add").exists()
+    assert check(ported) == []
+
+
+def test_re_porting_keeps_an_upstream_state_over_a_dropped_one(tmp_path: Path) -> None:
+    project, _ = port_project(tmp_path)
+    project.unported.clear()
+    project.records[0]["states"].update({"1.0": "dropped", "2.0": "upstream:1.5"})
+    project.records[1]["states"]["2.0"] = "carried"
+    series = project.write()
+    series.patch_path(series.pin("1.0"), "fix-add").unlink()
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    assert results(report)[0] == ("fix-add", "upstream", "recorded")
+    ported = load(series.path)
+    assert ported.state(ported.pin("2.0"), "fix-add") == PinState("upstream", "1.5")
+
+
 def test_recorded_upstream_on_an_already_ported_pin(tmp_path: Path) -> None:
     # Re-porting: 2.0 already says fix-add is upstream, so it is not even tried,
     # though its change is not in 2.0.

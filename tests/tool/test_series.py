@@ -71,6 +71,21 @@ def test_load_keeps_record_order_and_states(tmp_path: Path) -> None:
     assert series.patch_path(one, "first") == tmp_path / "patches" / "1.0" / "first.patch"
 
 
+def test_a_dropped_patch_is_not_carried_and_keeps_its_evidence(tmp_path: Path) -> None:
+    text = VALID.replace(
+        '[patches.pins."2.0"]\nstate = "carried"',
+        '[patches.pins."2.0"]\nstate = "dropped"',
+    ).replace('upstream = "example/proj#2"', 'upstream = "example/proj#2"\ndropped = "Dead code."')
+    series = load(write(tmp_path, text))
+    one, two = series.pins
+    assert [p.id for p in series.carried(one)] == ["first", "second"]
+    assert series.carried(two) == []
+    assert series.state(two, "second").state == "dropped"
+    assert series.state(two, "second").release is None
+    assert series.patch("second").dropped == "Dead code."
+    assert series.patch("first").dropped is None
+
+
 def test_pin_accepts_v_prefix_and_lists_known_pins(tmp_path: Path) -> None:
     series = load(write(tmp_path, VALID))
     assert series.pin("v2.0").version == "2.0"
@@ -94,8 +109,22 @@ def test_pin_accepts_v_prefix_and_lists_known_pins(tmp_path: Path) -> None:
             '[patches.pins."2.0"]\nstate = "carried"\n[patches.pins."9.9"]\nstate = "carried"',
             'pins."9.9" is not a pinned version',
         ),
-        ('state = "upstream"', 'state = "gone"', "state must be one of carried, upstream"),
+        ('state = "upstream"', 'state = "gone"', "state must be one of carried, upstream, dropped"),
+        (
+            '[patches.pins."2.0"]\nstate = "carried"',
+            '[patches.pins."2.0"]\nstate = "dropped"',
+            'patches\\[1\\] \\(id "second"\\): field "dropped" is required when a pin drops',
+        ),
+        ('removal = "r"\n[patches.pins."1.0"]\nstate = "carried"\n[patches.pins."2.0"]\nstate = "carried"',
+         'removal = "r"\ndropped = "x"\n[patches.pins."1.0"]\nstate = "carried"\n'
+         '[patches.pins."2.0"]\nstate = "carried"',
+         'field "dropped" is set but no pin drops the patch'),
         ('release = "1.5"\n', "", "release is required for an upstream patch"),
+        (
+            '[patches.pins."2.0"]\nstate = "carried"',
+            '[patches.pins."2.0"]\nstate = "carried"\nrelease = "1.9"',
+            'pins."2.0".release is only for an upstream patch',
+        ),
         ('default_pin = "1.0"', 'default_pin = "0.1"', '"default_pin" 0.1 is not a pin'),
         (f'sha256 = "{SHA}"', 'sha256 = "abc"', 'field "sha256" must be 64'),
         ("schema = 1", "schema = 2", 'field "schema" must be 1'),

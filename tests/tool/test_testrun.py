@@ -35,6 +35,7 @@ def series(tmp_path: Path):
     project.record("fix-add", {"1.0": "carried"})
     project.record("feature", {"1.0": "carried"})
     project.record("landed", {"1.0": "upstream:0.9"})
+    project.record("dropped-one", {"1.0": "dropped"})
     return project.write()
 
 
@@ -75,6 +76,34 @@ def test_patch_is_proven_only_when_red_without_it(series) -> None:
     # An upstream patch's tests only have to pass.
     assert rows["landed"].state == "upstream" and rows["landed"].ok
     assert rows["landed"].without is None
+    # A dropped patch needs no test and is not a problem.
+    assert rows["dropped-one"].state == "dropped" and rows["dropped-one"].ok
+    assert rows["dropped-one"].tests == [] and rows["dropped-one"].without is None
+
+
+def test_the_table_names_the_state_of_an_unproven_patch(series) -> None:
+    from hybridpd.testrun import TestReport, format_table
+
+    mapping = {"t1": "fix-add", "t3": "landed"}
+    stock = {"t1": "failed", "t3": "passed"}
+    patched = {"t1": "passed", "t3": "passed"}
+    rows, _ = _rows(series, stock, {"fix-add": stock, "feature": {}}, patched, mapping)
+    table = format_table(TestReport("1.0", "patches", list(rows.values())))
+    verdicts = {line.split()[0]: line.split()[-1] for line in table.splitlines()[2:6]}
+    assert verdicts == {
+        "fix-add": "yes", "feature": "NO", "landed": "upstream", "dropped-one": "dropped"
+    }
+
+
+def test_a_test_that_names_no_patch_must_pass_patched(series) -> None:
+    mapping = {"t1": "fix-add", "t2": "feature"}
+    stock = {"t1": "failed", "t2": "failed", "guard": "passed", "kept": "passed"}
+    without = {"fix-add": stock, "feature": stock}
+    patched = {"t1": "passed", "t2": "passed", "guard": "failed", "kept": "skipped"}
+
+    _, problems = _rows(series, stock, without, patched, mapping)
+
+    assert problems == ["1 test(s) that name no patch fail patched: guard"]
 
 
 def test_skipped_or_failing_tests_do_not_prove(series) -> None:

@@ -196,6 +196,70 @@ def test_half_built_env_is_not_reused(tmp_path: Path) -> None:
     assert testenv.read_marker(venv) == {"hash": "x"}
 
 
+def _wheel(dest: Path, name: str, version: str) -> Path:
+    """A minimal pure-Python wheel of ``name`` (module ``name``) for pip to install."""
+    import zipfile
+
+    path = dest / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n")
+        zf.writestr(f"{info}/METADATA",
+                    f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_layers_are_built_once_beside_the_env_and_only_for_their_releases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "demolayer", "1.0")
+    _wheel(wheels, "demolayer", "2.0")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    venv = testenv.env_dir(tmp_path / "cache", "1.0")
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    layer = testenv.Layer("demo", ("demolayer==1.0",), ">=0.5", "a test")
+    monkeypatch.setattr(testenv, "LAYERS", (layer,))
+    said: list[str] = []
+
+    (path,) = testenv.ensure_layers(venv, "1.0", said.append)
+    assert path == venv.parent / "1.0-cpu.layers" / "demo"
+    assert (path / "demolayer" / "__init__.py").read_text() == "VERSION = '1.0'\n"
+    assert any("install layer demo" in line for line in said)
+    said.clear()
+    assert testenv.ensure_layers(venv, "1.0", said.append) == [path]
+    assert said == []  # reused
+    assert testenv.ensure_layers(venv, "0.4", said.append) == []  # not for that release
+    # A changed requirement rebuilds; a build that died half-way is not reused.
+    monkeypatch.setattr(testenv, "LAYERS", (testenv.Layer("demo", ("demolayer==2.0",),
+                                                          ">=0.5", "a test"),))
+    (path.with_name("demo.tmp")).mkdir()
+    (path.with_name("demo.tmp") / "junk").write_text("")
+    testenv.ensure_layers(venv, "1.0", said.append)
+    assert (path / "demolayer" / "__init__.py").read_text() == "VERSION = '2.0'\n"
+    assert not path.with_name("demo.tmp").exists()
+    monkeypatch.setattr(testenv, "LAYERS", (testenv.Layer("demo", ("demolayer==3.0",),
+                                                          ">=0.5", "a test"),))
+    with pytest.raises(testenv.TestEnvError, match="install layer demo"):
+        testenv.ensure_layers(venv, "1.0")
+    assert (path / "demolayer" / "__init__.py").read_text() == "VERSION = '2.0'\n"
+
+
+def test_layers_go_after_the_tree_on_pythonpath(tmp_path: Path) -> None:
+    from hybridpd import pytestrun
+
+    env = pytestrun.pytest_env(tmp_path / "venv", tmp_path / "tree", tmp_path / "hf",
+                               base={}, layers=[tmp_path / "l1", tmp_path / "l2"])
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path / p) for p in ("tree", "l1", "l2")]
+
+
 # --- run_upstream wiring (fake pytest: a shell script that writes JUnit XML) ----------
 
 def _junit(cases: str) -> str:

@@ -12,6 +12,7 @@ the "Commands defined in other modules" section at the bottom of this file.
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 import signal
 import tempfile
@@ -230,6 +231,14 @@ def list_(state: State, version: str | None, candidates: bool, as_json: bool) ->
         for patch, pin_state in series.records(pin):
             since = f" (since {pin_state.release})" if pin_state.release else ""
             click.echo(f"  {pin_state.state:<9} {patch.id}{since}: {patch.title}")
+            if pin_state.state == "dropped" and patch.dropped:
+                click.echo(f"            why dropped: {_first_sentence(patch.dropped)}")
+
+
+def _first_sentence(text: str) -> str:
+    flat = " ".join(text.split())
+    found = re.search(r"\.\s+(?=[A-Z])", flat)  # not at "e.g. " or "v0.32.0 "
+    return flat if found is None else flat[: found.start() + 1]
 
 
 def _pin_json(series: Series, pin: series_mod.Pin) -> dict[str, Any]:
@@ -238,6 +247,8 @@ def _pin_json(series: Series, pin: series_mod.Pin) -> dict[str, Any]:
         entry = {"id": patch.id, "title": patch.title, "state": state.state}
         if state.release:
             entry["release"] = state.release
+        if state.state == "dropped":
+            entry["dropped"] = patch.dropped
         patches.append(entry)
     return {
         "version": pin.version,

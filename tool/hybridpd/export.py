@@ -150,6 +150,10 @@ def _file_problems(series: Series, pin: Pin) -> list[str]:
                 f"{series.relative(path)}: patch is upstream in {pin.version} "
                 f"(since {state.release}); delete the file"
             )
+        if state.state == "dropped" and path.exists():
+            problems.append(
+                f"{series.relative(path)}: patch is dropped on {pin.version}; delete the file"
+            )
     for path in sorted(series.patch_dir(pin).glob("*.patch")):
         if series.patch(path.stem) is None:
             problems.append(f"{series.relative(path)}: no record in series.toml")

@@ -100,8 +100,8 @@ class Candidate:
 
     @property
     def status(self) -> str:
-        """``candidate`` (carried everywhere, to be proposed), ``drop`` (some pin
-        carries it past its upstream release) or ``upstream``."""
+        """``candidate`` (carried, upstream nowhere yet: to be proposed), ``drop``
+        (some pin carries it past its upstream release) or ``upstream``."""
         if self.since is None:
             return "candidate"
         return "drop" if self.drop_from else "upstream"
@@ -121,9 +121,12 @@ class Candidate:
 
 
 def upstream_candidates(series: Series) -> list[Candidate]:
-    """Every patch's upstream standing, from the records' states (reads nothing else)."""
+    """Every patch's upstream standing, from the records' states (reads nothing else).
+    A patch no pin carries or has upstream (dropped everywhere) is left out."""
     result = []
     for patch in series.patches:
+        if patch.pins and all(s.state == "dropped" for s in patch.pins.values()):
+            continue
         carried = tuple(v for v, s in patch.pins.items() if s.state == "carried")
         upstream = {
             v: s.release or "?" for v, s in patch.pins.items() if s.state == "upstream"

@@ -13,7 +13,9 @@ Each patch gets one result:
   record is upstream on V2, or already on V1; not replayed), ``reverse-applies``
   (the tree already has the change), ``empty`` (the automatic 3-way merge left
   nothing to commit) or ``manual`` (``--skip --upstream RELEASE``, the only way a
-  patch that stopped the port is dropped);
+  patch that stopped the port is left out of it);
+* ``dropped`` (evidence ``recorded``): the record drops the patch on V2, or on V1 and
+  V2 has no state for it; not replayed, and it is dropped on V2;
 * ``conflict``: the port stops there (see below).
 
 Invariants:
@@ -64,7 +66,7 @@ STATE_FILE = guard.PORT_STATE
 BASE_REF = "refs/hybridpd/port-from"
 STATE_SCHEMA = 1
 
-Result = Literal["clean", "3way", "resolved", "upstream", "conflict"]
+Result = Literal["clean", "3way", "resolved", "upstream", "dropped", "conflict"]
 Evidence = Literal["recorded", "reverse-applies", "empty", "manual"]
 CARRIED_RESULTS = ("clean", "3way", "resolved")
 
@@ -388,6 +390,8 @@ def _replay(
     files = tuple(gitops.patch_files(dest, path)) if path.is_file() else ()
     if on_v2 is not None and on_v2.state == "upstream":
         return PatchResult(patch_id, "upstream", "recorded", files, release=on_v2.release)
+    if (on_v2 or on_v1).state == "dropped":
+        return PatchResult(patch_id, "dropped", "recorded", files)
     if on_v1.state == "upstream":
         note = f"upstream on {v1.version} already"
         return PatchResult(patch_id, "upstream", "recorded", files, on_v1.release, note)
@@ -477,7 +481,11 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
         export(series, dest, staging)
         with seriesedit.edit(series.path) as editor:
             for r in results:
-                state_name = "carried" if r.result in CARRIED_RESULTS else "upstream"
+                state_name = (
+                    "carried" if r.result in CARRIED_RESULTS
+                    else "dropped" if r.result == "dropped"
+                    else "upstream"
+                )
                 editor.set_patch_state(r.id, v2.version, state_name, r.release)
             editor.set_pin_ported(v2.version, True)
         guard.fault("port:series-written")

@@ -200,13 +200,17 @@ def cpu_metadata_overlay(tree: Path, dest: Path) -> Path:
 
 def pytest_env(venv: Path, tree: Path, hf_home: Path,
                base: Mapping[str, str] | None = None,
-               overlay: Path | None = None) -> dict[str, str]:
-    """The environment pytest runs with (see the module docstring)."""
+               overlay: Path | None = None,
+               layers: Sequence[Path] = ()) -> dict[str, str]:
+    """The environment pytest runs with (see the module docstring). ``layers`` come
+    after the tree on ``PYTHONPATH`` (packages kept out of the venv, see
+    :data:`hybridpd.testenv.LAYERS`)."""
     env = dict(os.environ if base is None else base)
     for var in ("PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV"):
         env.pop(var, None)
+    path = [str(overlay)] * bool(overlay) + [str(tree)] + [str(p) for p in layers]
     env.update(
-        PYTHONPATH=os.pathsep.join([str(overlay)] * bool(overlay) + [str(tree)]),
+        PYTHONPATH=os.pathsep.join(path),
         PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         VIRTUAL_ENV=str(venv),
         HF_HOME=str(hf_home),
@@ -248,6 +252,7 @@ def run_pytest(
     extra_args: Sequence[str] = (),
     env_overrides: Mapping[str, str] | None = None,
     nice: int | None = 10,
+    layers: Sequence[Path] = (),
     log: Callable[[str], None] = _noop,
 ) -> SuiteResult:
     """Run ``files`` (paths relative to ``tree``) in one pytest process.
@@ -277,7 +282,7 @@ def run_pytest(
     cmd += list(extra_args)
     if nice is not None:
         cmd = ["nice", "-n", str(nice)] + cmd
-    env = pytest_env(venv, tree, hf_home, overlay=overlay)
+    env = pytest_env(venv, tree, hf_home, overlay=overlay, layers=layers)
     env["PYTHONPYCACHEPREFIX"] = str(out_dir.resolve() / "pycache")
     env.update(env_overrides or {})
 

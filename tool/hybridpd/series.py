@@ -32,8 +32,8 @@ SCHEMA = 1
 SERIES_FILE = "series.toml"
 SERIES_ENV = "HYBRIDPD_SERIES"
 
-State = Literal["carried", "upstream"]
-STATES: tuple[State, ...] = ("carried", "upstream")
+State = Literal["carried", "upstream", "dropped"]
+STATES: tuple[State, ...] = ("carried", "upstream", "dropped")
 
 _ID = re.compile(r"[a-z0-9][a-z0-9-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -59,7 +59,12 @@ class Pin:
 
 @dataclass(frozen=True)
 class PinState:
-    """A patch's state on one pin; ``release`` is set exactly when it is upstream."""
+    """A patch's state on one pin; ``release`` is set exactly when it is upstream.
+
+    ``carried``: the pin's patch file is applied. ``upstream``: the release has the
+    change. ``dropped``: the series no longer carries it and upstream does not have it
+    either (the record's ``dropped`` field says why, with the evidence).
+    """
 
     state: State
     release: str | None = None
@@ -76,6 +81,7 @@ class Patch:
     upstream: str
     removal: str
     pins: Mapping[str, PinState]
+    dropped: str | None = None
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,18 @@ class _Parser:
             if any(p.id == fields["id"] for p in patches):
                 raise self.fail(where, 'duplicate "id"')
             states = self.states(table.get("pins"), versions, ported, where)
-            patches.append(Patch(**fields, pins=states))
+            dropped = table.get("dropped")
+            is_dropped = any(st.state == "dropped" for st in states.values())
+            if is_dropped:
+                if not (isinstance(dropped, str) and dropped.strip()):
+                    raise self.fail(
+                        where,
+                        'field "dropped" is required when a pin drops the patch '
+                        "(why, with the evidence)",
+                    )
+            elif dropped is not None:
+                raise self.fail(where, 'field "dropped" is set but no pin drops the patch')
+            patches.append(Patch(**fields, pins=states, dropped=dropped))
         return tuple(patches)
 
     def states(
@@ -276,5 +293,7 @@ class _Parser:
             release = table.get("release")
             if state == "upstream" and not (isinstance(release, str) and release.strip()):
                 raise self.fail(where, f"{field}.release is required for an upstream patch")
+            if state != "upstream" and release is not None:
+                raise self.fail(where, f"{field}.release is only for an upstream patch")
             states[version] = PinState(state, release if state == "upstream" else None)
         return states

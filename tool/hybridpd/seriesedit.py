@@ -55,7 +55,7 @@ class Editor:
     ) -> None:
         """Set the state of patch ``patch_id`` on pin ``version``.
 
-        ``release`` is required for "upstream" and refused for "carried", the same
+        ``release`` is required for "upstream" and refused otherwise, the same
         rule :mod:`hybridpd.series` enforces. An existing state table is updated in
         place; a new one is appended after the patch's other pin states.
         """
@@ -64,7 +64,7 @@ class Editor:
         if (state == "upstream") != bool(release):
             raise SeriesError(
                 f"{patch_id} on {version}: an upstream state needs a release, "
-                "a carried one has none"
+                "no other state has one"
             )
         patch = self._find("patches", "id", patch_id)
         if "pins" not in patch:

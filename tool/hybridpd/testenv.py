@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
+
 #: Bump when the way an environment is built changes, so old environments are rebuilt.
 ENV_SCHEMA = 1
 
@@ -112,6 +114,41 @@ RELAXATIONS: tuple[Relaxation, ...] = (
 
 class TestEnvError(RuntimeError):
     """The environment could not be built."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """Packages the patch tests import that cannot join the environment's package set.
+
+    Installed with ``pip --no-deps --target`` into ``<env>.layers/<name>/`` and put on
+    ``PYTHONPATH`` after the source tree for the patch tests only (vLLM's own suites
+    never see them). ``requirements`` pin every distribution installed, dependencies
+    included: nothing is resolved. ``releases`` (PEP 440) are the vLLM releases whose
+    patch tests use it.
+    """
+
+    name: str
+    requirements: tuple[str, ...]
+    releases: str
+    reason: str
+
+
+#: Every layer, and why it is one.
+LAYERS: tuple[Layer, ...] = (
+    Layer(
+        name="lmcache",
+        requirements=("lmcache==0.5.6", "aiofile==3.12.3", "caio==0.12.10"),
+        releases=">=0.23",
+        reason=(
+            "LMCache's real vLLM adapter for tests/patches/lmcache. lmcache's own pins "
+            "would downgrade numpy, protobuf, opentelemetry, prometheus_client and "
+            "setuptools below what vLLM's requirements install, so only lmcache and the "
+            "two modules its adapter imports that the environment lacks are added. Its "
+            "compiled CUDA ops are stubbed by the tests."
+        ),
+    ),
+)
+
 
 
 def _normalise(name: str) -> str:
@@ -331,3 +368,48 @@ def _torch_info(py: Path) -> dict:
     if proc.returncode != 0:
         raise TestEnvError(f"torch does not import in {py}: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+LAYER_MARKER = "hybridpd-layer.json"
+
+
+def layer_dir(venv: Path, layer: Layer) -> Path:
+    return venv.parent / f"{venv.name}.layers" / layer.name
+
+
+def ensure_layers(
+    venv: Path, version: str, log: Callable[[str], None] = _noop
+) -> list[Path]:
+    """The layers of ``version``'s patch tests, built beside ``venv`` if needed.
+
+    Under the environment's lock; a layer is reused only when its marker records the
+    same requirements and Python, and it is built in a temporary directory that is
+    renamed into place, so an interrupted build is never reused.
+    """
+    py = venv_python(venv)
+    paths = []
+    with (venv.parent / f"{venv.name}.lock").open("w") as lock_fh:
+        fcntl.flock(lock_fh, fcntl.LOCK_EX)
+        for layer in LAYERS:
+            if not SpecifierSet(layer.releases).contains(version, prereleases=True):
+                continue
+            target = layer_dir(venv, layer)
+            env_marker = read_marker(venv) or {}
+            want = {"requirements": list(layer.requirements),
+                    "python": env_marker.get("python")}
+            try:
+                have = json.loads((target / LAYER_MARKER).read_text())
+            except (OSError, ValueError):
+                have = None
+            if have != want:
+                log_file = venv.parent / f"{venv.name}.build.log"
+                tmp = target.with_name(target.name + ".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                _run([py, "-m", "pip", "install", "--progress-bar", "off", "--no-deps",
+                      "--target", tmp, *layer.requirements],
+                     log_file, log, f"install layer {layer.name}: {' '.join(layer.requirements)}")
+                (tmp / LAYER_MARKER).write_text(json.dumps(want, indent=2) + "\n")
+                shutil.rmtree(target, ignore_errors=True)
+                tmp.rename(target)
+            paths.append(target)
+    return paths

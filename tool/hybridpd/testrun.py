@@ -17,8 +17,8 @@ Suites.
 - ``patches``: the project's ``tests/patches`` on every tree. Each test names its patch
   (``@pytest.mark.patch(id)``, recorded as a JUnit property). A carried patch is
   *proven* when at least one of its tests fails on stock and on the tree without it, and
-  passes patched; the suite passes when every carried patch is proven and no patch test
-  fails patched.
+  passes patched; the suite passes when every carried patch is proven and no test fails
+  patched (a test that names no patch holds every build to a behaviour the series keeps).
 - ``upstream``: vLLM's own tests for the touched modules (:mod:`hybridpd.upstream`), on
   stock (or its committed baseline) and patched: the patched run must pass every test
   the stock run passes.
@@ -80,7 +80,7 @@ class PatchRow:
     def ok(self) -> bool:
         if self.patched.failed:
             return False
-        return self.proven or self.state == "upstream"
+        return self.proven or self.state in ("upstream", "dropped")
 
     def to_json(self) -> dict:
         return {
@@ -221,14 +221,17 @@ def run_patch_suite(
     out_dir: Path,
     hf_home: Path,
     log: Callable[[str], None],
+    layers: Sequence[Path] = (),
 ) -> tuple[list[PatchRow], list[str]]:
-    """Run ``tests/patches`` on every tree and build the red/green table."""
+    """Run ``tests/patches`` on every tree and build the red/green table (with the
+    pin's :data:`~hybridpd.testenv.LAYERS` on ``PYTHONPATH``)."""
     tests_dir = patch_tests_dir(series)
     targets = [str(tests_dir)]
 
     def run(tree: Path, label: str) -> dict[str, str]:
         result = run_pytest(
-            venv, tree, targets, out_dir, hf_home=hf_home, label=label, log=log
+            venv, tree, targets, out_dir, hf_home=hf_home, label=label, layers=layers,
+            log=log,
         )
         junit = out_dir / f"{label}.junit.xml"
         if result.status in ("crashed", "timeout", "interrupted") or not junit.is_file():
@@ -293,6 +296,13 @@ def red_green(
             problems.append(f"{patch.id}: {row.patched.failed} test(s) fail patched")
     unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
     problems += [f"tests name {p}, which has no record in series.toml" for p in unknown]
+    # A test that names no patch holds every build of the series to a behaviour it
+    # must keep (e.g. stock's refusal of what a dropped patch got wrong).
+    guards = sorted(t for t, o in patched.items() if t not in mapping and o == "failed")
+    if guards:
+        problems.append(
+            f"{len(guards)} test(s) that name no patch fail patched: {', '.join(guards)}"
+        )
     return rows, problems
 
 
@@ -327,12 +337,13 @@ def run(
         venv = testenv.ensure_test_env(
             pin.version, trees["stock"], cache.cache_dir(), torch_spec, log
         )
+        layers = testenv.ensure_layers(venv, pin.version, log) if suite != "upstream" else []
     except testenv.TestEnvError as exc:
         raise TestRunError(f"test environment for {pin.version}: {exc}") from exc
     report = TestReport(pin.version, suite)
     if suite in ("patches", "all"):
         report.patches, problems = run_patch_suite(
-            series, pin, venv, trees, out_dir, hf_home, log
+            series, pin, venv, trees, out_dir, hf_home, log, layers
         )
         report.problems += problems
     if suite in ("upstream", "all"):
@@ -381,7 +392,7 @@ def format_table(report: TestReport) -> str:
             f"{c.passed}/{c.failed}" if c else "-"
             for c in (row.stock, row.without, row.patched)
         ]
-        verdict = ("yes" if row.proven else "upstream") if row.ok else "NO"
+        verdict = ("yes" if row.proven else row.state) if row.ok else "NO"
         lines.append(
             f"  {row.id:<40} {cells[0]:>9} {cells[1]:>9} {cells[2]:>9}  {verdict}"
         )

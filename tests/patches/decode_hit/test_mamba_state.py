@@ -55,9 +55,10 @@ def _decode_instance(kind, kv_role, num_blocks=1000, kv_load_failure_policy="fai
     """A decode instance that served one remote-prefill request whose prompt
     starts with PREFIX: its attention blocks are cached, its Mamba groups hold
     no state inside PREFIX."""
-    config = vllm_config(**connectors(kind, kv_role))
-    config.kv_transfer_config.kv_load_failure_policy = kv_load_failure_policy
-    sched = scheduler(config, hybrid_kv_cache_config(num_blocks=num_blocks))
+    sched = scheduler(
+        vllm_config(**connectors(kind, kv_role), kv_load_failure_policy=kv_load_failure_policy),
+        hybrid_kv_cache_config(num_blocks=num_blocks),
+    )
     checker = MambaStateChecker(sched)
     first = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
                     kv_transfer_params=remote_prefill_params(6))

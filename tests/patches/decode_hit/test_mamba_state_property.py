@@ -102,9 +102,10 @@ def _make_request(spec, n):
 
 def _run(kind, wl):
     role = wl["kv_role"]
-    config = vllm_config(**connectors(kind, role))
-    config.kv_transfer_config.kv_load_failure_policy = "recompute"
-    sched = scheduler(config, hybrid_kv_cache_config(num_blocks=wl["num_blocks"]))
+    sched = scheduler(
+        vllm_config(**connectors(kind, role), kv_load_failure_policy="recompute"),
+        hybrid_kv_cache_config(num_blocks=wl["num_blocks"]),
+    )
     checker = MambaStateChecker(sched)
     specs = wl["requests"]
     # A producer never receives remote-prefill requests.

@@ -1,7 +1,8 @@
 """MultiConnector works with the hybrid memory allocator.
 
 Patch: multi-connector-hma. A common hybrid PD set-up combines NIXL (PD
-transfer) with LMCache (KV reuse) in one MultiConnector.
+transfer) with a KV reuse connector (an offloading connector) in one
+MultiConnector.
 """
 
 import pytest
@@ -9,7 +10,13 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    ExampleConnector,
+)
 from vllm.v1.request import RequestStatus
 
 from ..builders import (
@@ -21,38 +28,56 @@ from ..builders import (
     step,
     vllm_config,
 )
-from ..lmcache.fake_engine import install
-
 PATCH = "multi-connector-hma"
+
+
+class HMARecorder(ExampleConnector, SupportsHMA):
+    """A second child that supports the hybrid allocator (vLLM's example
+    connector, which finds nothing to load) and records the block ids it is
+    handed when a request finishes."""
+
+    finished: list = []
+
+    def request_finished_all_groups(self, request, block_ids):
+        type(self).finished.append((request.request_id, block_ids))
+        return False, None
+
+
+def _child(name: str) -> dict:
+    if name == "HMARecorder":
+        return {
+            "kv_connector": name,
+            "kv_connector_module_path": __name__,
+            "kv_role": "kv_both",
+        }
+    return {"kv_connector": name, "kv_role": "kv_both"}
 
 
 def _multi_config(*children: str):
     return vllm_config(
         kv_role="kv_both",
         kv_connector="MultiConnector",
-        kv_connector_extra_config={
-            "connectors": [
-                {"kv_connector": name, "kv_role": "kv_both"} for name in children
-            ]
-        },
+        kv_connector_extra_config={"connectors": [_child(n) for n in children]},
     )
 
 
 @pytest.mark.patch(PATCH)
 def test_finished_request_reaches_every_child_with_all_groups(monkeypatch):
-    engine_cls = install(monkeypatch)
-    sched = scheduler(_multi_config("NixlConnector", "LMCacheConnectorV1"))
+    monkeypatch.setattr(HMARecorder, "finished", [])
+    kv_cache_config = hybrid_kv_cache_config()
+    sched = scheduler(_multi_config("NixlConnector", "HMARecorder"), kv_cache_config)
     req = request(prompt(4 * BLOCK_SIZE), max_tokens=2)
     sched.add_request(req)
 
     while req.status != RequestStatus.FINISHED_LENGTH_CAPPED:
         step(sched)
 
-    # The LMCache child got the attention group's blocks of the request.
-    (engine,) = engine_cls.instances
-    ((req_id, block_ids),) = engine.finished
+    # The second child got the request's blocks of every KV cache group.
+    ((req_id, block_ids),) = HMARecorder.finished
     assert req_id == req.request_id
-    assert len(block_ids) >= 4 and 0 not in block_ids
+    assert len(block_ids) == len(kv_cache_config.kv_cache_groups)
+    attention_blocks = block_ids[0]
+    assert len(attention_blocks) >= 4 and 0 not in attention_blocks
 
 
 @pytest.mark.patch(PATCH)

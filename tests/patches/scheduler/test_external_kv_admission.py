@@ -59,9 +59,7 @@ def test_remote_prefill_runs_after_its_load_finishes():
 def test_failed_load_on_hybrid_model_recomputes_from_zero():
     # From v0.23 on, upstream rejects block-level load failures for models
     # with several KV cache groups (connectors report failed requests instead).
-    config = vllm_config(kv_role="kv_both")
-    config.kv_transfer_config.kv_load_failure_policy = "recompute"
-    sched = scheduler(config)
+    sched = scheduler(vllm_config(kv_role="kv_both", kv_load_failure_policy="recompute"))
     first = request(prompt(10 * BLOCK_SIZE), kv_transfer_params=remote_prefill_params(10))
     sched.add_request(first)
     step(sched)

@@ -103,8 +103,9 @@ def _sliding_window_config(num_blocks=1000):
 def test_failed_load_with_sliding_window_group_recomputes_from_zero():
     # Blocks below the window of a shorter prefix are null in the sliding-
     # window group: resuming from the first failed block would read them.
-    config = vllm_config(kv_role="kv_both", mamba_cache_mode="none")
-    config.kv_transfer_config.kv_load_failure_policy = "recompute"
+    config = vllm_config(
+        kv_role="kv_both", mamba_cache_mode="none", kv_load_failure_policy="recompute"
+    )
     sched = scheduler(config, _sliding_window_config())
     first = request(prompt(10 * BLOCK_SIZE), kv_transfer_params=remote_prefill_params(10))
     sched.add_request(first)
