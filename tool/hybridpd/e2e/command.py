@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from hybridpd import jsonout
+from hybridpd import cache, jsonout
 from hybridpd.errors import CheckFailed
 
 from . import report as report_mod
@@ -177,7 +177,10 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
     pin = series.pin(version)
     # Before any checkout, build or output: can this host run it at all?
     builds_here = any((patched_venv if b == "patched" else stock_venv) is None for b in builds)
-    preflight(pin.version, device, gpu_pair, needs_wheel=builds_here)
+    preflight(
+        pin.version, device, gpu_pair, needs_wheel=builds_here,
+        sdist=lambda: cache.sdist(series.package, pin.sdist, pin.sha256),
+    )
     out_dir = out_dir or Path(f"e2e-{pin.version}-{device}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()

