@@ -150,5 +150,14 @@ def test_locate_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         locate(tmp_path / "missing")
 
 
+def test_a_relative_series_path_is_made_absolute(tmp_path: Path, monkeypatch) -> None:
+    # check runs git in temporary trees, where a relative patch path would not open.
+    path = write(tmp_path, VALID)
+    monkeypatch.chdir(tmp_path)
+    relative = path.relative_to(tmp_path)
+    assert locate(relative) == path
+    assert locate(relative.parent) == path
+
+
 def test_locate_falls_back_to_the_source_checkout(tmp_path: Path) -> None:
     assert locate(cwd=tmp_path) == Path(__file__).parents[2] / "patches" / "series.toml"

@@ -157,7 +157,9 @@ def locate(explicit: Path | None = None, cwd: Path | None = None) -> Path:
     if given is not None:
         for candidate in (given, given / SERIES_FILE, given / "patches" / SERIES_FILE):
             if candidate.is_file():
-                return candidate
+                # Absolute: commands run git in other directories (check's temporary
+                # trees), where a relative path to a patch file would not resolve.
+                return candidate.absolute()
         raise SeriesError(f"no series file at {given}")
     start = (cwd or Path.cwd()).resolve()
     for directory in (start, *start.parents):

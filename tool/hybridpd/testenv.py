@@ -138,7 +138,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         name="lmcache",
         requirements=("lmcache==0.5.6", "aiofile==3.12.3", "caio==0.12.10"),
-        releases=">=0.23",
+        releases=">=0.20",  # its scheduler side runs on every pin (v0.20.2 included)
         reason=(
             "LMCache's real vLLM adapter for tests/patches/lmcache. lmcache's own pins "
             "would downgrade numpy, protobuf, opentelemetry, prometheus_client and "

@@ -18,7 +18,8 @@ Suites.
   (``@pytest.mark.patch(id)``, recorded as a JUnit property). A carried patch is
   *proven* when at least one of its tests fails on stock and on the tree without it, and
   passes patched; the suite passes when every carried patch is proven and no test fails
-  patched (a test that names no patch holds every build to a behaviour the series keeps).
+  patched (a test that names no patch holds the patched build to a behaviour the series
+  keeps: it must also pass patched wherever it passes on stock).
 - ``upstream``: vLLM's own tests for the touched modules (:mod:`hybridpd.upstream`), on
   stock (or its committed baseline) and patched: the patched run must pass every test
   the stock run passes.
@@ -296,12 +297,19 @@ def red_green(
             problems.append(f"{patch.id}: {row.patched.failed} test(s) fail patched")
     unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
     problems += [f"tests name {p}, which has no record in series.toml" for p in unknown]
-    # A test that names no patch holds every build of the series to a behaviour it
-    # must keep (e.g. stock's refusal of what a dropped patch got wrong).
-    guards = sorted(t for t, o in patched.items() if t not in mapping and o == "failed")
-    if guards:
+    # A test that names no patch holds the patched build to a behaviour the series
+    # keeps (e.g. stock's refusal of what a dropped patch got wrong): it never fails
+    # patched, and passes patched wherever it passes on stock (missing is not passing).
+    guards = sorted((set(stock) | set(patched)) - set(mapping))
+    broken = [
+        t for t in guards
+        if patched.get(t) == "failed"
+        or (stock.get(t) == "passed" and patched.get(t) != "passed")
+    ]
+    if broken:
         problems.append(
-            f"{len(guards)} test(s) that name no patch fail patched: {', '.join(guards)}"
+            f"{len(broken)} test(s) that name no patch do not pass patched "
+            f"(a strict xfail that passes: the pin fixed a known issue): {', '.join(broken)}"
         )
     return rows, problems
 

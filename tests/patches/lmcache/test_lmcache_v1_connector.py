@@ -2,8 +2,8 @@
 
 The series carries no LMCache patch (``lmcache-connector-hma`` is dropped on every
 pin; its record says why). LMCacheConnectorV1 does not implement SupportsHMA, so vLLM
-turns the hybrid memory allocator off for it. What that gives, and what these tests
-hold every build of the series to:
+turns the hybrid memory allocator off for it (v0.20.2 does for every connector unless
+asked not to). What that gives, and what these tests hold the patched build to:
 
 - a model with Mamba layers is refused at start-up, where vLLM groups the model's
   KV cache, before any request is served;
@@ -94,30 +94,68 @@ def _lmcache_connectors(kind: str) -> dict:
     return multi
 
 
+def _config(**kwargs):
+    """``vllm_config`` with the KV cache layout resolved, as the engine core resolves
+    it before it groups the KV cache (unresolved, the grouping raises its own
+    ValueError, which a refusal test must not take for a refusal)."""
+    config = vllm_config(**kwargs)
+    if hasattr(config.cache_config, "kv_cache_layout"):  # v0.32+
+        config.cache_config.kv_cache_layout = "NHD"
+    return config
+
+
+#: The start-up error when vLLM cannot put a model's layers in one KV cache group
+#: (v0.20.2: "Hybrid KV cache manager is disabled but failed to convert the KV cache
+#: specs to one unified type."; v0.32.0/v0.33.0: "Failed to promote local KV cache
+#: specs to one unified type.").
+NOT_ONE_GROUP = r"KV cache specs to one unified type"
+
+
+def _lmcache_is_not_hma():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    cls = KVConnectorFactory.get_connector_class_by_name("LMCacheConnectorV1")
+    assert not supports_hma(cls), (
+        "LMCacheConnectorV1 implements SupportsHMA: see the dropped record of "
+        "lmcache-connector-hma in patches/series.toml"
+    )
+
+
 @pytest.mark.parametrize("kind", ["lmcache", "nixl+lmcache", "lmcache+nixl"])
 def test_a_model_with_mamba_layers_is_refused_at_startup(kind):
     """LMCache's adapter stores one KV cache group and no Mamba state: an engine
     that started would either crash at the first finished request (the scheduler
     asserts one group for a connector without SupportsHMA) or serve prefixes without
     the Mamba state behind them. Left to decide, vLLM turns the hybrid allocator off
-    for this connector and refuses the model while it groups its KV cache."""
-    config = vllm_config(**_lmcache_connectors(kind))
+    (v0.32+: for a connector without SupportsHMA; v0.20.2: for every connector) and
+    refuses the model while it groups its KV cache."""
+    _lmcache_is_not_hma()
+    config = _config(**_lmcache_connectors(kind))
     assert config.scheduler_config.disable_hybrid_kv_cache_manager
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=NOT_ONE_GROUP):
         get_kv_cache_groups(config, _layers("hybrid"))
 
 
 @pytest.mark.parametrize("kind", ["lmcache", "nixl+lmcache", "lmcache+nixl"])
 def test_the_connector_is_refused_when_the_hybrid_allocator_is_asked_for(kind):
-    """With ``--no-disable-hybrid-kv-cache-manager`` (v0.20.2 turns the allocator off
-    for every connector unless told so), vLLM refuses to create the connector."""
-    config = vllm_config(**_lmcache_connectors(kind), hybrid_kv_cache_manager=True)
-    with pytest.raises(ValueError, match="HMA"):
+    """With ``--no-disable-hybrid-kv-cache-manager`` (the flag hybridpd's servers
+    pass), vLLM refuses to create the connector: the MultiConnector itself where it
+    checks its children at configuration (v0.32+) or does not support HMA (stock
+    v0.20.2), its LMCache child where the MultiConnector checks them on creation
+    (v0.20.2 with multi-connector-hma)."""
+    _lmcache_is_not_hma()
+    config = _config(**_lmcache_connectors(kind), hybrid_kv_cache_manager=True)
+    name = "LMCacheConnectorV1" if kind == "lmcache" else "(LMCacheConnectorV1|MultiConnector)"
+    with pytest.raises(
+        ValueError, match=rf"Connector {name} does not support HMA but HMA is enabled"
+    ):
         scheduler(config, hybrid_kv_cache_config())
 
 
-def _lmcache_adapter():
-    """LMCache's vLLM adapter module, its compiled device ops stubbed (CUDA only)."""
+def _lmcache_adapter(monkeypatch):
+    """LMCache's vLLM adapter module, its compiled device ops stubbed (CUDA only)
+    for this test."""
 
     class _Stub(types.ModuleType):
         def __getattr__(self, name):
@@ -125,12 +163,13 @@ def _lmcache_adapter():
                 raise AttributeError(name)
             return lambda *args, **kwargs: None
 
-    for name in ("lmcache.device_ops", "lmcache.c_ops"):
-        sys.modules.setdefault(name, _Stub(name))
+    stubs = {name: _Stub(f"lmcache.{name}") for name in ("device_ops", "c_ops")}
+    for name, stub in stubs.items():
+        monkeypatch.setitem(sys.modules, f"lmcache.{name}", stub)
     import lmcache
 
-    lmcache.device_ops = sys.modules["lmcache.device_ops"]
-    lmcache.c_ops = sys.modules["lmcache.c_ops"]
+    for name, stub in stubs.items():
+        monkeypatch.setattr(lmcache, name, stub, raising=False)
     from lmcache.integration.vllm import vllm_v1_adapter
 
     return vllm_v1_adapter
@@ -186,16 +225,18 @@ def _manager_with_lookup(client: _LookupClient):
     return _Manager
 
 
-@pytest.mark.vllm_versions(">=0.23")  # where the lmcache layer is (testenv.LAYERS)
 @pytest.mark.parametrize("model", ["plain", "sliding-window"])
 def test_preempted_requests_resume_through_the_real_adapter(monkeypatch, model):
-    adapter = _lmcache_adapter()
+    _lmcache_is_not_hma()
+    adapter = _lmcache_adapter(monkeypatch)
     client = _LookupClient(hit=2 * BLOCK_SIZE)
     monkeypatch.setattr(adapter, "LMCacheManager", _manager_with_lookup(client))
-    config = vllm_config(kv_role="kv_both", kv_connector="LMCacheConnectorV1")
+    config = _config(kv_role="kv_both", kv_connector="LMCacheConnectorV1")
     groups = get_kv_cache_groups(config, _layers(model))
-    # Every layer's KV is in the one group LMCache's adapter stores and loads.
+    # Every layer's KV is in the one group LMCache's adapter stores and loads: with
+    # the hybrid allocator off, a sliding-window layer is kept as full attention.
     assert len(groups) == 1
+    assert type(groups[0].kv_cache_spec) is FullAttentionSpec
     sched = scheduler(
         config, KVCacheConfig(num_blocks=24, kv_cache_tensors=[], kv_cache_groups=groups)
     )
@@ -209,6 +250,7 @@ def test_preempted_requests_resume_through_the_real_adapter(monkeypatch, model):
     assert all(r.is_finished() for r in reqs)
     assert any(r.num_preemptions > 0 for r in reqs), "the pool was too large to preempt"
     # A resumed request is looked up again: LMCache was asked for each request at
-    # least once more than it was preempted.
+    # least once more than it was preempted. (The lookup answers a block-aligned hit;
+    # v0.33's paths that zero an external hit after the lookup are not exercised.)
     for r in reqs:
         assert client.lookups.count(r.request_id) >= 1 + r.num_preemptions

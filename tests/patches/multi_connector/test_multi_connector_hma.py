@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.request import RequestStatus
 
 from ..builders import (
@@ -54,16 +55,28 @@ def _child(name: str) -> dict:
 
 
 def _multi_config(*children: str):
+    # As a server started with --no-disable-hybrid-kv-cache-manager (v0.20.2 turns
+    # the hybrid allocator off for every connector unless asked not to).
     return vllm_config(
         kv_role="kv_both",
         kv_connector="MultiConnector",
         kv_connector_extra_config={"connectors": [_child(n) for n in children]},
+        hybrid_kv_cache_manager=True,
     )
 
 
 @pytest.mark.patch(PATCH)
 def test_finished_request_reaches_every_child_with_all_groups(monkeypatch):
     monkeypatch.setattr(HMARecorder, "finished", [])
+    nixl_finished = []
+    NixlConnector = KVConnectorFactory.get_connector_class_by_name("NixlConnector")
+    nixl_request_finished = NixlConnector.request_finished_all_groups
+
+    def record_nixl(self, request, block_ids):
+        nixl_finished.append((request.request_id, block_ids))
+        return nixl_request_finished(self, request, block_ids)
+
+    monkeypatch.setattr(NixlConnector, "request_finished_all_groups", record_nixl)
     kv_cache_config = hybrid_kv_cache_config()
     sched = scheduler(_multi_config("NixlConnector", "HMARecorder"), kv_cache_config)
     req = request(prompt(4 * BLOCK_SIZE), max_tokens=2)
@@ -72,12 +85,13 @@ def test_finished_request_reaches_every_child_with_all_groups(monkeypatch):
     while req.status != RequestStatus.FINISHED_LENGTH_CAPPED:
         step(sched)
 
-    # The second child got the request's blocks of every KV cache group.
+    # Each child got the request's blocks of every KV cache group.
     ((req_id, block_ids),) = HMARecorder.finished
     assert req_id == req.request_id
     assert len(block_ids) == len(kv_cache_config.kv_cache_groups)
     attention_blocks = block_ids[0]
     assert len(attention_blocks) >= 4 and 0 not in attention_blocks
+    assert nixl_finished == [(req_id, block_ids)]
 
 
 @pytest.mark.patch(PATCH)

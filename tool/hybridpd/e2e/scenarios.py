@@ -63,17 +63,16 @@ CONNECTORS = {
     "nixl+decodebench": [
         {"kv_connector": "DecodeBenchConnector", "kv_connector_extra_config": {}}
     ],
-    # The production pairings (GPU only: both refuse to start on a CPU engine).
+    # The production pairing (GPU only: it refuses to start on a CPU engine).
     "nixl+offload": [
         {
             "kv_connector": "OffloadingConnector",
             "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30},
         }
     ],
-    # LMCacheConnectorV1 is not here: vLLM refuses a hybrid Mamba model with it at
-    # start-up (it does not support the hybrid allocator; see the dropped record of
-    # lmcache-connector-hma). LMCache serves hybrid models through LMCacheMPConnector,
-    # which needs an LMCache server that this tool does not start.
+    # No LMCache pairing: vLLM refuses a hybrid Mamba model with LMCacheConnectorV1 at
+    # start-up (see the dropped record of lmcache-connector-hma), and LMCacheMPConnector
+    # needs an LMCache server that this tool does not start.
 }
 GPU_ONLY_CONNECTORS = ("nixl+offload",)
 
