@@ -209,13 +209,17 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
     ``nixl``: NixlConnector alone (it declares that it delivers the Mamba
     state). ``nixl+decodebench``: a MultiConnector of NIXL and a connector that
     does not declare it, which is where upstream's capability gate is false;
-    ``decodebench+nixl``: the same children in the other order.
+    ``decodebench+nixl``: the same children in the other order. ``lmcache``,
+    ``nixl+lmcache``, ``lmcache+nixl``: LMCacheConnectorV1 alone and beside NIXL.
     """
-    if kind == "nixl":
-        return {"kv_role": kv_role, "kv_connector": "NixlConnector"}
+    single = {"nixl": "NixlConnector", "lmcache": "LMCacheConnectorV1"}
+    if kind in single:
+        return {"kv_role": kv_role, "kv_connector": single[kind]}
     children = {
         "nixl+decodebench": ["NixlConnector", "DecodeBenchConnector"],
         "decodebench+nixl": ["DecodeBenchConnector", "NixlConnector"],
+        "nixl+lmcache": ["NixlConnector", "LMCacheConnectorV1"],
+        "lmcache+nixl": ["LMCacheConnectorV1", "NixlConnector"],
     }
     if kind in children:
         return {

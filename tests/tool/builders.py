@@ -218,3 +218,28 @@ def standard_project(
     export(series, repo)
     shutil.copytree(series.dir / "1.0", series.dir / "2.0")
     return project, series
+
+
+def port_project(
+    root: Path, pin2_files: dict[str, str] | None = None, extra: dict[str, str] | None = None
+) -> tuple[Project, Series]:
+    """Pins 1.0 and 2.0 (not ported), patches fix-add then feature carried on 1.0.
+
+    ``extra`` adds records (id -> state on 1.0, e.g. "upstream:0.9") after them.
+    series.toml starts with a comment, which a port must keep.
+    """
+    project = Project(root)
+    project.release("1.0")
+    project.release("2.0", pin2_files)
+    project.unported.add("2.0")
+    project.record("fix-add", {"1.0": "carried"})
+    project.record("feature", {"1.0": "carried"})
+    for patch_id, state in (extra or {}).items():
+        project.record(patch_id, {"1.0": state})
+    series = project.write()
+    series.path.write_text("# Keep this comment.\n" + series.path.read_text())
+    repo = project.checkout("1.0", "author")
+    commit_patch(repo, "fix-add", FIX_ADD, "[Core] Keep the sum in a local")
+    commit_patch(repo, "feature", FEATURE, "Add doubling")
+    export(series, repo)
+    return project, load(series.path)

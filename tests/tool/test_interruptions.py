@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from builders import Project, standard_project
+from builders import Project, port_project, standard_project
 from hybridpd import gitops, guard
 from hybridpd.series import Series
 
@@ -231,29 +231,9 @@ def test_sigkill_during_check_changes_nothing_and_the_next_check_passes(project)
 # --------------------------------------------------------------------------- port
 
 
-def _port_series(tmp_path: Path, pin2_files: dict[str, str] | None = None) -> Series:
-    """Pins 1.0 and 2.0 (not ported yet), fix-add and feature carried on 1.0."""
-    from builders import FEATURE, FIX_ADD, commit_patch
-    from hybridpd.export import export
-    from hybridpd.series import load
-
-    project = Project(tmp_path)
-    project.release("1.0")
-    project.release("2.0", pin2_files)
-    project.unported.add("2.0")
-    project.record("fix-add", {"1.0": "carried"})
-    project.record("feature", {"1.0": "carried"})
-    series = project.write()
-    repo = project.checkout("1.0", "author")
-    commit_patch(repo, "fix-add", FIX_ADD, "[Core] Keep the sum in a local")
-    commit_patch(repo, "feature", FEATURE, "Add doubling")
-    export(series, repo)
-    return load(series.path)
-
-
 @pytest.fixture
 def port_series(tmp_path: Path) -> Series:
-    return _port_series(tmp_path)
+    return port_project(tmp_path)[1]
 
 
 @pytest.mark.parametrize("point", ["port:replayed", "port:series-written"])
@@ -300,7 +280,7 @@ def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path
     # Killed after the state names the conflicting patch but before it returns: the
     # next call ends the am session (journal), and --continue replays the patch, which
     # stops on the same conflict again, resolvable as usual.
-    series = _port_series(tmp_path, {"README.txt": "proj, rewritten\n"})
+    series = port_project(tmp_path, {"README.txt": "proj, rewritten\n"})[1]
     dest = tmp_path / "port"
     killed = hybridpd(series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
                       fault="port:conflict")

@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from builders import CORE, FEATURE, FIX_ADD, Project, commit_patch
+from builders import CORE, FIX_ADD, port_project
 from click.testing import CliRunner, Result
 from hybridpd import cache, gitops
 from hybridpd import port as port_mod
 from hybridpd.apply import TRAILER
 from hybridpd.cli import main
 from hybridpd.errors import HybridpdError
-from hybridpd.export import check, export
+from hybridpd.export import check
 from hybridpd.series import PinState, Series, load
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -22,31 +22,6 @@ pytestmark = pytest.mark.usefixtures("isolated")
 # apply fails, a 3-way merge succeeds.
 SUB_RENAMED = {"proj/core.py": CORE.replace("def sub(a, b):", "def sub(a, b):  # difference")}
 README_REWRITTEN = {"README.txt": "proj, rewritten\n"}
-
-
-def port_project(
-    root: Path, pin2_files: dict[str, str] | None = None, extra: dict[str, str] | None = None
-) -> tuple[Project, Series]:
-    """Pins 1.0 and 2.0 (not ported), patches fix-add then feature carried on 1.0.
-
-    ``extra`` adds records (id -> state on 1.0, e.g. "upstream:0.9") after them.
-    """
-    project = Project(root)
-    project.release("1.0")
-    project.release("2.0", pin2_files)
-    project.unported.add("2.0")
-    project.record("fix-add", {"1.0": "carried"})
-    project.record("feature", {"1.0": "carried"})
-    for patch_id, state in (extra or {}).items():
-        project.record(patch_id, {"1.0": state})
-    series = project.write()
-    # A comment the port must keep in series.toml.
-    series.path.write_text("# Keep this comment.\n" + series.path.read_text())
-    repo = project.checkout("1.0", "author")
-    commit_patch(repo, "fix-add", FIX_ADD, "[Core] Keep the sum in a local")
-    commit_patch(repo, "feature", FEATURE, "Add doubling")
-    export(series, repo)
-    return project, load(series.path)
 
 
 def cli(series: Series, *args: str) -> Result:

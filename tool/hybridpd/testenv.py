@@ -150,7 +150,6 @@ LAYERS: tuple[Layer, ...] = (
 )
 
 
-
 def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -390,13 +389,12 @@ def ensure_layers(
     paths = []
     with (venv.parent / f"{venv.name}.lock").open("w") as lock_fh:
         fcntl.flock(lock_fh, fcntl.LOCK_EX)
+        python = (read_marker(venv) or {}).get("python")
         for layer in LAYERS:
             if not SpecifierSet(layer.releases).contains(version, prereleases=True):
                 continue
             target = layer_dir(venv, layer)
-            env_marker = read_marker(venv) or {}
-            want = {"requirements": list(layer.requirements),
-                    "python": env_marker.get("python")}
+            want = {"requirements": list(layer.requirements), "python": python}
             try:
                 have = json.loads((target / LAYER_MARKER).read_text())
             except (OSError, ValueError):

@@ -80,20 +80,6 @@ def _layers(model: str) -> dict:
     raise ValueError(model)
 
 
-def _lmcache_connectors(kind: str) -> dict:
-    if kind == "lmcache":
-        return {"kv_role": "kv_both", "kv_connector": "LMCacheConnectorV1"}
-    children = {
-        "nixl+lmcache": ["NixlConnector", "LMCacheConnectorV1"],
-        "lmcache+nixl": ["LMCacheConnectorV1", "NixlConnector"],
-    }[kind]
-    multi = connectors("nixl+decodebench")
-    multi["kv_connector_extra_config"] = {
-        "connectors": [{"kv_connector": n, "kv_role": "kv_both"} for n in children]
-    }
-    return multi
-
-
 def _config(**kwargs):
     """``vllm_config`` with the KV cache layout resolved, as the engine core resolves
     it before it groups the KV cache (unresolved, the grouping raises its own
@@ -131,7 +117,7 @@ def test_a_model_with_mamba_layers_is_refused_at_startup(kind):
     (v0.32+: for a connector without SupportsHMA; v0.20.2: for every connector) and
     refuses the model while it groups its KV cache."""
     _lmcache_is_not_hma()
-    config = _config(**_lmcache_connectors(kind))
+    config = _config(**connectors(kind))
     assert config.scheduler_config.disable_hybrid_kv_cache_manager
     with pytest.raises(ValueError, match=NOT_ONE_GROUP):
         get_kv_cache_groups(config, _layers("hybrid"))
@@ -145,7 +131,7 @@ def test_the_connector_is_refused_when_the_hybrid_allocator_is_asked_for(kind):
     v0.20.2), its LMCache child where the MultiConnector checks them on creation
     (v0.20.2 with multi-connector-hma)."""
     _lmcache_is_not_hma()
-    config = _config(**_lmcache_connectors(kind), hybrid_kv_cache_manager=True)
+    config = _config(**connectors(kind), hybrid_kv_cache_manager=True)
     name = "LMCacheConnectorV1" if kind == "lmcache" else "(LMCacheConnectorV1|MultiConnector)"
     with pytest.raises(
         ValueError, match=rf"Connector {name} does not support HMA but HMA is enabled"
@@ -231,7 +217,7 @@ def test_preempted_requests_resume_through_the_real_adapter(monkeypatch, model):
     adapter = _lmcache_adapter(monkeypatch)
     client = _LookupClient(hit=2 * BLOCK_SIZE)
     monkeypatch.setattr(adapter, "LMCacheManager", _manager_with_lookup(client))
-    config = _config(kv_role="kv_both", kv_connector="LMCacheConnectorV1")
+    config = _config(**connectors("lmcache"))
     groups = get_kv_cache_groups(config, _layers(model))
     # Every layer's KV is in the one group LMCache's adapter stores and loads: with
     # the hybrid allocator off, a sliding-window layer is kept as full attention.
