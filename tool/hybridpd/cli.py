@@ -503,7 +503,13 @@ def _echo_build(result: build_mod.BuildResult, venv: Path) -> None:
 
 
 @main.command()
-@click.option("--pin", "version", metavar="VERSION", help="Pin (default: the default pin).")
+@click.option(
+    "--pin",
+    "version",
+    metavar="VERSION",
+    help="Pin (default: the default pin; for a CPU build, the newest pin whose CPU "
+    "build serves here).",
+)
 @_dir_option(help="Checkout to create or reuse. [default: vllm-<pin>]")
 @click.option(
     "--venv",
@@ -537,7 +543,8 @@ def install(
     reused. Prints how to use the result.
     """
     series = state.series
-    pin = series.pin(version or series.default_pin)
+    log = functools.partial(click.echo, err=True)
+    pin = series.pin(version or install_mod.choose_pin(series, variant, log))
     repo = repo or Path(f"vllm-{pin.version}")
     venv = venv or Path(f"venv-{pin.version}")
     result = install_mod.install(
@@ -548,7 +555,7 @@ def install(
         variant=variant,
         source=source,
         torch=torch_spec,
-        log=functools.partial(click.echo, err=True),
+        log=log,
     )
     if as_json:
         _echo_json({"checkout": str(result.checkout), **result.build.to_json()})

@@ -13,7 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import Version
+
 from hybridpd import build as build_mod
+from hybridpd import cache, serving
 from hybridpd.apply import ApplyResult, apply, checkout_pin
 from hybridpd.checkout import Source, checkout
 from hybridpd.errors import HybridpdError
@@ -28,6 +31,35 @@ def resolve_variant(variant: str) -> str:
     if variant != "auto":
         return variant
     return "cuda" if shutil.which("nvidia-smi") else "cpu"
+
+
+def choose_pin(
+    series: Series, variant: str, log: Callable[[str], None] = lambda _: None
+) -> str:
+    """The pin ``install`` builds when none is given.
+
+    A CUDA build: the default pin. A CPU build: the newest ported pin whose CPU build
+    serves here (:func:`hybridpd.serving.cpu_problem`), said in one line when it is not
+    the default; when none does, the default pin, whose Python code still runs tests.
+    """
+    if resolve_variant(variant) != "cpu":
+        return series.default_pin
+    skipped = []
+    for pin in sorted((p for p in series.pins if p.ported), key=lambda p: Version(p.version),
+                      reverse=True):
+        problem = serving.cpu_problem(
+            pin.version, lambda pin=pin: cache.sdist(series.package, pin.sdist, pin.sha256)
+        )
+        if problem is None:
+            if pin.version != series.default_pin:
+                log(f"install: no GPU here: {pin.version} is the newest pin whose CPU build "
+                    f"serves ({'; '.join(skipped) or 'default ' + series.default_pin}); "
+                    "--pin V installs another")
+            return pin.version
+        skipped.append(f"{pin.version}: {problem}")
+    log(f"install: no pin's CPU build serves here ({'; '.join(skipped)}); installing "
+        f"{series.default_pin}, whose Python code runs tests: serving needs a GPU")
+    return series.default_pin
 
 
 @dataclass

@@ -92,8 +92,6 @@ def preflight(
     """
     import shutil
 
-    from hybridpd import pkgindex
-
     if device == "cuda":
         smi = shutil.which("nvidia-smi")
         if smi is None:
@@ -108,31 +106,11 @@ def preflight(
         return
     if not needs_wheel:
         return
-    distribution = build_mod.DISTRIBUTIONS[variant_for(device)]
-    stem = distribution.replace("-", "_")
-    settings = pkgindex.pip_settings()
-    versions = set()
-    for index in settings.index_urls:
-        for f in pkgindex.project_files(index, distribution, settings):
-            if f.filename.startswith(f"{stem}-") and f.filename.endswith(".whl"):
-                versions.add(f.filename.split("-")[1])
-    if version not in versions:
-        on_index = ", ".join(sorted(versions)) or "none"
-        raise E2EError(
-            f"--device {device} runs the {distribution} wheel, and the package index has "
-            f"none of {version} (it has: {on_index})"
-        )
-    if sdist is None:
-        return
-    from hybridpd import doctor
+    from hybridpd import serving
 
-    needs = doctor.sdist_cpu_torch_pin(sdist())
-    if needs is not None and needs not in doctor.torch_on_offer(settings):
-        raise E2EError(
-            f"--device {device} runs {distribution} {version}, which is compiled against "
-            f"torch {needs}: pip's indexes and find-links do not offer it, so its compiled "
-            "ops would not load"
-        )
+    problem = serving.cpu_problem(version, sdist)
+    if problem is not None:
+        raise E2EError(f"--device {device} cannot serve {version}: {problem}")
 
 
 def prepare(
