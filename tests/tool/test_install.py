@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from builders import standard_project
@@ -19,9 +20,14 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
     def fake_build(checkout, venv, version, stock_ref, variant, torch=None):
         calls.append((checkout, venv, version, stock_ref, variant))
-        return "built"
+        return SimpleNamespace(python=venv / "bin" / "python")
+
+    def fake_nixl(py, log):
+        calls.append(("nixl", py))
+        return "1.0"
 
     monkeypatch.setattr(install_mod.build_mod, "build", fake_build)
+    monkeypatch.setattr(install_mod.pdextras, "install_nixl", fake_nixl)
     return calls
 
 
@@ -32,7 +38,8 @@ def test_install_checks_out_applies_and_builds(tmp_path: Path, built) -> None:
     result = install_mod.install(series, "1.0", dest, venv, variant="cpu")
 
     assert result.applied.applied == ("fix-add", "feature")
-    assert built == [(dest, venv, "1.0", "v1.0", "cpu")]
+    # The venv gets NIXL after the build: NixlConnector is what a PD instance uses.
+    assert built == [(dest, venv, "1.0", "v1.0", "cpu"), ("nixl", venv / "bin" / "python")]
 
     # Again: the checkout is reused and nothing is applied twice.
     again = install_mod.install(series, "1.0", dest, venv, variant="cpu")

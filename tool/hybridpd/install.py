@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from hybridpd import build as build_mod
-from hybridpd import cache, serving
+from hybridpd import cache, pdextras, serving
 from hybridpd.apply import ApplyResult, apply, checkout_pin
 from hybridpd.checkout import Source, checkout
 from hybridpd.errors import HybridpdError
@@ -97,6 +97,7 @@ def install(
     log(f"building {venv} ({variant})")
     try:
         built = build_mod.build(dest, venv, pin.version, pin.tag, variant, torch=torch)
+        pdextras.install_nixl(built.python, log)  # NixlConnector: the PD instance's transfer
     except build_mod.BuildError as exc:
         raise HybridpdError(str(exc)) from exc
     return InstallResult(dest, applied, built)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
 from hybridpd import build, doctor, pkgindex
 
 DISTRIBUTION = build.DISTRIBUTIONS["cpu"]
@@ -40,7 +42,7 @@ def cpu_problem(
     settings = settings or pkgindex.pip_settings()
     versions = wheel_versions(settings)
     if version not in versions:
-        on_index = ", ".join(sorted(versions)) or "none"
+        on_index = _newest(versions)
         return (
             f"the package index has no {DISTRIBUTION} wheel of {version} "
             f"(it has: {on_index})"
@@ -54,3 +56,16 @@ def cpu_problem(
             "and find-links do not offer it, so its compiled ops would not load"
         )
     return None
+
+
+def _newest(versions: set[str], shown: int = 3) -> str:
+    """``"0.32.0, 0.31.0, 0.30.0 and 53 older"``, or ``"none"``."""
+    def key(v: str):
+        try:
+            return (1, Version(v))
+        except InvalidVersion:
+            return (0, Version("0"))
+
+    ordered = sorted(versions, key=key, reverse=True)
+    text = ", ".join(ordered[:shown]) or "none"
+    return text + (f" and {len(ordered) - shown} older" if len(ordered) > shown else "")

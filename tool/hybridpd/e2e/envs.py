@@ -8,10 +8,8 @@ prepared venv instead (recorded in the report as such).
 
 The e2e extras, on top of :func:`hybridpd.build.build`:
 
-- ``nixl-cu12`` for NixlConnector, and the ``nixl`` meta-package *without its
-  dependencies*: vLLM imports ``nixl._api``, which only the meta-package provides,
-  but its dependencies are both CUDA variants (``nixl-cu12`` and ``nixl-cu13``); the
-  meta-package picks whichever backend is installed when no CUDA is found;
+- NIXL for NixlConnector (:func:`hybridpd.pdextras.install_nixl`, which
+  ``hybridpd install`` runs too);
 - ``matplotlib`` for the report's plot (drawn by the venv's Python).
 """
 
@@ -192,19 +190,15 @@ def _prepare_locked(
 
 
 def install_extras(py: Path, log: Log) -> None:
-    log(f"installing {', '.join(E2E_REQUIREMENTS)} and nixl (without its dependencies)")
-    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", *E2E_REQUIREMENTS])
-    if proc.returncode != 0:
-        raise E2EError(f"pip could not install {', '.join(E2E_REQUIREMENTS)} into {py}")
-    version = subprocess.run(
-        [str(py), "-c", "from importlib.metadata import version; print(version('nixl-cu12'))"],
-        capture_output=True, text=True,
-    ).stdout.strip()
-    proc = subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--no-deps", f"nixl=={version}"]
-    )
-    if proc.returncode != 0:
-        raise E2EError(f"pip could not install nixl=={version} (--no-deps) into {py}")
+    from hybridpd import pdextras
+
+    log("installing matplotlib (the report's plot)")
+    if subprocess.run([str(py), "-m", "pip", "install", "-q", "matplotlib"]).returncode != 0:
+        raise E2EError(f"pip could not install matplotlib into {py}")
+    try:
+        pdextras.install_nixl(py, log)
+    except build_mod.BuildError as exc:
+        raise E2EError(str(exc)) from None
 
 
 _PROBE = r"""
