@@ -718,8 +718,6 @@ def build(
         "--no-disable-hybrid-kv-cache-manager --kv-transfer-config "
         "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'   # a PD instance",
         f"PYTHONPATH={checkout} {device}HF_HUB_OFFLINE=1 {py} -m pytest {checkout}/tests/v1/core",
-        f"hybridpd e2e --pin {version} --device {expected_device} --tiny --patched-venv {venv}"
-        "   # a PD pair (1 prefill + 1 decode instance) on a tiny random model",
     ]
     return BuildResult(
         venv=venv, python=py, site_packages=site, distribution=distribution,

@@ -15,6 +15,7 @@ import functools
 import re
 import shlex
 import signal
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -544,7 +545,7 @@ def install(
     """
     series = state.series
     log = functools.partial(click.echo, err=True)
-    pin = series.pin(version or install_mod.choose_pin(series, variant, log))
+    pin = series.pin(install_mod.pick_pin(series, version, repo, variant, log))
     repo = repo or Path(f"vllm-{pin.version}")
     venv = venv or Path(f"venv-{pin.version}")
     result = install_mod.install(
@@ -562,6 +563,20 @@ def install(
         return
     click.echo(f"checkout {result.checkout}: {pin.version} with the series applied")
     _echo_build(result.build, venv)
+    if result.serves is None:
+        click.echo(f"  {_pd_pair_command(pin.version, result.build.variant, venv)}")
+    else:
+        click.echo(f"  this venv cannot serve a PD pair here: {result.serves} (hybridpd doctor)")
+
+
+def _pd_pair_command(version: str, variant: str, venv: Path) -> str:
+    """The command that starts a PD pair from ``venv``, with this hybridpd's path (the
+    venv activated above has no hybridpd)."""
+    entry = Path(sys.argv[0])
+    hpd = str(entry.absolute()) if entry.name == "hybridpd" else "hybridpd"
+    device = "cpu" if variant == "cpu" else "cuda --gpus 0,1"
+    return (f"{hpd} e2e --pin {version} --device {device} --tiny --patched-venv "
+            f"{venv.absolute()}   # a PD pair (1 prefill + 1 decode instance), tiny model")
 
 
 @main.command()

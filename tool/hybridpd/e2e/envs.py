@@ -104,9 +104,16 @@ def preflight(
         return
     if not needs_wheel:
         return
+    from packaging.version import Version
+
     from hybridpd import serving
 
-    problem = serving.cpu_problem(version, sdist)
+    offer = serving.read_offer()
+    needs = (
+        serving.sdist_cpu_torch_pin(sdist())
+        if sdist is not None and Version(version) in offer.cpu_wheels else None
+    )
+    problem = serving.cpu_problem(version, offer, needs, serving.cpu_kernels_run_here())
     if problem is not None:
         raise E2EError(f"--device {device} cannot serve {version}: {problem}")
 
@@ -183,20 +190,20 @@ def _prepare_locked(
         raise E2EError(f"[{build}] build failed: {exc}") from None
     timings["build"] = round(time.monotonic() - t1, 1)
     t2 = time.monotonic()
-    install_extras(result.python, log)
+    install_extras(result.python, src, log)
     timings["extras"] = round(time.monotonic() - t2, 1)
     marker.write_text(json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
     return Env(build, result.python, venv, src, head, True, timings)
 
 
-def install_extras(py: Path, log: Log) -> None:
+def install_extras(py: Path, checkout: Path, log: Log) -> None:
     from hybridpd import pdextras
 
     log("installing matplotlib (the report's plot)")
     if subprocess.run([str(py), "-m", "pip", "install", "-q", "matplotlib"]).returncode != 0:
         raise E2EError(f"pip could not install matplotlib into {py}")
     try:
-        pdextras.install_nixl(py, log)
+        pdextras.install_nixl(py, checkout, log)
     except build_mod.BuildError as exc:
         raise E2EError(str(exc)) from None
 
