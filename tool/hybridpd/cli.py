@@ -563,10 +563,12 @@ def install(
         return
     click.echo(f"checkout {result.checkout}: {pin.version} with the series applied")
     _echo_build(result.build, venv)
-    if result.serves is None:
+    if result.cannot_serve is None:
         click.echo(f"  {_pd_pair_command(pin.version, result.build.variant, venv)}")
     else:
-        click.echo(f"  this venv cannot serve a PD pair here: {result.serves} (hybridpd doctor)")
+        click.echo(
+            f"  this venv cannot serve a PD pair here: {result.cannot_serve} (hybridpd doctor)"
+        )
 
 
 def _pd_pair_command(version: str, variant: str, venv: Path) -> str:
@@ -575,8 +577,9 @@ def _pd_pair_command(version: str, variant: str, venv: Path) -> str:
     entry = Path(sys.argv[0])
     hpd = str(entry.absolute()) if entry.name == "hybridpd" else "hybridpd"
     device = "cpu" if variant == "cpu" else "cuda --gpus 0,1"
-    return (f"{hpd} e2e --pin {version} --device {device} --tiny --patched-venv "
-            f"{venv.absolute()}   # a PD pair (1 prefill + 1 decode instance), tiny model")
+    return (f"{shlex.quote(hpd)} e2e --pin {version} --device {device} --tiny --patched-venv "
+            f"{shlex.quote(str(venv.absolute()))}   # a PD pair (1 prefill + 1 decode "
+            "instance), tiny model")
 
 
 @main.command()

@@ -292,9 +292,9 @@ def diagnose(
              cpu_torch_pin(root, p.version), probes.get(p.version))
         for p in ported
     ]
-    serving = [p.version for p in pins if p.serve]
-    if serving:
-        checks.append(Check("serve", "ok", f"pins that serve here: {', '.join(serving)}"))
+    serve = [p.version for p in pins if p.serve]
+    if serve:
+        checks.append(Check("serve", "ok", f"pins that serve here: {', '.join(serve)}"))
     else:
         checks.append(Check(
             "serve", "warn", "no pin serves here",

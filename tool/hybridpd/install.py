@@ -118,7 +118,7 @@ class InstallResult:
     nixl_error: str | None = None
 
     @property
-    def serves(self) -> str | None:
+    def cannot_serve(self) -> str | None:
         """None when the venv can be a PD instance here, else why not."""
         if self.build.proof.get("compiled_ops") != "ok":
             return f"its compiled ops do not load: {self.build.proof.get('compiled_ops')}"

@@ -94,9 +94,14 @@ class Offer:
     errors: tuple[str, ...] = ()
 
 
-def read_offer(settings: pkgindex.PipSettings | None = None) -> Offer:
+def read_offer(
+    settings: pkgindex.PipSettings | None = None, timeout: float | None = None
+) -> Offer:
+    """Read the offer; ``timeout`` caps pip's own per-request timeout (doctor: a few
+    seconds; install and e2e keep pip's, as the build that follows does)."""
     settings = settings or pkgindex.pip_settings()
-    settings = dataclasses.replace(settings, timeout=min(settings.timeout, INDEX_TIMEOUT))
+    if timeout is not None:
+        settings = dataclasses.replace(settings, timeout=min(settings.timeout, timeout))
     found, errors = index_versions([DISTRIBUTION, "torch"], settings)
     local = pkgindex.find_links_files(settings)
     return Offer(

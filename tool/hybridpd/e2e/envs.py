@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridpd import build as build_mod
-from hybridpd import cache, guard, kernels
+from hybridpd import cache, guard, kernels, pdextras
 from hybridpd.series import Pin, Series
 
 from .servers import E2EError
@@ -115,7 +115,8 @@ def preflight(
     )
     problem = serving.cpu_problem(version, offer, needs, serving.cpu_kernels_run_here())
     if problem is not None:
-        raise E2EError(f"--device {device} cannot serve {version}: {problem}")
+        unread = "".join(f"; unreadable index {e}" for e in offer.errors)
+        raise E2EError(f"--device {device} cannot serve {version}: {problem}{unread}")
 
 
 def prepare(
@@ -175,7 +176,10 @@ def _prepare_locked(
     head = git.Repo(src).head.commit.hexsha
     timings["checkout"] = round(time.monotonic() - t0, 1)
 
-    want = {"head": head, "variant": variant, "extras": list(E2E_REQUIREMENTS), "torch": torch}
+    # The NIXL the release pins is part of what is reused (pdextras.install_nixl).
+    nixl = [pdextras.requirement(src, name) for name in ("nixl-cu12", "nixl-cu13")]
+    want = {"head": head, "variant": variant, "extras": [*E2E_REQUIREMENTS, *nixl],
+            "torch": torch}
     marker = root / MARKER
     py = venv / "bin" / "python"
     if py.exists() and marker.exists() and json.loads(marker.read_text()).get("want") == want:
@@ -197,8 +201,6 @@ def _prepare_locked(
 
 
 def install_extras(py: Path, checkout: Path, log: Log) -> None:
-    from hybridpd import pdextras
-
     log("installing matplotlib (the report's plot)")
     if subprocess.run([str(py), "-m", "pip", "install", "-q", "matplotlib"]).returncode != 0:
         raise E2EError(f"pip could not install matplotlib into {py}")
