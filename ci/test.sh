@@ -7,7 +7,9 @@
 #   3. per ported pin, `hybridpd test`: the red->green patch tests (stock / without the
 #      patch / patched) and vLLM's own tests of the touched modules;
 #   4. the CPU prefill/decode end-to-end runs on v0.32.0 (`hybridpd e2e`): the smoke,
-#      stock and patched, and the correctness scenario on the patched build (every
+#      stock and patched; `apply --installed` on a copy of the smoke's stock venv (a PD
+#      pair from it takes the decode-side hit; --revert restores every file); the
+#      correctness scenario on the patched build (every
 #      output against a single instance, with preemption on the decode instance), and
 #      the same scenario on a mutant build, where it must go red.
 #
@@ -48,6 +50,16 @@ install() {
   "$venv/bin/python" -m pip install --quiet -e '.[test]'
 }
 
+# The smoke's stock venv, patched in place by `apply --installed` (a copy of it), must serve
+# the decode-side hit and revert byte for byte. A skip would be a silent green: need "1 passed".
+installed_gate() {
+  local log
+  log=$(HYBRIDPD_E2E=cpu "$venv/bin/python" -m pytest tests/e2e/test_installed_vllm.py \
+    -m e2e_cpu -q -rs -p no:cacheprovider 2>&1) || { echo "$log"; return 1; }
+  echo "$log"
+  grep -q "1 passed" <<<"$log"
+}
+
 step "install hybridpd" install
 hpd="$venv/bin/hybridpd"
 step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider
@@ -73,6 +85,8 @@ if [ "$e2e" = 1 ]; then
       "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \
       --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit \
       --out "${HYBRIDPD_E2E_OUT:-out/e2e-smoke}"
+    step "apply --installed on the smoke's stock venv: PD hit, then reverted byte for byte" \
+      installed_gate
     step "hybridpd e2e correctness (0.32.0, CPU, patched vs a single instance)" \
       "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
       --role kv_producer/kv_consumer --connector nixl --max-model-len 1024 \

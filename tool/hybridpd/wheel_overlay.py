@@ -237,22 +237,42 @@ def verify_wheel(
     blob ids. ``read_stock(path)`` returns a stock file's bytes; it is only called for
     allow-list entries that restrict which lines may change.
     """
-    allow = tuple(allow)
-    res = VerifyResult(
-        wheel=wheel_name or Path(str(wheel.filename)).name,
-        distribution=distribution,
-        version=version,
+    files = (
+        (info.filename, lambda info=info: wheel.read(info))
+        for info in wheel.infolist()
+        if not info.is_dir()
     )
+    return verify_files(
+        files, stock_blobs, read_stock, package=package, distribution=distribution,
+        version=version, allow=allow, name=wheel_name or Path(str(wheel.filename)).name,
+    )
+
+
+def verify_files(
+    files: Iterable[tuple[str, Callable[[], bytes]]],
+    stock_blobs: Mapping[str, str],
+    read_stock: Callable[[str], bytes] | None = None,
+    *,
+    package: str = "vllm",
+    distribution: str,
+    version: str,
+    allow: Iterable[Allowed] = ALLOWED_DIFFERENCES,
+    name: str,
+) -> VerifyResult:
+    """:func:`verify_wheel` for any ``(path, read)`` pairs: a wheel's members, or the
+    files an installed distribution's RECORD lists (``name`` says which in the result).
+    """
+    allow = tuple(allow)
+    res = VerifyResult(wheel=name, distribution=distribution, version=version)
     prefix = package.rstrip("/") + "/"
     stock = {p: b for p, b in stock_blobs.items() if p.startswith(prefix) and p.endswith(".py")}
     seen: set[str] = set()
-    for info in wheel.infolist():
-        path = info.filename
-        if info.is_dir() or not path.startswith(prefix) or not path.endswith(".py"):
+    for path, read in files:
+        if not path.startswith(prefix) or not path.endswith(".py"):
             continue
         seen.add(path)
         res.checked += 1
-        data = wheel.read(info)
+        data = read()
         if path not in stock:
             rule = find_allowance(path, "wheel-only", distribution, version, allow)
             if rule:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridpd import build as build_mod
-from hybridpd import cache, gitops, guard, kernels, pdextras
+from hybridpd import cache, guard, kernels, pdextras
 from hybridpd.series import Pin, Series
 
 from .servers import E2EError
@@ -178,46 +178,18 @@ def _prepare_locked(
 
 
 def source(series: Series, pin: Pin, build: str, src: Path, log: Log) -> str:
-    """Make ``src`` the ``build`` of ``pin`` and return its head.
+    """Make ``src`` the ``build`` of ``pin`` (:func:`hybridpd.releasetree.prepare`)."""
+    from hybridpd import releasetree
+    from hybridpd.errors import HybridpdError
 
-    A kept checkout goes back to the release tag first, so the patched build is always
-    the current series on the release: a patch dropped or edited since the last run
-    never meets the commits it left behind. Patch commits are reproducible (fixed
-    identity and dates), so an unchanged series gives the same head and the venv is
-    reused.
-    """
-    # Imported here: the CLI's module graph stays light for the unit tests.
-    from hybridpd.apply import apply as apply_series
-    from hybridpd.checkout import checkout as make_checkout
-
-    import git
-    import shutil
-
-    if src.exists():
-        try:
-            git.Repo(src).head.commit
-        except (git.InvalidGitRepositoryError, ValueError):
-            shutil.rmtree(src)  # a half-made checkout of ours
-    if src.exists():
-        with guard.operation(src, "e2e") as recovered:  # a killed apply is undone first
-            if recovered:
-                log(f"[{build}] {recovered}")
-            if gitops.head(src) != gitops.resolve(src, pin.tag):
-                log(f"[{build}] resetting {src} to {pin.tag}")
-                gitops.reset_hard(src, pin.tag)
-    else:
-        src.parent.mkdir(parents=True, exist_ok=True)
-        log(f"[{build}] checking out {pin.version} into {src}")
-        make_checkout(series, pin.version, src, source="sdist")
     if build == "patched":
         log(f"[{build}] applying the series")
-        try:
-            result = apply_series(series, src)
-        except Exception as exc:  # ApplyError, DirtyTreeError, ...: one line for the user
-            raise E2EError(f"cannot make the patched {pin.version} build: {exc}") from None
-        if result.applied:
-            log(f"[{build}] applied {', '.join(result.applied)}")
-    return gitops.head(src)
+    try:
+        return releasetree.prepare(
+            series, pin, src, patched=build == "patched", log=lambda line: log(f"[{build}] {line}")
+        )
+    except HybridpdError as exc:  # ApplyError, DirtyTreeError, ...: one line for the user
+        raise E2EError(f"cannot make the {build} {pin.version} build: {exc.message}") from None
 
 
 def install_extras(py: Path, checkout: Path, log: Log) -> None:

@@ -1,0 +1,270 @@
+"""``apply --installed``: patch an installed release in a real venv, all or nothing, and
+undo it byte for byte.
+
+The fixture environment is a real ``python -m venv`` whose site-packages holds the
+fixture release ``proj`` as pip would install it (files, bytecode, a dist-info with a
+true RECORD). The CLI runs as a real process, so a kill acts as it does for a user.
+"""
+
+from __future__ import annotations
+
+import compileall
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from builders import BASE_FILES, FEATURE, FIX_ADD, standard_project
+from hybridpd import guard, installed
+from hybridpd import wheel_overlay as wo
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+
+def make_env(root: Path, version: str = "1.0", distribution: str = "proj") -> Path:
+    """A venv with ``distribution`` ``version`` installed from the fixture release's
+    files; returns its Python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    py = root / "bin" / "python"
+    site = Path(subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip())
+    files = {p: t for p, t in BASE_FILES.items() if p.startswith("proj/")}
+    for rel, text in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    compileall.compile_dir(site / "proj", quiet=1)
+    dist_info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n"
+    )
+    (dist_info / "INSTALLER").write_text("pip\n")
+    rows = []
+    for path in sorted(site.rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            rows.append([path.relative_to(site).as_posix(), wo.record_hash(data), str(len(data))])
+    rows.append([f"{dist_info.name}/RECORD", "", ""])
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(rows)
+    (dist_info / "RECORD").write_text(out.getvalue())
+    return py
+
+
+def snapshot(py: Path) -> dict[str, tuple[bytes, int, int]]:
+    """Every file of the venv with its bytes, mode and mtime."""
+    root = py.parent.parent
+    return {
+        p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mode, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def run(py: Path, code: str) -> str:
+    proc = subprocess.run([py, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def hybridpd(series, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != guard.FAULT_ENV}
+    if fault:
+        env[guard.FAULT_ENV] = fault
+    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, "--series", str(series.path), *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+
+
+def site_of(py: Path) -> Path:
+    return installed.locate(py, "proj").site
+
+
+def test_apply_then_revert_is_byte_for_byte(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+
+    result = installed.apply(series, py)
+    assert (result.action, result.patches) == ("applied", ("fix-add", "feature"))
+    # The environment imports the patched files, and RECORD tells the truth about them.
+    assert run(py, "import inspect, proj.core; print('total' in inspect.getsource(proj.core))") == "True"
+    assert run(py, "from proj.feature import double; print(double(21))") == "42"
+    target = installed.locate(py, "proj")
+    assert wo.check_record(target.site, target.dist_info) == []
+    state = installed.status("proj", py)
+    assert (state.manifest["patches"], state.changed, state.interrupted) == (
+        ["fix-add", "feature"], [], False
+    )
+
+    assert installed.revert("proj", py).action == "reverted"
+    assert snapshot(py) == before
+    assert installed.revert("proj", py).action == "nothing"
+
+
+def test_second_apply_changes_nothing(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    installed.apply(series, py)
+    after = snapshot(py)
+    assert installed.apply(series, py).action == "already"
+    assert snapshot(py) == after
+
+
+def test_a_changed_series_replaces_the_earlier_overlay(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+    installed.apply(series, py)
+    project.records[1]["states"]["1.0"] = "dropped"  # `feature` dropped since
+    series = project.write()
+    result = installed.apply(series, py)
+    assert (result.action, result.patches) == ("applied", ("fix-add",))
+    site = site_of(py)
+    assert not (site / "proj" / "feature.py").exists()
+    assert (site / "proj" / "core.py").read_text() == FIX_ADD["proj/core.py"]
+    installed.revert("proj", py)
+    assert snapshot(py) == before
+
+
+def test_a_file_that_is_not_the_release_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    core = site_of(py) / "proj" / "core.py"
+    core.write_text(core.read_text() + "# local hotfix\n")
+    before = snapshot(py)
+    result = hybridpd(series, "apply", "--installed", "--python", str(py))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: proj 1.0 in {site_of(py)} does not match the stock source: 1 differ "
+        "(first: proj/core.py); reinstall the release "
+        "(pip install --force-reinstall --no-deps proj==1.0)"
+    )
+    assert snapshot(py) == before
+
+
+def test_a_file_changed_after_apply_is_named_and_revert_restores_the_release(
+    tmp_path: Path,
+) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+    installed.apply(series, py)
+    core = site_of(py) / "proj" / "core.py"
+    core.write_text("edited by hand\n")
+    assert installed.status("proj", py).changed == ["proj/core.py"]
+    with pytest.raises(installed.InstalledError, match=r"proj/core.py was changed after"):
+        installed.apply(series, py)
+    installed.revert("proj", py)
+    assert snapshot(py) == before
+
+
+def test_a_failure_after_files_changed_puts_the_release_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+
+    def fail(*_args) -> None:
+        raise installed.InstalledError("the proof failed")
+
+    monkeypatch.setattr(installed, "_prove", fail)
+    with pytest.raises(installed.InstalledError, match="the proof failed"):
+        installed.apply(series, py)
+    assert snapshot(py) == before
+
+
+@pytest.mark.parametrize(
+    "point", ["installed:backed-up", "installed:file-1", "installed:file-2", "installed:manifest"]
+)
+def test_a_killed_apply_is_undone_by_the_next_run(tmp_path: Path, point: str) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+    killed = hybridpd(series, "apply", "--installed", "--python", str(py), fault=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    status = json.loads(hybridpd(series, "status", "--installed", "--python", str(py),
+                                 "--json").stdout)
+    assert (status["interrupted"], status["applied"]) == (True, False)
+
+    # The next revert finishes what the killed run left: the release is back.
+    reverted = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
+    assert reverted.returncode == 0, reverted.stderr
+    assert "recovered from an interrupted `hybridpd apply --installed`" in reverted.stderr
+    assert snapshot(py) == before
+
+    # And a killed apply followed by an apply ends patched, as if it had not been killed.
+    hybridpd(series, "apply", "--installed", "--python", str(py), fault=point)
+    again = hybridpd(series, "apply", "--installed", "--python", str(py), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["action"] == "applied"
+    assert (site_of(py) / "proj" / "feature.py").read_text() == FEATURE["proj/feature.py"]
+
+
+def test_a_killed_revert_is_finished_by_the_next_run(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+    installed.apply(series, py)
+    killed = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert",
+                      fault="installed:undo")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert snapshot(py) != before
+    again = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
+    assert again.returncode == 0, again.stderr
+    assert snapshot(py) == before
+
+
+def test_environments_that_cannot_be_patched_get_one_line(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    cases = {
+        "no-dist": (lambda root: subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(root)], check=True
+        ) and root / "bin" / "python", "has none of proj, proj-cpu installed"),
+        "not-a-pin": (lambda root: make_env(root, version="1.5"),
+                      "proj 1.5 in {py} is not a pinned release (pins: 1.0, 2.0)"),
+    }
+    for name, (make, message) in cases.items():
+        py = make(tmp_path / name)
+        result = hybridpd(series, "apply", "--installed", "--python", str(py))
+        assert result.returncode == 1, name
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message.format(py=py) in lines[0], (name, lines)
+
+    both = make_env(tmp_path / "both")
+    site = site_of(both)
+    cpu = site / "proj_cpu-1.0.dist-info"
+    cpu.mkdir()
+    (cpu / "METADATA").write_text("Metadata-Version: 2.1\nName: proj-cpu\nVersion: 1.0\n")
+    (cpu / "RECORD").write_text("")
+    result = hybridpd(series, "apply", "--installed", "--python", str(both))
+    assert result.stderr.strip() == (
+        f"Error: {both} has proj 1.0, proj-cpu 1.0 installed; they own the same proj/ files "
+        "(uninstall one)"
+    )
+
+
+def test_cpu_distribution_is_found_and_patched(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv", distribution="proj-cpu")
+    result = installed.apply(series, py)
+    assert (result.target.distribution, result.action) == ("proj-cpu", "applied")
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    for args in (["apply", "--revert"], ["apply", "--python", "x"],
+                 ["apply", "--installed", "--dir", "elsewhere"]):
+        result = hybridpd(series, *args)
+        assert result.returncode == 2, (args, result.stderr)
