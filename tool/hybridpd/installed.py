@@ -363,7 +363,8 @@ def apply(
 
     Idempotent (the same series again changes nothing) and all or nothing: on any error
     the release files are put back before the error is raised, and a killed run is
-    undone by the next one.
+    undone by the next one. (When a changed series replaces an earlier overlay and the
+    new one fails, the environment is left at the release, not at the earlier overlay.)
     """
     target = locate(python, series.package)
     pin = pin_of(series, target)
@@ -436,7 +437,9 @@ def _overlay(
         "operation": "apply --installed", "pid": os.getpid(), "added": added,
         "written": [c.path for c in changes], "created_dirs": created,
     }
-    (target.dist_info / BACKUP).mkdir(exist_ok=True)
+    # No journal and no manifest here (undone above): a backup folder is stale.
+    shutil.rmtree(target.dist_info / BACKUP, ignore_errors=True)
+    (target.dist_info / BACKUP).mkdir()
     _write_atomic(target.dist_info / JOURNAL, (json.dumps(journal, indent=2) + "\n").encode())
     originals = [record]
     for change in changes:
