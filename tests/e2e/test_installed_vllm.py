@@ -40,16 +40,22 @@ def _source_venv(series) -> Path:
     return prepare(series, PIN, "cpu", "stock", print).venv
 
 
-def _snapshot(root: Path) -> dict[str, tuple[str, int, int]]:
-    out = {}
-    for d, _dirs, files in os.walk(root):
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every file with its sha256, mode and mtime; every folder and symbolic link."""
+    out: dict[str, tuple] = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            path = Path(d, name)
+            rel = path.relative_to(root).as_posix()
+            out[rel] = ("link", os.readlink(path)) if path.is_symlink() else ("dir",)
         for name in files:
             path = Path(d, name)
+            rel = path.relative_to(root).as_posix()
             if path.is_symlink():
+                out[rel] = ("link", os.readlink(path))
                 continue
             st = path.stat()
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            out[path.relative_to(root).as_posix()] = (digest, st.st_mode, st.st_mtime_ns)
+            out[rel] = (hashlib.sha256(path.read_bytes()).hexdigest(), st.st_mode, st.st_mtime_ns)
     return out
 
 
@@ -82,6 +88,13 @@ def test_apply_installed_serves_the_hit_and_reverts_byte_for_byte(tmp_path: Path
     assert (source / "bin" / "python").exists(), f"{source}: no bin/python"
     venv = tmp_path / "venv"
     subprocess.run(["cp", "-a", str(source), str(venv)], check=True)
+    try:
+        _check(venv, tmp_path, series)
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)  # 3.8 GB
+
+
+def _check(venv: Path, tmp_path: Path, series) -> None:
     py = str(venv / "bin" / "python")
     before = _snapshot(venv)
     site = Path(json.loads(_hybridpd("status", "--installed", "--python", py, "--json").stdout)[
@@ -128,4 +141,3 @@ def test_apply_installed_serves_the_hit_and_reverts_byte_for_byte(tmp_path: Path
     reverted = _hybridpd("apply", "--installed", "--python", py, "--revert")
     assert reverted.returncode == 0, reverted.stderr[-2000:]
     assert _differences(before, _snapshot(venv)) == []
-    shutil.rmtree(venv)

@@ -59,14 +59,19 @@ def make_env(root: Path, version: str = "1.0", distribution: str = "proj") -> Pa
     return py
 
 
-def snapshot(py: Path) -> dict[str, tuple[bytes, int, int]]:
-    """Every file of the venv with its bytes, mode and mtime."""
+def snapshot(py: Path) -> dict[str, tuple]:
+    """Every file of the venv with its bytes, mode and mtime; every folder and link."""
     root = py.parent.parent
-    return {
-        p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mode, p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and not p.is_symlink()
-    }
+    out: dict[str, tuple] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            out[rel] = ("link", os.readlink(p))
+        elif p.is_dir():
+            out[rel] = ("dir",)
+        else:
+            out[rel] = (p.read_bytes(), p.stat().st_mode, p.stat().st_mtime_ns)
+    return out
 
 
 def run(py: Path, code: str) -> str:
@@ -186,7 +191,9 @@ def test_a_failure_after_files_changed_puts_the_release_back(
 
 
 @pytest.mark.parametrize(
-    "point", ["installed:backed-up", "installed:file-1", "installed:file-2", "installed:manifest"]
+    "point",
+    ["installed:backed-up", "installed:file-1", "installed:file-2", "installed:manifest",
+     "installed:proven"],
 )
 def test_a_killed_apply_is_undone_by_the_next_run(tmp_path: Path, point: str) -> None:
     _, series = standard_project(tmp_path)
@@ -205,20 +212,24 @@ def test_a_killed_apply_is_undone_by_the_next_run(tmp_path: Path, point: str) ->
     assert snapshot(py) == before
 
     # And a killed apply followed by an apply ends patched, as if it had not been killed.
-    hybridpd(series, "apply", "--installed", "--python", str(py), fault=point)
+    killed = hybridpd(series, "apply", "--installed", "--python", str(py), fault=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     again = hybridpd(series, "apply", "--installed", "--python", str(py), "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["action"] == "applied"
     assert (site_of(py) / "proj" / "feature.py").read_text() == FEATURE["proj/feature.py"]
 
 
-def test_a_killed_revert_is_finished_by_the_next_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "point", ["installed:undo", "installed:restored", "installed:cleaned"]
+)
+def test_a_killed_revert_is_finished_by_the_next_run(tmp_path: Path, point: str) -> None:
     _, series = standard_project(tmp_path)
     py = make_env(tmp_path / "venv")
     before = snapshot(py)
     installed.apply(series, py)
     killed = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert",
-                      fault="installed:undo")
+                      fault=point)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert snapshot(py) != before
     again = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
@@ -268,3 +279,79 @@ def test_usage_errors(tmp_path: Path) -> None:
                  ["apply", "--installed", "--dir", "elsewhere"]):
         result = hybridpd(series, *args)
         assert result.returncode == 2, (args, result.stderr)
+
+
+def test_pip_uninstall_after_apply_leaves_no_dist_info(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    installed.apply(series, py)
+    site = site_of(py)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "uninstall", "-y", "proj"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not list(site.glob("proj*")), list(site.glob("proj*"))
+
+
+def test_relative_python_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, series = standard_project(tmp_path)
+    make_env(tmp_path / "venv")
+    monkeypatch.chdir(tmp_path)
+    result = installed.apply(series, Path("venv/bin/python"))
+    assert result.action == "applied"
+    assert result.target.python == tmp_path / "venv" / "bin" / "python"
+
+
+def test_unreadable_state_and_a_lost_backup_get_one_line(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    installed.apply(series, py)
+    target = installed.locate(py, "proj")
+    backup = target.dist_info / installed.BACKUP
+    moved = tmp_path / "backup-moved"
+    backup.rename(moved)
+    lost = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
+    assert lost.returncode == 1
+    assert lost.stderr.strip().startswith("Error: the backup of proj/core.py in ")
+    assert lost.stderr.strip().endswith(
+        "cannot be put back; reinstall the release "
+        "(pip install --force-reinstall --no-deps proj==1.0)"
+    )
+    moved.rename(backup)
+
+    manifest = target.dist_info / installed.MANIFEST
+    manifest.write_text("{not json")
+    for args in (["status"], ["apply"], ["apply", "--revert"]):
+        result = hybridpd(series, *args, "--installed", "--python", str(py))
+        assert result.returncode == 1, args
+        lines = result.stderr.strip().splitlines()
+        assert "Traceback" not in result.stderr, lines
+        assert lines[-1].startswith("Error: ") and "hybridpd-installed.json is unreadable" in lines[-1]
+
+
+def test_editable_install_is_refused_before_any_checkout(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    dist_info = installed.locate(py, "proj").dist_info
+    (dist_info / "direct_url.json").write_text(
+        json.dumps({"url": "file:///src/proj", "dir_info": {"editable": True}})
+    )
+    result = hybridpd(series, "apply", "--installed", "--python", str(py))
+    assert result.returncode == 1
+    assert "is an editable or development install" in result.stderr
+    assert not (installed.checkout_dir("1.0")).exists()
+
+
+def test_a_symlinked_file_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    core = site_of(py) / "proj" / "core.py"
+    real = tmp_path / "core-real.py"
+    real.write_bytes(core.read_bytes())
+    core.unlink()
+    core.symlink_to(real)
+    before = snapshot(py)
+    with pytest.raises(installed.InstalledError, match=r"core.py is a symbolic link"):
+        installed.apply(series, py)
+    assert snapshot(py) == before

@@ -12,11 +12,13 @@ Everything hybridpd keeps lives in the distribution's ``*.dist-info`` folder, wh
 ``pip uninstall`` removes whole:
 
 - ``hybridpd-installed.json``, the manifest: what was applied and the sha256 of every
-  file written. It is written last and listed in ``RECORD``.
-- ``hybridpd-installed/``: the release's bytes and mtimes of every file the overlay
-  replaces or deletes, of their bytecode, and of ``RECORD`` (``index.json`` lists them).
-- ``hybridpd-installed.journal``: present only while files change. A run that finds it
-  (the last one was killed) first puts the backup back, so an apply is all or nothing.
+  file written.
+- ``hybridpd-installed/``: the release's bytes, modes and mtimes of every file the
+  overlay replaces or deletes, of their bytecode, and of ``RECORD`` (``index.json``
+  lists them). Both are listed in ``RECORD``, so an uninstall or upgrade removes them.
+- ``hybridpd-installed.journal``: present from before the first change until the
+  environment has imported the patched files. A run that finds it (the last one was
+  killed) first puts the backup back, so an apply is all or nothing.
 
 ``--revert`` puts the backup back and removes the three, so the files are byte for
 byte (and mtime for mtime: the release's bytecode stays valid) what they were.
@@ -136,10 +138,16 @@ for name in sys.argv[1:]:
         continue
     record = [f for f in (dist.files or []) if f.name == "RECORD"
               and f.parent.name.endswith(".dist-info")]
+    try:
+        editable = json.loads(dist.read_text("direct_url.json") or "{}").get(
+            "dir_info", {}).get("editable", False)
+    except ValueError:
+        editable = False
     found.append({
         "name": dist.metadata["Name"], "version": dist.version,
         "site": str(dist.locate_file("")),
         "record": str(dist.locate_file(record[0])) if record else None,
+        "editable": editable,
     })
 print("HYBRIDPD-LOCATE " + json.dumps(found))
 """
@@ -152,12 +160,20 @@ def distributions(package: str) -> tuple[str, ...]:
     )
 
 
+def _clean_env() -> dict[str, str]:
+    """The environment without PYTHONPATH: what the servers will import."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def locate(python: Path, package: str) -> Target:
     """The distribution of ``package`` installed for ``python`` (one line if none)."""
     names = distributions(package)
+    # Absolute, not resolved: a venv's python is a symlink out of the venv.
+    python = Path(os.path.abspath(python))
     try:
         proc = subprocess.run(
-            [str(python), "-c", _LOCATE, *names], capture_output=True, text=True, timeout=60
+            [str(python), "-c", _LOCATE, *names], capture_output=True, text=True, timeout=60,
+            env=_clean_env(),
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise InstalledError(f"cannot run {python}: {exc}") from None
@@ -167,7 +183,10 @@ def locate(python: Path, package: str) -> Target:
         raise InstalledError(f"cannot read the installed distributions of {python}: {tail[0]}")
     found = json.loads(line[len("HYBRIDPD-LOCATE "):])
     if not found:
-        raise InstalledError(f"{python} has none of {', '.join(names)} installed")
+        raise InstalledError(
+            f"{python} has none of {', '.join(names)} installed "
+            "(--python names the environment's Python)"
+        )
     if len(found) > 1:
         both = ", ".join(f"{d['name']} {d['version']}" for d in found)
         raise InstalledError(
@@ -175,13 +194,13 @@ def locate(python: Path, package: str) -> Target:
             "(uninstall one)"
         )
     dist = found[0]
-    if dist["record"] is None:
+    if dist["record"] is None or dist["editable"]:
         raise InstalledError(
-            f"{dist['name']} {dist['version']} in {python} has no RECORD (an editable or "
-            "development install?): patch its checkout with `hybridpd apply --dir DIR`"
+            f"{dist['name']} {dist['version']} in {python} is an editable or development "
+            "install: patch its checkout with `hybridpd apply --dir DIR`"
         )
     record = Path(dist["record"])
-    return Target(Path(python), dist["name"], dist["version"], Path(dist["site"]), record.parent)
+    return Target(python, dist["name"], dist["version"], Path(dist["site"]), record.parent)
 
 
 def pin_of(series: Series, target: Target) -> Pin:
@@ -205,7 +224,14 @@ def pin_of(series: Series, target: Target) -> Pin:
 @contextlib.contextmanager
 def _locked(target: Target) -> Iterator[None]:
     """One hybridpd at a time per distribution: an flock on the dist-info folder itself
-    (no lock file, so a revert leaves nothing behind)."""
+    (no lock file, so a revert leaves nothing behind). Refuses a read-only install
+    before anything is done."""
+    for folder in (target.dist_info, target.site):
+        if not os.access(folder, os.W_OK):
+            raise InstalledError(
+                f"{folder} is not writable by this user: run hybridpd as the user that "
+                "installed the environment"
+            )
     fd = os.open(target.dist_info, os.O_RDONLY)
     try:
         try:
@@ -220,6 +246,21 @@ def _locked(target: Target) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- backup
+
+
+def _reinstall(target: Target) -> str:
+    return (
+        f"reinstall the release (pip install --force-reinstall --no-deps "
+        f"{target.distribution}=={target.version})"
+    )
+
+
+def _inside(target: Target, rel: str) -> Path:
+    """``site/rel`` for a path hybridpd recorded; never outside the install."""
+    try:
+        return wo._safe_target(target.site, rel)
+    except ValueError as exc:
+        raise InstalledError(f"{target.dist_info}: {exc}; {_reinstall(target)}") from None
 
 
 def _pycs(path: Path) -> list[Path]:
@@ -237,7 +278,23 @@ def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def _backup(target: Target, paths: list[Path]) -> None:
+def _write_json(path: Path, data: object) -> bytes:
+    raw = (json.dumps(data, indent=2) + "\n").encode()
+    _write_atomic(path, raw)
+    return raw
+
+
+def _read_json(target: Target, path: Path):
+    """hybridpd's own state file at ``path``, None if absent; one line if unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InstalledError(f"{path} is unreadable ({exc}); {_reinstall(target)}") from None
+
+
+def _backup(target: Target, paths: list[Path]) -> list[dict]:
     """Copy ``paths`` (absolute, existing) into the backup with their modes and mtimes;
     ``index.json`` is written last: without it nothing was changed yet."""
     root = target.dist_info / BACKUP
@@ -250,51 +307,74 @@ def _backup(target: Target, paths: list[Path]) -> None:
             "path": os.path.relpath(path, target.site), "file": name,
             "mode": st.st_mode & 0o7777, "mtime_ns": st.st_mtime_ns,
         })
-    _write_atomic(root / "index.json", (json.dumps(entries, indent=2) + "\n").encode())
+    _write_json(root / "index.json", entries)
+    return entries
 
 
 def _restore(target: Target, journal: dict) -> None:
-    """Put the backup back, remove what the overlay added, drop hybridpd's files."""
+    """Put the backup back, remove what the overlay added, then drop hybridpd's files.
+
+    Idempotent, so a run killed in here is finished by the next one: the backup's
+    ``index.json`` goes only once every file is back, and the journal goes last.
+    """
     root = target.dist_info / BACKUP
-    index = root / "index.json"
-    if index.is_file():
-        for entry in json.loads(index.read_text()):
-            path = target.site / entry["path"]
-            _write_atomic(path, (root / entry["file"]).read_bytes(), entry["mode"])
-            os.utime(path, ns=(entry["mtime_ns"], entry["mtime_ns"]))
-        backed = {entry["path"] for entry in json.loads(index.read_text())}
-        for rel in journal["added"]:
-            path = target.site / rel
-            for extra in [path, *_pycs(path)]:
-                if os.path.relpath(extra, target.site) not in backed:
-                    extra.unlink(missing_ok=True)
-        for rel in journal["written"]:  # bytecode Python wrote for the patched source
-            for pyc in _pycs(target.site / rel):
-                if os.path.relpath(pyc, target.site) not in backed:
-                    pyc.unlink()
-        for rel in sorted(journal.get("created_dirs", []), reverse=True):
-            with contextlib.suppress(OSError):
-                (target.site / rel).rmdir()
-    (target.dist_info / MANIFEST).unlink(missing_ok=True)
-    shutil.rmtree(root, ignore_errors=True)
-    (target.dist_info / JOURNAL).unlink(missing_ok=True)
+    try:
+        index = _read_json(target, root / "index.json")
+        if index is not None:
+            for entry in index:
+                path = _inside(target, entry["path"])
+                data = (root / entry["file"]).read_bytes()
+                st = path.stat() if path.is_file() and not path.is_symlink() else None
+                if not (st and st.st_mtime_ns == entry["mtime_ns"]
+                        and st.st_mode & 0o7777 == entry["mode"] and path.read_bytes() == data):
+                    _write_atomic(path, data, entry["mode"])
+                    os.utime(path, ns=(entry["mtime_ns"], entry["mtime_ns"]))
+            backed = {entry["path"] for entry in index}
+            for rel in journal["added"]:
+                path = _inside(target, rel)
+                for extra in [path, *_pycs(path)]:
+                    if os.path.relpath(extra, target.site) not in backed:
+                        extra.unlink(missing_ok=True)
+            for rel in journal["written"]:  # bytecode Python wrote for the patched source
+                for pyc in _pycs(_inside(target, rel)):
+                    if os.path.relpath(pyc, target.site) not in backed:
+                        pyc.unlink()
+            for rel in sorted(journal.get("created_dirs", []), reverse=True):
+                folder = _inside(target, rel)
+                shutil.rmtree(folder / "__pycache__", ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            # A kill inside _write_atomic leaves its temporary file.
+            for rel in [*journal["written"], os.path.relpath(target.dist_info / "RECORD",
+                                                             target.site)]:
+                path = _inside(target, rel)
+                path.with_name(path.name + ".hybridpd-tmp").unlink(missing_ok=True)
+            guard.fault("installed:restored")
+            (root / "index.json").unlink()
+        (target.dist_info / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+        guard.fault("installed:cleaned")
+        (target.dist_info / JOURNAL).unlink(missing_ok=True)
+    except (OSError, KeyError, TypeError) as exc:
+        raise InstalledError(
+            f"cannot put the release files of {target.site} back ({exc}); {_reinstall(target)}"
+        ) from None
 
 
 def _recover(target: Target) -> str | None:
-    path = target.dist_info / JOURNAL
-    if not path.is_file():
+    journal = _read_json(target, target.dist_info / JOURNAL)
+    if journal is None:
         return None
-    journal = json.loads(path.read_text())
     _restore(target, journal)
     return (
-        f"{target.site}: recovered from an interrupted `hybridpd {journal['operation']}` "
-        f"(pid {journal['pid']}): the release files are back"
+        f"{target.site}: recovered from an interrupted "
+        f"`hybridpd {journal.get('operation', '?')}` (pid {journal.get('pid', '?')}): "
+        "the release files are back"
     )
 
 
 def _read_manifest(target: Target) -> dict | None:
-    path = target.dist_info / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    return _read_json(target, target.dist_info / MANIFEST)
 
 
 def _undo(target: Target, operation: str) -> None:
@@ -307,13 +387,22 @@ def _undo(target: Target, operation: str) -> None:
     manifest = _read_manifest(target)
     if manifest is None:
         return
-    paths = [f["path"] for f in manifest["files"]]
+    files = manifest.get("files", [])
+    index = _read_json(target, target.dist_info / BACKUP / "index.json") or []
+    backed = {entry.get("path") for entry in index}
+    lost = [f["path"] for f in files if f.get("status") != "A" and f["path"] not in backed]
+    if lost:
+        raise InstalledError(
+            f"the backup of {lost[0]} in {target.dist_info / BACKUP} is missing, so the "
+            f"release bytes cannot be put back; {_reinstall(target)}"
+        )
+    paths = [f["path"] for f in files]
     # Files the backup holds are put back; the others were added and are removed.
     journal = {
         "operation": operation, "pid": os.getpid(), "added": paths, "written": paths,
         "created_dirs": manifest.get("created_dirs", []),
     }
-    _write_atomic(target.dist_info / JOURNAL, (json.dumps(journal, indent=2) + "\n").encode())
+    _write_json(target.dist_info / JOURNAL, journal)
     guard.fault("installed:undo")
     _restore(target, journal)
 
@@ -363,24 +452,17 @@ def apply(
 
     Idempotent (the same series again changes nothing) and all or nothing: on any error
     the release files are put back before the error is raised, and a killed run is
-    undone by the next one. (When a changed series replaces an earlier overlay and the
-    new one fails, the environment is left at the release, not at the earlier overlay.)
+    undone by the next one. The overlay counts as applied once the environment has
+    imported the patched files. (When a changed series replaces an earlier overlay and
+    the new one fails, the environment is left at the release, not at the earlier one.)
     """
     target = locate(python, series.package)
     pin = pin_of(series, target)
     with _locked(target):
         result = Result(target, "applied", pin.version)
         result.recovered = _recover(target)
-        src = src or checkout_dir(pin.version)
-        log(f"preparing the patched {pin.version} checkout in {src}")
-        head = releasetree.prepare(series, pin, src, patched=True, log=log)
-        from hybridpd.apply import patch_commits
-
-        import git
-
+        head, result.patches, changes = _patched(series, pin, src or checkout_dir(pin.version), log)
         result.head = head
-        result.patches = tuple(pid for pid, _ in patch_commits(src, pin))
-        changes = build_mod.patch_changes(git.Repo(src), pin.tag, head, series.package)
 
         manifest = _read_manifest(target)
         if manifest is not None:
@@ -395,16 +477,12 @@ def apply(
                 result.action = "already"
                 result.files = manifest["files"]
                 return result
-            log(f"replacing the series applied earlier ({manifest.get('head', '?')[:12]})")
+            log(f"replacing the series applied earlier ({str(manifest.get('head'))[:12]})")
             _undo(target, "apply --installed")
 
-        verify = _verify(target, src, pin.tag, series.package)
+        verify = _verify(target, src or checkout_dir(pin.version), pin.tag, series.package)
         if not verify.ok:
-            raise InstalledError(
-                f"{verify.summary()}; reinstall the release "
-                f"(pip install --force-reinstall --no-deps {target.distribution}=="
-                f"{target.version})"
-            )
+            raise InstalledError(f"{verify.summary()}; {_reinstall(target)}")
         log(verify.summary())
         for path, _kind, reason in verify.allowed:
             if any(c.path == path for c in changes):
@@ -412,19 +490,52 @@ def apply(
                     f"the patches replace {path}, which the installed build ships changed"
                     f" ({reason}); its change is lost"
                 )
+        links = [c.path for c in changes if (target.site / c.path).is_symlink()]
+        if links:
+            raise InstalledError(
+                f"{target.site / links[0]} is a symbolic link; hybridpd overlays only "
+                f"regular files ({_reinstall(target)})"
+            )
         try:
             result.files = _overlay(target, pin, head, result.patches, changes)
             if prove:
                 _prove(target, changes, series.package)
+            guard.fault("installed:proven")
+            # The commit point: from here on the overlay is what the manifest says.
+            (target.dist_info / JOURNAL).unlink()
         except BaseException:
             _undo(target, "apply --installed")
             raise
         return result
 
 
+def _patched(
+    series: Series, pin: Pin, src: Path, log: Log
+) -> tuple[str, tuple[str, ...], list[wo.Change]]:
+    """The kept patched checkout of ``pin``: its head, patch ids and changed files.
+
+    The checkout is shared by every environment of the pin: one writer at a time.
+    """
+    import git
+
+    from hybridpd.apply import patch_commits
+
+    log(f"preparing the patched {pin.version} checkout in {src}")
+    src.parent.mkdir(parents=True, exist_ok=True)
+    with guard.entry(src, log):
+        head = releasetree.prepare(series, pin, src, patched=True, log=log)
+        patches = tuple(pid for pid, _ in patch_commits(src, pin))
+        try:
+            changes = build_mod.patch_changes(git.Repo(src), pin.tag, head, series.package)
+        except build_mod.BuildError as exc:
+            raise InstalledError(str(exc)) from None
+    return head, patches, changes
+
+
 def _overlay(
     target: Target, pin: Pin, head: str, patches: tuple[str, ...], changes: list[wo.Change]
 ) -> list[dict]:
+    """Write ``changes`` over the install; the journal stays (the caller commits)."""
     site = target.site
     record = target.dist_info / "RECORD"
     added = [c.path for c in changes if not (site / c.path).exists()]
@@ -440,7 +551,7 @@ def _overlay(
     # No journal and no manifest here (undone above): a backup folder is stale.
     shutil.rmtree(target.dist_info / BACKUP, ignore_errors=True)
     (target.dist_info / BACKUP).mkdir()
-    _write_atomic(target.dist_info / JOURNAL, (json.dumps(journal, indent=2) + "\n").encode())
+    _write_json(target.dist_info / JOURNAL, journal)
     originals = [record]
     for change in changes:
         path = site / change.path
@@ -462,7 +573,8 @@ def _overlay(
             rows.pop(change.path, None)
             files.append({"path": change.path, "status": "D"})
             continue
-        _write_atomic(path, change.data)
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        _write_atomic(path, change.data, mode)
         guard.fault(f"installed:file-{len(files) + 1}")
         rows[change.path] = [change.path, wo.record_hash(change.data), str(len(change.data))]
         files.append({
@@ -474,21 +586,22 @@ def _overlay(
         "version": target.version, "pin": pin.version, "stock_ref": pin.tag, "head": head,
         "patches": list(patches), "files": files, "created_dirs": created,
     }
-    data = (json.dumps(manifest, indent=2) + "\n").encode()
-    _write_atomic(target.dist_info / MANIFEST, data)
-    rel = os.path.relpath(target.dist_info / MANIFEST, site)
-    rows[rel] = [rel, wo.record_hash(data), str(len(data))]
+    _write_json(target.dist_info / MANIFEST, manifest)
+    # RECORD lists hybridpd's files too, so that `pip uninstall` or an upgrade removes
+    # the whole dist-info folder instead of leaving one that holds only the backup.
+    for path in sorted((target.dist_info / BACKUP).iterdir()) + [target.dist_info / MANIFEST]:
+        data = path.read_bytes()
+        rel = os.path.relpath(path, site)
+        rows[rel] = [rel, wo.record_hash(data), str(len(data))]
     record_rel = os.path.relpath(record, site)
     rows.pop(record_rel, None)
     _write_atomic(record, wo.write_record([*rows.values(), [record_rel, "", ""]]).encode())
     guard.fault("installed:manifest")
-    # The commit point: from here on the overlay is what the manifest says.
-    (target.dist_info / JOURNAL).unlink()
     return files
 
 
 def _prove(target: Target, changes: list[wo.Change], package: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = _clean_env()
     env.setdefault("HF_HUB_OFFLINE", "1")
     if target.distribution.endswith("-cpu"):
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -516,7 +629,7 @@ def revert(package: str, python: Path) -> Result:
             return result
         result.pin, result.head = manifest.get("pin"), manifest.get("head")
         result.patches = tuple(manifest.get("patches", []))
-        result.files = manifest["files"]
+        result.files = manifest.get("files", [])
         _undo(target, "apply --installed --revert")
         return result
 
