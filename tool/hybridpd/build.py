@@ -160,7 +160,16 @@ def _run(cmd: Sequence[str | Path], *, capture: bool = False, **kw) -> subproces
 
 
 def _pip(py: Path, *args: str | Path, capture: bool = False) -> subprocess.CompletedProcess:
-    return _run([py, "-m", "pip", *args], capture=capture)
+    return _run([py, "-m", "pip", *pip_args(args, sys.stdout.isatty())], capture=capture)
+
+
+def pip_args(args: Sequence[str | Path], tty: bool) -> list[str | Path]:
+    """``args`` for pip; an install or download whose output goes to a log (not a
+    terminal) is quiet and draws no progress bar (pip still prints its errors)."""
+    if tty or not args or args[0] not in ("install", "download"):
+        return list(args)
+    quiet = [] if "-q" in args else ["-q"]
+    return [args[0], *quiet, "--progress-bar", "off", *args[1:]]
 
 
 def ensure_venv(venv: Path, python: str | None, log: Log) -> Path:

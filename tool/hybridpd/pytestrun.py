@@ -47,6 +47,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from hybridpd import progress
+
 #: pytest exit codes (``pytest.ExitCode``), spelled out so we need not import pytest.
 EXIT_OK, EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO_TESTS = range(6)
 
@@ -301,7 +303,8 @@ def run_pytest(
         proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            code = proc.wait(timeout=session_timeout)
+            with progress.ticker(f"pytest[{label}]", lambda: pytest_progress(log_path)):
+                code = proc.wait(timeout=session_timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
@@ -339,6 +342,22 @@ def run_pytest(
         result.status, result.reason = "crashed", f"exit {code}: {_tail(log_path)}"
     log(f"pytest[{label}]: {result.status} in {wall} s: {result.counts()}")
     return result
+
+
+_PERCENT = re.compile(rb"\[\s*(\d+)%\]\s*$", re.M)
+
+
+def pytest_progress(log_path: Path) -> str:
+    """How far a ``pytest -q`` run writing ``log_path`` is: its last ``[ NN%]``, and
+    the failures so far (from the progress lines' ``F`` and ``E``)."""
+    with log_path.open("rb") as fh:
+        data = fh.read()
+    marks = _PERCENT.findall(data)
+    if not marks:
+        return "collecting"
+    lines = [l for l in data.splitlines() if _PERCENT.search(l)]
+    failed = sum(l.split(b"[")[0].count(b"F") + l.split(b"[")[0].count(b"E") for l in lines)
+    return f"{int(marks[-1])}%" + (f", {failed} failed" if failed else "")
 
 
 def _tail(path: Path, lines: int = 5) -> str:

@@ -41,6 +41,8 @@ from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
+from hybridpd import progress
+
 #: Bump when the way an environment is built changes, so old environments are rebuilt.
 ENV_SCHEMA = 1
 
@@ -260,7 +262,8 @@ def _run(cmd: Sequence[str], log_file: Path, log: Callable[[str], None], what: s
     with log_file.open("a") as fh:
         fh.write(f"\n$ {' '.join(map(str, cmd))}\n")
         fh.flush()
-        proc = subprocess.run(list(map(str, cmd)), stdout=fh, stderr=subprocess.STDOUT)
+        with progress.ticker(f"testenv: {what}"):
+            proc = subprocess.run(list(map(str, cmd)), stdout=fh, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise TestEnvError(f"{what} failed (exit {proc.returncode}); see {log_file}")
 

@@ -9,13 +9,12 @@ writes the report (:mod:`.report`) and prints the ON/OFF table. Exit codes: 0 ok
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import click
 
-from hybridpd import cache, jsonout
+from hybridpd import cache, jsonout, progress
 from hybridpd.errors import CheckFailed
 
 from . import report as report_mod
@@ -25,28 +24,6 @@ from .servers import E2EError, Processes
 from .tinymodel import ARCHITECTURES, spec_id
 
 DEVICES = ("cpu", "cuda")
-
-
-def _progress_printer(stream=sys.stderr):
-    """Progress lines: rewritten in place on a terminal, every 10 s otherwise."""
-    tty = stream.isatty()
-    state = {"last": 0.0}
-
-    def show(msg: str) -> None:
-        if tty:
-            stream.write("\r\033[K" + msg)
-            stream.flush()
-        elif time.monotonic() - state["last"] >= 10 or "starting" not in msg:
-            state["last"] = time.monotonic()
-            stream.write(msg + "\n")
-            stream.flush()
-
-    def done() -> None:
-        if tty:
-            stream.write("\n")
-            stream.flush()
-
-    return show, done
 
 
 def _log(msg: str) -> None:
@@ -259,7 +236,7 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
         "timings_s": {},
     }
     failures: list[str] = []
-    show, done = _progress_printer()
+    show, done = progress.printer()
     for build in builds:
         env = envs[build]
         for connector in connectors:
