@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,36 @@ def test_missing_files_are_dropped_and_none_left_is_no_tests(tmp_path: Path) -> 
 def test_session_timeout_kills(tmp_path: Path) -> None:
     r = _run(tmp_path, "sleep 30\n", session_timeout=0.5)
     assert r.status == "timeout" and r.failed_total == 1
+
+
+def test_an_interrupted_run_stops_its_pytest(tmp_path: Path, monkeypatch) -> None:
+    # The child writes its pid, then sleeps; Ctrl-C (here: the ticker raising it as the
+    # wait starts) must stop the child's whole process group before it propagates.
+    import contextlib
+
+    from hybridpd import progress
+
+    pidfile = tmp_path / "pid"
+
+    @contextlib.contextmanager
+    def interrupt(*_args, **_kw):
+        for _ in range(100):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(progress, "ticker", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, f"sleep 60 & echo $! > {pidfile}\nwait\n")
+    status = Path(f"/proc/{int(pidfile.read_text())}/status")
+    for _ in range(50):  # gone, or a zombie waiting for init to reap it
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the interrupted run's pytest is still running")
 
 
 def test_cpu_metadata_overlay(tmp_path: Path) -> None:

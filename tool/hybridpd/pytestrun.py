@@ -309,6 +309,9 @@ def run_pytest(
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
             timed_out = True
+        except BaseException:  # Ctrl-C or SIGTERM: the pytest run must not outlive us
+            _stop_group(proc)
+            raise
         else:
             timed_out = False
     wall = round(time.monotonic() - start, 1)
@@ -342,6 +345,20 @@ def run_pytest(
         result.status, result.reason = "crashed", f"exit {code}: {_tail(log_path)}"
     log(f"pytest[{label}]: {result.status} in {wall} s: {result.counts()}")
     return result
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM ``proc``'s process group, SIGKILL it after ``grace`` s; reap ``proc``."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
 
 
 _PERCENT = re.compile(rb"\[\s*(\d+)%\]\s*$", re.M)
