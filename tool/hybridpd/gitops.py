@@ -251,6 +251,42 @@ def is_dirty(repo: Path) -> bool:
     return bool(status(repo))
 
 
+def has_tracked_changes(repo: Path, path: str = ".") -> bool:
+    """Whether tracked files under ``path`` differ from HEAD (untracked ones ignored)."""
+    return bool(check(repo, "status", "--porcelain=v1", "--untracked-files=no", "--", path))
+
+
+def is_ignored(repo: Path, path: str) -> bool:
+    """Whether git ignores ``path`` in ``repo``'s work tree."""
+    return run(repo, "check-ignore", "--quiet", path).ok
+
+
+def tree_files(repo: Path, rev: str, path: str) -> dict[str, tuple[int, str]]:
+    """``file -> (mode, blob sha)`` of every file under ``path`` at ``rev`` (repository
+    paths; one ``ls-tree``)."""
+    out = check(repo, "ls-tree", "-r", "-z", "--full-tree", rev, "--", path)
+    files = {}
+    for entry in filter(None, out.split("\0")):
+        meta, name = entry.split("\t", 1)
+        mode, kind, sha = meta.split()
+        if kind == "blob":
+            files[name] = (int(mode, 8), sha)
+    return files
+
+
+def read_blob(repo: Path, rev: str, path: str) -> bytes:
+    """The bytes of ``path`` at ``rev``."""
+    return check_bytes(repo, "cat-file", "blob", f"{rev}:{path}")
+
+
+def changed_files(repo: Path, old: str, new: str, *paths: str) -> list[tuple[str, str]]:
+    """``(status letter, path)`` of each file under ``paths`` that ``old..new`` adds (A),
+    modifies (M), deletes (D) or otherwise changes (renames are split in D and A)."""
+    out = check(repo, "diff", "--name-status", "-z", "--no-renames", old, new, "--", *paths)
+    fields = [f for f in out.split("\0") if f]
+    return [(status[0], path) for status, path in zip(fields[0::2], fields[1::2])]
+
+
 def tag_commits(repo: Path) -> dict[str, str]:
     """Map every tag name to the commit it points at (annotated tags peeled)."""
     out = check(

@@ -15,7 +15,7 @@ import json
 import os
 import re
 import ssl
-import subprocess
+
 import sys
 import tempfile
 import urllib.error
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import click
 
-from hybridpd import __version__
+from hybridpd import __version__, proc
 from hybridpd.errors import ChecksumError, LocalFileError, PackageIndexError
 
 _ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
@@ -163,17 +163,8 @@ def _unquote(raw: str) -> str:
 
 def _pip_config_list() -> str:
     """``pip config list`` of the running interpreter ('' if pip cannot say)."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
+    done = proc.run([sys.executable, "-m", "pip", "config", "list"], timeout=60)
+    return done.stdout if done.ok else ""
 
 
 def _pip_default_index() -> str:

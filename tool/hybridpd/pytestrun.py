@@ -40,14 +40,12 @@ import dataclasses
 import os
 import re
 import shutil
-import signal
-import subprocess
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from hybridpd import progress
+from hybridpd import proc, progress
 
 #: pytest exit codes (``pytest.ExitCode``), spelled out so we need not import pytest.
 EXIT_OK, EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO_TESTS = range(6)
@@ -233,8 +231,7 @@ def has_plugin(venv: Path, module: str) -> bool:
     py = venv / "bin" / "python"
     if not py.exists():
         return False
-    return subprocess.run([str(py), "-c", f"import {module}"],
-                          capture_output=True).returncode == 0
+    return proc.run([py, "-c", f"import {module}"]).ok
 
 
 def _noop(_: str) -> None:
@@ -296,24 +293,19 @@ def run_pytest(
     log(f"pytest[{label}]: {len(files)} file(s) in {tree} -> {log_path}")
     start = time.monotonic()
     with log_path.open("w") as fh:
-        fh.write(f"$ cd {tree} && {' '.join(cmd)}\n")
+        fh.write(f"# cd {tree}\n")
         if missing:
             fh.write(f"# not in this tree, skipped: {' '.join(missing)}\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            with progress.ticker(f"pytest[{label}]", lambda: pytest_progress(log_path)):
-                code = proc.wait(timeout=session_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
-            timed_out = True
-        except BaseException:  # Ctrl-C or SIGTERM: the pytest run must not outlive us
-            _stop_group(proc)
-            raise
-        else:
-            timed_out = False
+    child = proc.start(cmd, log_path, cwd=tree, env=env)
+    try:
+        with progress.ticker(f"pytest[{label}]", lambda: pytest_progress(log_path)):
+            code = proc.wait(child, session_timeout)
+    except BaseException:  # Ctrl-C or SIGTERM: the pytest run must not outlive us
+        proc.stop(child)
+        raise
+    timed_out = code is None
+    if timed_out:
+        code = proc.stop(child, grace=0)
     wall = round(time.monotonic() - start, 1)
 
     if junit.is_file():
@@ -345,20 +337,6 @@ def run_pytest(
         result.status, result.reason = "crashed", f"exit {code}: {_tail(log_path)}"
     log(f"pytest[{label}]: {result.status} in {wall} s: {result.counts()}")
     return result
-
-
-def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM ``proc``'s process group, SIGKILL it after ``grace`` s; reap ``proc``."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
 
 
 _PERCENT = re.compile(rb"\[\s*(\d+)%\]\s*$", re.M)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from hybridpd import cache, jsonout, progress
+from hybridpd import cache, jsonout, proc, progress
 from hybridpd.errors import CheckFailed
 
 from . import report as report_mod
@@ -34,22 +34,20 @@ def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict,
                variant: str = "default") -> Path:
     """The tiny model for ``arch``/``seed``/``variant``, written once under ``cache``."""
     import shutil
-    import subprocess
 
     dest = cache / f"tiny-{arch}-{spec_id(seed, arch, variant)}"
     if (dest / "hybridpd-tiny.json").exists():
         return dest
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    proc = subprocess.run(
-        [str(env.python), str(Path(__file__).with_name("tinymodel.py")), str(tmp),
+    done = proc.run(
+        [env.python, Path(__file__).with_name("tinymodel.py"), tmp,
          "--seed", str(seed), "--arch", arch, "--variant", variant],
-        capture_output=True, text=True, env=process_env,
+        env=process_env,
     )
-    if proc.returncode != 0:
+    if not done.ok:
         shutil.rmtree(tmp, ignore_errors=True)
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise E2EError(f"could not write the tiny model: {tail[0][:300]}")
+        raise E2EError(f"could not write the tiny model: {done.tail()}")
     tmp.rename(dest)
     return dest
 

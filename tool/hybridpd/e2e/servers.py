@@ -25,16 +25,19 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
+from hybridpd import proc as proc_mod
 from hybridpd.errors import HybridpdError
+
+if TYPE_CHECKING:
+    import subprocess
 
 Progress = Callable[[str], None]
 
@@ -261,18 +264,7 @@ class Processes:
             raise E2EError(f"{name} is already running")
         log = self.log_dir / f"{name}.log"
         cmd = [str(c) for c in cmd]
-        with open(log, "ab") as out:
-            out.write(f"$ {' '.join(cmd)}\n".encode())
-            out.flush()
-            popen = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=dict(env) if env is not None else None,
-                cwd=cwd,
-                start_new_session=True,
-            )
+        popen = proc_mod.start(cmd, log, cwd=cwd, env=env)
         proc = Proc(name, cmd, log, popen)
         with self._lock:
             self.procs[name] = proc
@@ -302,10 +294,7 @@ class Processes:
                 time.sleep(0.1)
             if p.popen.poll() is None or group_members(p.pid):
                 _signal_group(p.pid, signal.SIGKILL)
-            try:
-                p.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            proc_mod.wait(p.popen, 10)
             # SIGKILL is asynchronous: give the kernel a moment to end the children.
             settle = time.monotonic() + 5
             while group_members(p.pid) and time.monotonic() < settle:
