@@ -29,7 +29,6 @@ import dataclasses
 import platform
 import re
 import shutil
-
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal

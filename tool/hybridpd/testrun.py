@@ -162,9 +162,7 @@ def prepare_trees(series: Series, pin: Pin, root: Path, log: Callable[[str], Non
     log(f"test: checking out {pin.version} (stock) in {stock}")
     checkout(series, pin.version, stock, source="sdist")
     patched = root / "patched"
-    gitops.check(root, "clone", "--quiet", "--no-checkout", str(stock), str(patched))
-    gitops.check(patched, "checkout", "--quiet", "-B", "hybridpd", gitops.head(stock))
-    gitops.check(patched, "fetch", "--quiet", "--tags", str(stock))
+    gitops.clone_local(stock, patched, "hybridpd")
     log(f"test: applying the {pin.version} series in {patched}")
     apply(series, patched)
     commits = {patch_id: c.sha for patch_id, c in patch_commits(patched, pin)}
@@ -175,7 +173,7 @@ def prepare_trees(series: Series, pin: Pin, root: Path, log: Callable[[str], Non
             without[patch.id] = stock
         else:
             path = root / f"without-{patch.id}"
-            gitops.check(patched, "worktree", "add", "--quiet", "--detach", str(path), previous)
+            gitops.add_worktree(patched, path, previous)
             without[patch.id] = path
         previous = commits[patch.id]
     return {"stock": stock, "patched": patched, "without": without}
