@@ -35,3 +35,29 @@ def test_stock_expectations_only_where_upstream_has_the_gate() -> None:
     # v0.20.2 has no per-group path: stock NIXL alone loses the hit too.
     assert _failures(_run("stock", "nixl", False), "smoke", True, "0.20.2") == []
     assert _failures(_run("stock", "nixl", False), "smoke", False, "0.32.0") == []
+
+
+def test_the_recorded_command_reproduces_non_default_options() -> None:
+    import shlex
+
+    import click
+
+    from hybridpd.e2e.command import e2e_command, reproducing_argv
+
+    args = [
+        "--pin", "0.32.0", "--tiny", "--scenario", "prefix-repetition",
+        "--role", "kv_producer/kv_consumer", "--connector", "nixl",
+        "--connector", "nixl+decodebench", "--compare", "stock", "--prefix-len", "2048",
+        "--num-prompts", "64", "--concurrency", "8", "--server-arg", "--enforce-eager",
+        "--no-decode-prefix-caching", "--out", "somewhere", "--json",
+    ]
+    ctx = e2e_command.make_context("e2e", list(args))
+    argv = reproducing_argv(ctx)
+    assert argv[:2] == ["hybridpd", "e2e"]
+    assert "--out" not in argv and "--json" not in argv
+    again = e2e_command.make_context("e2e", argv[2:])
+    same = {k: v for k, v in ctx.params.items() if k not in ("out_dir", "as_json")}
+    assert {k: v for k, v in again.params.items() if k not in ("out_dir", "as_json")} == same
+    assert "--no-decode-prefix-caching" in argv and "--server-arg" in argv
+    assert shlex.split(shlex.join(argv)) == argv
+    assert isinstance(ctx, click.Context)

@@ -407,7 +407,15 @@ def latest_reports(reports: Sequence[Report], pin: str) -> list[Report]:
 
 
 def e2e_command(report: Report) -> str:
-    """The ``hybridpd e2e`` command line the report describes (its options)."""
+    """The ``hybridpd e2e`` command line that produced the report: the one it records,
+    else (a report older than that field) one rebuilt from its fields, and said so."""
+    data = report.data
+    if data.get("command"):
+        return shlex.join(str(a) for a in data["command"])
+    return _rebuilt_command(report) + "  # rebuilt: the report does not record its command"
+
+
+def _rebuilt_command(report: Report) -> str:
     data = report.data
     args = ["hybridpd", "e2e", "--pin", report.pin, "--device", str(data.get("device", "?"))]
     model = str(data.get("model", ""))

@@ -26,6 +26,35 @@ from .tinymodel import ARCHITECTURES, spec_id
 DEVICES = ("cpu", "cuda")
 
 
+#: Options that say where output goes, not what is measured: left out of a report's
+#: command.
+_NOT_REPRODUCED = ("out_dir", "as_json")
+
+
+def reproducing_argv(ctx: click.Context) -> list[str]:
+    """``hybridpd e2e`` plus every option this invocation set (on its command line or
+    from the environment), so a report records the command that reproduces it."""
+    from click.core import ParameterSource
+
+    argv = ["hybridpd", "e2e"]
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in _NOT_REPRODUCED:
+            continue
+        source = ctx.get_parameter_source(param.name)
+        if source not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue
+        value = ctx.params[param.name]
+        if param.is_flag:
+            if value:
+                argv.append(param.opts[0])
+            elif param.secondary_opts:
+                argv.append(param.secondary_opts[0])
+            continue
+        for item in value if param.multiple else (value,):
+            argv += [param.opts[0], str(item)]
+    return argv
+
+
 def _log(msg: str) -> None:
     click.echo(msg, err=True)
 
@@ -218,6 +247,7 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
         vocab = _vocab_size(model)
 
     report = {
+        "command": reproducing_argv(click.get_current_context()),
         "pin": pin.version,
         "device": device,
         "model": model,
