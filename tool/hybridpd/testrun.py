@@ -33,7 +33,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hybridpd import cache, gitops, hfsnap, testenv, upstream
+from hybridpd import cache, gitops, guard, hfsnap, testenv, upstream
 from hybridpd.apply import apply, patch_commits
 from hybridpd.checkout import checkout
 from hybridpd.errors import HybridpdError
@@ -332,6 +332,18 @@ def run(
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite}")
     root = cache.cache_dir() / "trees" / pin.version
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # The trees and the run's outputs are rebuilt from scratch: one run per pin at a
+    # time (a second waits for the first instead of deleting its trees under it).
+    with guard.entry(root, log):
+        return _run_locked(series, pin, suite, root, full_upstream, stock_baseline,
+                           torch_spec, log)
+
+
+def _run_locked(
+    series: Series, pin: Pin, suite: str, root: Path, full_upstream: bool,
+    stock_baseline: bool, torch_spec: str | None, log: Callable[[str], None],
+) -> TestReport:
     out_dir = cache.cache_dir() / "runs" / pin.version
     if out_dir.exists():
         shutil.rmtree(out_dir)
