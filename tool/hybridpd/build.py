@@ -32,6 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 
 from . import gitops, guard, kernels
+from .errors import HybridpdError
 from . import proc as proc_mod
 from .cache import cache_dir
 from . import wheel_overlay as wo
@@ -84,7 +85,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class BuildError(Exception):
+class BuildError(HybridpdError):
     """A build step failed; the message is one line, fit for the user."""
 
 

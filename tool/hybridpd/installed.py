@@ -506,10 +506,7 @@ def _patched(
     with guard.entry(src, log):
         head = releasetree.prepare(series, pin, src, patched=True, log=log)
         patches = tuple(pid for pid, _ in patch_commits(src, pin))
-        try:
-            changes = build_mod.patch_changes(src, pin.tag, head, series.package)
-        except build_mod.BuildError as exc:
-            raise InstalledError(str(exc)) from None
+        changes = build_mod.patch_changes(src, pin.tag, head, series.package)
     return head, patches, changes
 
 
@@ -586,10 +583,7 @@ def _prove(target: Target, changes: list[wo.Change], package: str) -> None:
     env.setdefault("HF_HUB_OFFLINE", "1")
     if target.distribution.endswith("-cpu"):
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    try:
-        proof = build_mod.prove_overlay(target.python, changes, env, target.site, package)
-    except build_mod.BuildError as exc:
-        raise InstalledError(str(exc)) from None
+    proof = build_mod.prove_overlay(target.python, changes, env, target.site, package)
     wrong = [f["path"] for f in proof["files"] if not f["ok"]]
     if wrong:
         raise InstalledError(f"{target.python} does not import the patched {', '.join(wrong)}")

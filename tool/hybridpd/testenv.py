@@ -41,6 +41,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 
 from hybridpd import proc, progress
+from hybridpd.errors import HybridpdError
 
 #: Bump when the way an environment is built changes, so old environments are rebuilt.
 ENV_SCHEMA = 1
@@ -113,7 +114,7 @@ RELAXATIONS: tuple[Relaxation, ...] = (
 )
 
 
-class TestEnvError(RuntimeError):
+class TestEnvError(HybridpdError):
     """The environment could not be built."""
 
 
