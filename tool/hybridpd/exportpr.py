@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from hybridpd import gitops
 from hybridpd.apply import TRAILER
 from hybridpd.errors import HybridpdError
+from hybridpd.pytestrun import FINISHED, Counts
 from hybridpd.series import Patch, Pin, Series
 
 #: Where the upstream-style tests live: ``<pin>/<patch id>/tests/...``.
@@ -715,13 +716,8 @@ Runner = Callable[[Path, Sequence[str], str], SuiteLike]
 
 
 def _counts(outcomes: dict[str, str], files: Sequence[str]) -> dict[str, int]:
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    for test_id, outcome in outcomes.items():
-        if test_id.split("::", 1)[0] not in files:
-            continue
-        key = {"passed": "passed", "failed": "failed", "error": "errors"}.get(outcome, "skipped")
-        counts[key] += 1
-    return counts
+    return Counts.of(o for test_id, o in outcomes.items()
+                     if test_id.split("::", 1)[0] in files).to_json()
 
 
 def _run(
@@ -734,7 +730,7 @@ def _run(
         logs.mkdir(parents=True, exist_ok=True)
         log_name = f"{logs.name}/{label}.log"
         shutil.copyfile(result.log_path, logs / f"{label}.log")
-    if result.status in ("crashed", "timeout", "interrupted", "no-tests"):
+    if result.status not in FINISHED:
         raise ExportPrError(
             f"{label}: pytest did not finish ({result.status}): {result.reason}; log {log_name}"
         )

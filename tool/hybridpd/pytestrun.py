@@ -42,7 +42,7 @@ import re
 import shutil
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from hybridpd import proc, progress
@@ -52,6 +52,36 @@ EXIT_OK, EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO
 
 #: Statuses of a run, from best to worst.
 STATUSES = ("ok", "failures", "no-tests", "interrupted", "timeout", "crashed")
+
+
+#: The statuses of a run that went to its end: only these prove anything (a run that
+#: collected no tests proves nothing).
+FINISHED = ("ok", "failures")
+
+
+@dataclasses.dataclass
+class Counts:
+    """How many tests passed, failed, were skipped (xfailed and the like included) and
+    errored: the one count type of every suite result."""
+
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    errors: int = 0
+
+    _KEYS = {"passed": "passed", "failed": "failed", "error": "errors", "errors": "errors"}
+
+    @classmethod
+    def of(cls, outcomes: Iterable[str]) -> Counts:
+        counts = cls()
+        for outcome in outcomes:
+            key = cls._KEYS.get(outcome, "skipped")
+            setattr(counts, key, getattr(counts, key) + 1)
+        return counts
+
+    def to_json(self) -> dict[str, int]:
+        return {"passed": self.passed, "failed": self.failed,
+                "skipped": self.skipped, "errors": self.errors}
 
 
 @dataclasses.dataclass
@@ -81,23 +111,25 @@ class SuiteResult:
     command: list[str] = dataclasses.field(default_factory=list)
 
     @property
+    def finished(self) -> bool:
+        """Whether pytest ran to its end (:data:`FINISHED`)."""
+        return self.status in FINISHED
+
+    @property
     def failed_total(self) -> int:
-        """Failures for summaries: failed tests, errors, and 1 for a run that crashed."""
-        return self.failed + self.errors + (1 if self.status in ("crashed", "timeout", "interrupted") else 0)
+        """Failures for summaries: failed tests, errors, and 1 for a run that did not
+        finish."""
+        return self.failed + self.errors + (0 if self.finished else 1)
 
     def counts(self) -> dict[str, int]:
-        return {"passed": self.passed, "failed": self.failed,
-                "skipped": self.skipped, "errors": self.errors}
+        return Counts(self.passed, self.failed, self.skipped, self.errors).to_json()
 
     def per_file_counts(self) -> dict[str, dict[str, int]]:
         """Outcome counts per test file."""
-        out: dict[str, dict[str, int]] = {}
+        files: dict[str, list[str]] = {}
         for test_id, outcome in self.outcomes.items():
-            f = test_id.split("::", 1)[0]
-            c = out.setdefault(f, {"passed": 0, "failed": 0, "skipped": 0, "errors": 0})
-            key = {"error": "errors", "xfailed": "skipped"}.get(outcome, outcome)
-            c[key] += 1
-        return out
+            files.setdefault(test_id.split("::", 1)[0], []).append(outcome)
+        return {f: Counts.of(outcomes).to_json() for f, outcomes in files.items()}
 
 
 def _module_of(path: str) -> str:

@@ -37,7 +37,7 @@ from hybridpd import cache, gitops, guard, hfsnap, testenv, upstream
 from hybridpd.apply import apply, patch_commits
 from hybridpd.checkout import checkout
 from hybridpd.errors import HybridpdError
-from hybridpd.pytestrun import SuiteResult, parse_junit, run_pytest
+from hybridpd.pytestrun import Counts, SuiteResult, parse_junit, run_pytest
 from hybridpd.series import Pin, Series
 
 SUITES = ("patches", "upstream", "all")
@@ -46,18 +46,6 @@ PATCH_PROPERTY = "patch"
 
 class TestRunError(HybridpdError):
     """A suite could not run to the end (environment, crash, timeout)."""
-
-
-@dataclasses.dataclass
-class Counts:
-    """Outcomes of one patch's tests on one tree."""
-
-    passed: int = 0
-    failed: int = 0
-    skipped: int = 0
-
-    def to_json(self) -> dict[str, int]:
-        return {"passed": self.passed, "failed": self.failed, "skipped": self.skipped}
 
 
 @dataclasses.dataclass
@@ -204,12 +192,8 @@ def _case_outcomes(junit: Path) -> dict[str, str]:
 
 
 def _counts(outcomes: dict[str, str], tests: Sequence[str]) -> Counts:
-    counts = Counts()
-    for test in tests:
-        # A test missing from a run (its module failed to import) did not pass.
-        outcome = outcomes.get(test, "failed")
-        setattr(counts, outcome, getattr(counts, outcome) + 1)
-    return counts
+    # A test missing from a run (its module failed to import) did not pass.
+    return Counts.of(outcomes.get(test, "failed") for test in tests)
 
 
 def run_patch_suite(
@@ -233,7 +217,7 @@ def run_patch_suite(
             log=log,
         )
         junit = out_dir / f"{label}.junit.xml"
-        if result.status in ("crashed", "timeout", "interrupted") or not junit.is_file():
+        if not result.finished or not junit.is_file():
             raise TestRunError(
                 f"patch tests on {label} did not finish ({result.status}): "
                 f"{result.reason}; log {result.log_path}"
