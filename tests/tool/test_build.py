@@ -239,3 +239,12 @@ def test_cpu_plugin_wheel_registers_a_platform_plugin(tmp_path, monkeypatch):
     assert plugin.cpu_platform() == "vllm.platforms.cpu.CpuPlatform"
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
     assert plugin.cpu_platform() is None
+
+
+def test_patch_changes_refuses_a_submodule_in_one_line(checkout):
+    sha = checkout.head.commit.hexsha
+    checkout.git.update_index("--add", "--cacheinfo", f"160000,{sha},pkg/sub")
+    actor = git.Actor("test", "test@example.com")
+    checkout.index.commit("submodule", author=actor, committer=actor)
+    with pytest.raises(b.BuildError, match=r"pkg/sub: only regular files can be overlaid \(not a file\)"):
+        b.patch_changes(Path(checkout.working_tree_dir), "v1.0", package="pkg")

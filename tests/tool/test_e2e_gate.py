@@ -50,14 +50,29 @@ def test_the_recorded_command_reproduces_non_default_options() -> None:
         "--connector", "nixl+decodebench", "--compare", "stock", "--prefix-len", "2048",
         "--num-prompts", "64", "--concurrency", "8", "--server-arg", "--enforce-eager",
         "--no-decode-prefix-caching", "--out", "somewhere", "--json",
+        "--patched-venv", "/some/venv",
     ]
     ctx = e2e_command.make_context("e2e", list(args))
     argv = reproducing_argv(ctx)
     assert argv[:2] == ["hybridpd", "e2e"]
-    assert "--out" not in argv and "--json" not in argv
+    assert "--out" not in argv and "--json" not in argv and "--patched-venv" not in argv
     again = e2e_command.make_context("e2e", argv[2:])
-    same = {k: v for k, v in ctx.params.items() if k not in ("out_dir", "as_json")}
-    assert {k: v for k, v in again.params.items() if k not in ("out_dir", "as_json")} == same
+    skip = ("out_dir", "as_json", "patched_venv")
+    same = {k: v for k, v in ctx.params.items() if k not in skip}
+    assert {k: v for k, v in again.params.items() if k not in skip} == same
     assert "--no-decode-prefix-caching" in argv and "--server-arg" in argv
     assert shlex.split(shlex.join(argv)) == argv
     assert isinstance(ctx, click.Context)
+
+
+def test_an_explicit_series_is_part_of_the_recorded_command(tmp_path) -> None:
+    from hybridpd.cli import main
+    from hybridpd.e2e.command import e2e_command, reproducing_argv
+
+    series = tmp_path / "series.toml"
+    series.write_text("")
+    group = main.make_context("hybridpd", ["--series", str(series), "e2e", "--pin", "1.0"])
+    ctx = e2e_command.make_context("e2e", ["--pin", "1.0", "--tiny"], parent=group)
+    assert reproducing_argv(ctx) == [
+        "hybridpd", "--series", str(series), "e2e", "--pin", "1.0", "--tiny"
+    ]

@@ -94,3 +94,32 @@ def test_start_and_stop_end_the_whole_process_group(tmp_path: Path) -> None:
     else:
         raise AssertionError("the grandchild outlived stop()")
     assert log.read_text().startswith(f"$ {sys.executable} -c ")
+
+
+def test_stop_kills_a_member_that_ignores_sigterm_after_the_leader_exits(tmp_path: Path) -> None:
+    pidfile = tmp_path / "stubborn"
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    )
+    leader = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {stubborn!r}])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    child = proc.start([sys.executable, "-c", leader], tmp_path / "log")
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # let the member install its SIGTERM handler
+    proc.stop(child, grace=1)
+    assert proc.group_members(child.pid) == []
+
+
+def test_a_missing_working_directory_is_named(tmp_path: Path) -> None:
+    log = tmp_path / "step.log"
+    done = proc.run([sys.executable, "-c", "pass"], cwd=tmp_path / "gone", capture=False,
+                    log_file=log)
+    assert done.not_started and str(tmp_path / "gone") in done.tail()
+    assert str(tmp_path / "gone") in log.read_text()

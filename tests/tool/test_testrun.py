@@ -166,8 +166,11 @@ def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) 
         second = threading.Thread(target=lambda: results.append(
             testrun.run(series, "1.0", log=logs.append)))
         second.start()
-        time.sleep(0.5)
-        assert second.is_alive() and results == []
+        for _ in range(200):  # until it says it waits (no fixed sleep: CI may be loaded)
+            if logs:
+                break
+            time.sleep(0.05)
         assert logs == [f"waiting for another hybridpd process that is writing {root}"]
+        assert second.is_alive() and results == []
     second.join(10)
     assert results == ["ran"]

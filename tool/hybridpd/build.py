@@ -275,9 +275,10 @@ def patch_changes(
         if status == "D":
             changes.append(wo.Change("D", path))
             continue
-        mode = tree[path][0]
-        if mode not in (0o100644, 0o100755):
-            raise BuildError(f"{path}: only regular files can be overlaid (mode {mode:o})")
+        entry = tree.get(path)  # None: not a file (a submodule)
+        if entry is None or entry[0] not in (0o100644, 0o100755):
+            mode = f"mode {entry[0]:o}" if entry else "not a file"
+            raise BuildError(f"{path}: only regular files can be overlaid ({mode})")
         data = gitops.read_blob(repo, head, path)
         changes.append(wo.Change("A" if status == "A" else "M", path, data))
     return changes

@@ -26,6 +26,13 @@ class HybridpdError(Exception):
         return self.message
 
 
+class Interrupted(HybridpdError):
+    """Ctrl-C or SIGTERM stopped the operation, after its own cleanup (exit 130:
+    128 + SIGINT, as shells report it)."""
+
+    exit_code = 130
+
+
 class GitError(HybridpdError):
     """A git command failed in a way the caller did not anticipate."""
 

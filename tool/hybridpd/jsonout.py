@@ -5,7 +5,7 @@ On success the document is the command's own (see each command). On failure, unl
 the command already printed its document (``check`` and ``port`` describe their
 failures themselves), it is ``{"ok": false, "error": "<the one-line message>"}``; the
 message also goes to stderr as ``Error: ...`` and the exit code stays 1 (a failed
-operation) or 2 (bad usage).
+operation), 2 (bad usage) or 130 (interrupted).
 
 Commands declare the flag with :func:`flag`, print with :func:`emit`, and the
 command group (:class:`JsonGroup`) writes the failure document.
@@ -20,10 +20,7 @@ from typing import Any
 
 import click
 
-from hybridpd.errors import HybridpdError, LocalFileError
-
-#: Exit code of a command stopped by Ctrl-C or SIGTERM (128 + SIGINT, as shells say).
-INTERRUPTED = 130
+from hybridpd.errors import HybridpdError, Interrupted, LocalFileError
 
 _META = "hybridpd.json"
 
@@ -71,8 +68,8 @@ class JsonGroup(click.Group):
     its exit code; an ``OSError`` that reaches it is a local file system error (network
     errors are :class:`~hybridpd.errors.PackageIndexError` by then), reported in one
     line like any other failure, not as a traceback; Ctrl-C or SIGTERM (which the CLI
-    turns into KeyboardInterrupt) exits with :data:`INTERRUPTED` once the command's
-    own cleanup has run.
+    turns into KeyboardInterrupt) is :class:`~hybridpd.errors.Interrupted` (exit 130)
+    once the command's own cleanup has run.
     """
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -89,16 +86,10 @@ class JsonGroup(click.Group):
             except HybridpdError as exc:
                 raise _Failed(exc) from exc
             except KeyboardInterrupt:
-                raise _Failed(_Interrupted()) from None
+                raise _Failed(Interrupted("interrupted")) from None
         except click.ClickException as exc:
             doc = failure_document(ctx, exc)
             if doc is not None:
                 click.echo(json.dumps(doc))
             raise
 
-
-class _Interrupted(HybridpdError):
-    exit_code = INTERRUPTED
-
-    def __init__(self) -> None:
-        super().__init__("interrupted")

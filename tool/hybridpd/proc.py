@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,6 @@ DROPPED = (
     "GIT_INDEX_FILE",
     "GIT_OBJECT_DIRECTORY",
     "GIT_ALTERNATE_OBJECT_DIRECTORIES",
-    "GIT_CEILING_DIRECTORIES",
 )
 
 #: Exit code of a program that could not be started (as a shell reports it).
@@ -131,8 +131,12 @@ def run(
     except subprocess.TimeoutExpired as exc:
         completed = Completed(args, None, _text(exc.stdout), _text(exc.stderr), timed_out=True)
     except OSError as exc:
-        completed = Completed(args, NOT_STARTED, "", f"cannot run {args[0]}: {exc.strerror or exc}",
-                              not_started=True)
+        # The missing file may be the program or the working directory: name it.
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != args[0] else ""
+        why = f"cannot run {args[0]}: {exc.strerror or exc}{where}"
+        if fh is not None:
+            fh.write(why + "\n")
+        completed = Completed(args, NOT_STARTED, "", why, not_started=True)
     finally:
         if fh is not None:
             fh.close()
@@ -196,14 +200,49 @@ def wait(proc: subprocess.Popen, timeout: float | None) -> int | None:
         return None
 
 
-def stop(proc: subprocess.Popen, grace: float = 5.0) -> int:
-    """Stop ``proc``'s process group (SIGTERM, SIGKILL after ``grace`` s); its exit code."""
-    for sig, limit in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+def group_members(pgid: int) -> list[int]:
+    """Live pids whose process group is ``pgid`` (read from /proc; empty elsewhere).
+
+    Zombies do not count: they run nothing, and an orphan's zombie is its new
+    parent's to reap (in a container whose pid 1 never reaps, they stay listed).
+    """
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        code = wait(proc, limit)
-        if code is not None:
-            return code
-    return proc.wait()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid`` (gone or not ours: nothing to do)."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(proc: subprocess.Popen, grace: float = 5.0) -> int:
+    """Stop ``proc``'s whole process group: SIGTERM, then SIGKILL to whatever is left of
+    the group (the leader or any member) after ``grace`` s; reap ``proc``; its code.
+
+    A member that outlives the leader is waited for too: a child ignoring SIGTERM is
+    killed, not left behind.
+    """
+    pgid = proc.pid
+    signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and (proc.poll() is None or group_members(pgid)):
+        time.sleep(0.05)
+    if proc.poll() is None or group_members(pgid):
+        signal_group(pgid, signal.SIGKILL)
+    code = proc.wait()
+    settle = time.monotonic() + 5  # SIGKILL is asynchronous
+    while group_members(pgid) and time.monotonic() < settle:
+        time.sleep(0.05)
+    return code

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from hybridpd import cache, jsonout, proc, progress
-from hybridpd.errors import CheckFailed
+from hybridpd.errors import CheckFailed, Interrupted
 
 from . import report as report_mod
 from . import scenarios as sc
@@ -26,9 +26,10 @@ from .tinymodel import ARCHITECTURES, spec_id
 DEVICES = ("cpu", "cuda")
 
 
-#: Options that say where output goes, not what is measured: left out of a report's
-#: command.
-_NOT_REPRODUCED = ("out_dir", "as_json")
+#: Options left out of a report's command: where output goes, and venvs given instead of
+#: builds (a local path, and re-running with it would measure the same old venv; the
+#: command rebuilds from the series instead). The report's ``options`` keeps them all.
+_NOT_REPRODUCED = ("out_dir", "as_json", "patched_venv", "stock_venv")
 
 
 def reproducing_argv(ctx: click.Context) -> list[str]:
@@ -36,7 +37,13 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
     from the environment), so a report records the command that reproduces it."""
     from click.core import ParameterSource
 
-    argv = ["hybridpd", "e2e"]
+    argv = ["hybridpd"]
+    parent = ctx.parent
+    if parent is not None and parent.params.get("series_path") is not None and (
+        parent.get_parameter_source("series_path") == ParameterSource.COMMANDLINE
+    ):
+        argv += ["--series", str(Path(parent.params["series_path"]).absolute())]
+    argv.append("e2e")
     for param in ctx.command.params:
         if not isinstance(param, click.Option) or param.name in _NOT_REPRODUCED:
             continue
@@ -248,6 +255,8 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
 
     report = {
         "command": reproducing_argv(click.get_current_context()),
+        "options": {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+                    for k, v in click.get_current_context().params.items()},
         "pin": pin.version,
         "device": device,
         "model": model,
@@ -317,7 +326,7 @@ def e2e_command(state, version, device, model, tiny, tiny_arch, connectors, role
                                        "outputs_match_baseline": None})
                 report_mod.write(report, out_dir, None)
                 if isinstance(exc, KeyboardInterrupt):
-                    raise E2EError(f"interrupted; logs kept in {run_dir}") from None
+                    raise Interrupted(f"interrupted; logs kept in {run_dir}") from None
                 raise E2EError(f"{build} / {connector}: {exc}") from None
             run = {"build": build, "connector": connector, **result,
                    "ready_s": pair.ready_s, "scenario_s": round(t2 - t1, 1),

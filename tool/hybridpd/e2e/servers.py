@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from hybridpd import proc as proc_mod
+from hybridpd.proc import group_members
+from hybridpd.proc import signal_group as _signal_group
 from hybridpd.errors import HybridpdError
 
 if TYPE_CHECKING:
@@ -142,25 +144,6 @@ def log_tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live pids whose process group is ``pgid`` (read from /proc; empty elsewhere).
-
-    Zombies do not count: they run nothing, and an orphan's zombie is its new
-    parent's to reap (in a container whose pid 1 never reaps, they stay listed).
-    """
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            pids.append(int(entry.name))
-    return pids
 
 
 @dataclass
@@ -392,13 +375,6 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _exit_reason(code: int) -> str:
