@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridpd.e2e.command import _failures
+from hybridpd.e2e.run import _failures
 
 
 def _run(build: str, connector: str, hit: bool) -> dict:
@@ -76,3 +76,19 @@ def test_an_explicit_series_is_part_of_the_recorded_command(tmp_path) -> None:
     assert reproducing_argv(ctx) == [
         "hybridpd", "--series", str(series), "e2e", "--pin", "1.0", "--tiny"
     ]
+
+
+def test_e2e_options_have_the_cli_names_and_defaults() -> None:
+    import dataclasses
+
+    from hybridpd.e2e.command import e2e_command
+    from hybridpd.e2e.run import E2EOptions
+
+    ctx = e2e_command.make_context("e2e", ["--pin", "0.32.0", "--tiny"])
+    params = {k: v for k, v in ctx.params.items() if k != "as_json"}
+    options = E2EOptions(**params)
+    fields = {f.name for f in dataclasses.fields(E2EOptions)}
+    assert fields == set(params)
+    # Every default the dataclass declares is the CLI's (a script gets what the CLI gets).
+    defaults = E2EOptions(version="0.32.0", tiny=True)
+    assert {f: getattr(defaults, f) for f in fields} == {f: getattr(options, f) for f in fields}
