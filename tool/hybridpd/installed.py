@@ -444,7 +444,8 @@ def apply(
     with _locked(target):
         result = Result(target, "applied", pin.version)
         result.recovered = _recover(target)
-        head, result.patches, changes = _patched(series, pin, src or checkout_dir(pin.version), log)
+        src = src or checkout_dir(pin.version)
+        head, result.patches, changes = _patched(series, pin, src, log)
         result.head = head
 
         manifest = _read_manifest(target)
@@ -463,7 +464,7 @@ def apply(
             log(f"replacing the series applied earlier ({str(manifest.get('head'))[:12]})")
             _undo(target, "apply --installed")
 
-        verify = _verify(target, src or checkout_dir(pin.version), pin.tag, series.package)
+        verify = _verify(target, src, pin.tag, series.package)
         if not verify.ok:
             raise InstalledError(f"{verify.summary()}; {_reinstall(target)}")
         log(verify.summary())
