@@ -72,13 +72,13 @@ def make_wheel(path: Path, files: dict[str, bytes], name="pkg", version="1.0") -
 
 
 def test_stock_blobs_reads_the_tagged_tree(checkout):
-    blobs = b.stock_blobs(checkout, "v1.0", "pkg")
+    blobs = b.stock_blobs(Path(checkout.working_tree_dir), "v1.0", "pkg")
     assert set(blobs) == {"pkg/__init__.py", "pkg/core.py", "pkg/gone.py", "pkg/data/table.json"}
     assert blobs["pkg/core.py"] == wo.git_blob_id(STOCK["pkg/core.py"])
 
 
 def test_patch_changes_lists_added_modified_deleted(checkout):
-    changes = {c.path: c for c in b.patch_changes(checkout, "v1.0", package="pkg")}
+    changes = {c.path: c for c in b.patch_changes(Path(checkout.working_tree_dir), "v1.0", package="pkg")}
     assert set(changes) == {"pkg/core.py", "pkg/added.py", "pkg/gone.py"}  # not tests/
     assert changes["pkg/core.py"].status == "M"
     assert changes["pkg/core.py"].data == b"def f():\n    return 2  # patched\n"
@@ -89,7 +89,7 @@ def test_patch_changes_lists_added_modified_deleted(checkout):
 def test_patch_changes_refuses_compiled_sources(checkout):
     commit(checkout, {"csrc/kernel.cpp": b"int main() { return 1; }\n"}, "native patch")
     with pytest.raises(b.BuildError, match="csrc/kernel.cpp"):
-        b.patch_changes(checkout, "v1.0", package="pkg")
+        b.patch_changes(Path(checkout.working_tree_dir), "v1.0", package="pkg")
 
 
 def test_verify_release_wheel_against_stock_ref(checkout, tmp_path):
@@ -118,11 +118,11 @@ def test_overlay_from_checkout_then_new_head(checkout, tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
         dist_info = site / wo.find_dist_info(zf)
-        wo.apply_overlay(site, dist_info, zf, b.patch_changes(checkout, "v1.0", package="pkg"), {})
+        wo.apply_overlay(site, dist_info, zf, b.patch_changes(Path(checkout.working_tree_dir), "v1.0", package="pkg"), {})
         assert (site / "pkg/added.py").exists() and not (site / "pkg/gone.py").exists()
         # New HEAD: the patch no longer deletes gone.py nor adds added.py.
         commit(checkout, {"pkg/gone.py": STOCK["pkg/gone.py"], "pkg/added.py": None}, "rework")
-        changes = b.patch_changes(checkout, "v1.0", package="pkg")
+        changes = b.patch_changes(Path(checkout.working_tree_dir), "v1.0", package="pkg")
         assert [c.path for c in changes] == ["pkg/core.py"]
         wo.apply_overlay(site, dist_info, zf, changes, {})
     assert (site / "pkg/gone.py").read_bytes() == STOCK["pkg/gone.py"]
@@ -239,3 +239,12 @@ def test_cpu_plugin_wheel_registers_a_platform_plugin(tmp_path, monkeypatch):
     assert plugin.cpu_platform() == "vllm.platforms.cpu.CpuPlatform"
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
     assert plugin.cpu_platform() is None
+
+
+def test_patch_changes_refuses_a_submodule_in_one_line(checkout):
+    sha = checkout.head.commit.hexsha
+    checkout.git.update_index("--add", "--cacheinfo", f"160000,{sha},pkg/sub")
+    actor = git.Actor("test", "test@example.com")
+    checkout.index.commit("submodule", author=actor, committer=actor)
+    with pytest.raises(b.BuildError, match=r"pkg/sub: only regular files can be overlaid \(not a file\)"):
+        b.patch_changes(Path(checkout.working_tree_dir), "v1.0", package="pkg")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from builders import Project
 from click.testing import CliRunner
-from hybridpd import doctor, kernels, pkgindex
+from hybridpd import doctor, kernels, pkgindex, proc
 from hybridpd.cli import main
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -167,10 +167,10 @@ def test_gpus_reads_name_and_driver(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def run(cmd, **kw):
         assert cmd[1:] == ["--query-gpu=name,driver_version", "--format=csv,noheader"]
-        return subprocess.CompletedProcess(cmd, 0, "NVIDIA H100, 550.54\nNVIDIA H100, 550.54\n", "")
+        return proc.Completed(tuple(cmd), 0, "NVIDIA H100, 550.54\nNVIDIA H100, 550.54\n", "")
 
     assert doctor.gpus(run) == ["NVIDIA H100, 550.54", "NVIDIA H100, 550.54"]
-    failed = lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9, "", "no driver")  # noqa: E731
+    failed = lambda cmd, **kw: proc.Completed(tuple(cmd), 9, "", "no driver")  # noqa: E731
     assert doctor.gpus(failed) == []
     monkeypatch.setattr(doctor.shutil, "which", lambda name: None)
     assert doctor.gpus(run) == []

@@ -6,7 +6,7 @@ import pytest
 
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e import scenarios as sc
-from hybridpd.e2e.command import _failures
+from hybridpd.e2e.run import _failures
 
 OPTS = sc.CorrectnessOptions(block_size=128, prefix_blocks=4, max_tokens=16, concurrent=3)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridpd.e2e.command import _failures
+from hybridpd.e2e.run import _failures
 
 
 def _run(build: str, connector: str, hit: bool) -> dict:
@@ -35,3 +35,60 @@ def test_stock_expectations_only_where_upstream_has_the_gate() -> None:
     # v0.20.2 has no per-group path: stock NIXL alone loses the hit too.
     assert _failures(_run("stock", "nixl", False), "smoke", True, "0.20.2") == []
     assert _failures(_run("stock", "nixl", False), "smoke", False, "0.32.0") == []
+
+
+def test_the_recorded_command_reproduces_non_default_options() -> None:
+    import shlex
+
+    import click
+
+    from hybridpd.e2e.command import e2e_command, reproducing_argv
+
+    args = [
+        "--pin", "0.32.0", "--tiny", "--scenario", "prefix-repetition",
+        "--role", "kv_producer/kv_consumer", "--connector", "nixl",
+        "--connector", "nixl+decodebench", "--compare", "stock", "--prefix-len", "2048",
+        "--num-prompts", "64", "--concurrency", "8", "--server-arg", "--enforce-eager",
+        "--no-decode-prefix-caching", "--out", "somewhere", "--json",
+        "--patched-venv", "/some/venv",
+    ]
+    ctx = e2e_command.make_context("e2e", list(args))
+    argv = reproducing_argv(ctx)
+    assert argv[:2] == ["hybridpd", "e2e"]
+    assert "--out" not in argv and "--json" not in argv and "--patched-venv" not in argv
+    again = e2e_command.make_context("e2e", argv[2:])
+    skip = ("out_dir", "as_json", "patched_venv")
+    same = {k: v for k, v in ctx.params.items() if k not in skip}
+    assert {k: v for k, v in again.params.items() if k not in skip} == same
+    assert "--no-decode-prefix-caching" in argv and "--server-arg" in argv
+    assert shlex.split(shlex.join(argv)) == argv
+    assert isinstance(ctx, click.Context)
+
+
+def test_an_explicit_series_is_part_of_the_recorded_command(tmp_path) -> None:
+    from hybridpd.cli import main
+    from hybridpd.e2e.command import e2e_command, reproducing_argv
+
+    series = tmp_path / "series.toml"
+    series.write_text("")
+    group = main.make_context("hybridpd", ["--series", str(series), "e2e", "--pin", "1.0"])
+    ctx = e2e_command.make_context("e2e", ["--pin", "1.0", "--tiny"], parent=group)
+    assert reproducing_argv(ctx) == [
+        "hybridpd", "--series", str(series), "e2e", "--pin", "1.0", "--tiny"
+    ]
+
+
+def test_e2e_options_have_the_cli_names_and_defaults() -> None:
+    import dataclasses
+
+    from hybridpd.e2e.command import e2e_command
+    from hybridpd.e2e.run import E2EOptions
+
+    ctx = e2e_command.make_context("e2e", ["--pin", "0.32.0", "--tiny"])
+    params = {k: v for k, v in ctx.params.items() if k != "as_json"}
+    options = E2EOptions(**params)
+    fields = {f.name for f in dataclasses.fields(E2EOptions)}
+    assert fields == set(params)
+    # Every default the dataclass declares is the CLI's (a script gets what the CLI gets).
+    defaults = E2EOptions(version="0.32.0", tiny=True)
+    assert {f: getattr(defaults, f) for f in fields} == {f: getattr(options, f) for f in fields}

@@ -10,6 +10,7 @@ when the tree's file contains the text.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -67,8 +68,9 @@ def _project(root: Path, with_git: bool = True) -> tuple[Project, Path]:
     return project, material
 
 
-def _commit_report(repo: Path, date: str, pin: str = "1.0") -> None:
+def _commit_report(repo: Path, date: str, pin: str = "1.0", command=None) -> None:
     report = {
+        **({"command": command} if command else {}),
         "pin": pin,
         "device": "cpu",
         "model": "/cache/e2e/models/hybridpd-tiny-qwen3_5",
@@ -206,8 +208,21 @@ def test_fresh_report_numbers_and_command(tmp_path):
     assert "1 280" in pr and "40" in pr  # ON hit, ON TTFT
     assert "hybridpd e2e --pin 1.0 --device cpu --tiny --scenario smoke" in pr
     assert "--compare stock" in pr
+    assert "# rebuilt: the report does not record its command" in pr
     assert result.warnings == []
     assert "Warning" not in pr
+
+
+def test_pr_cites_the_command_the_report_recorded(tmp_path):
+    project, material = _project(tmp_path)
+    command = ["hybridpd", "e2e", "--pin", "1.0", "--tiny", "--scenario", "smoke",
+               "--role", "kv_producer/kv_consumer", "--server-arg", "--enforce-eager",
+               "--gpus", "2,3"]
+    _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z", command=command)
+    _export(project, material, ["fix-add"], tmp_path)
+    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "\n" + shlex.join(command) + "\n" in pr
+    assert "rebuilt" not in pr
 
 
 def test_stale_numbers_warn(tmp_path):

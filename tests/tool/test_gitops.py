@@ -65,3 +65,44 @@ def test_am_then_reverse_applies(tmp_path: Path) -> None:
     assert gitops.reverse_applies(repo, patch)
     assert gitops.commits(repo, f"{base}..HEAD")[0].subject == "[Tag] change"
     assert gitops.patch_files(repo, patch) == ["a.txt"]
+
+
+def test_worktree_is_removed_whatever_the_body_does(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"a.txt": "one\n"})
+    first = gitops.head(repo)
+    (repo / "a.txt").write_text("two\n")
+    gitops.commit_all(repo, "two")
+    tree = tmp_path / "wt"
+    with pytest.raises(RuntimeError):
+        with gitops.worktree(repo, first, tree):
+            assert (tree / "a.txt").read_text() == "one\n"
+            raise RuntimeError("body failed")
+    assert not tree.exists()
+    assert "wt" not in gitops.run(repo, "worktree", "list").stdout
+
+
+def test_named_reads(tmp_path: Path) -> None:
+    (tmp_path / "repo" / "pkg").mkdir(parents=True)
+    (tmp_path / "repo" / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "repo" / "pkg" / "b.py").write_text("y = 1\n")
+    gitops.init(tmp_path / "repo", "main")
+    gitops.commit_all(tmp_path / "repo", "base")
+    repo = tmp_path / "repo"
+    base = gitops.head(repo)
+    (repo / "pkg" / "a.py").write_text("x = 2\n")
+    (repo / "pkg" / "b.py").unlink()
+    (repo / "pkg" / "c.py").write_text("z = 1\n")
+    new = gitops.commit_all(repo, "change\n\nbody\n")
+    assert gitops.changed_files(repo, base, new, "pkg") == [
+        ("M", "pkg/a.py"), ("D", "pkg/b.py"), ("A", "pkg/c.py")
+    ]
+    assert gitops.read_blob(repo, base, "pkg/a.py") == b"x = 1\n"
+    assert set(gitops.tree_files(repo, new, "pkg")) == {"pkg/a.py", "pkg/c.py"}
+    assert gitops.tree_files(repo, new, "pkg")["pkg/a.py"][0] == 0o100644
+    assert sorted(gitops.files_of(repo, new)) == ["pkg/a.py", "pkg/b.py", "pkg/c.py"]
+    assert gitops.message(repo).startswith("change\n\nbody")
+    assert gitops.tree_id(repo, new) != gitops.tree_id(repo, base)
+    assert not gitops.has_tracked_changes(repo, "pkg")
+    (repo / "pkg" / "a.py").write_text("x = 3\n")
+    assert gitops.has_tracked_changes(repo, "pkg") and gitops.has_changes(repo, "pkg/a.py")
+    assert gitops.is_tracked(repo, "pkg/a.py") and not gitops.is_tracked(repo, "pkg/zz.py")

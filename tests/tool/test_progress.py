@@ -68,3 +68,28 @@ def test_pip_is_quiet_when_its_output_goes_to_a_log() -> None:
     ]
     assert pip_args(["install", "-r", "reqs.txt"], tty=True) == ["install", "-r", "reqs.txt"]
     assert pip_args(["index", "versions", "torch"], tty=False) == ["index", "versions", "torch"]
+
+
+def test_bar_rewrites_a_line_on_a_terminal_and_says_the_size_once_in_a_log() -> None:
+    out = Terminal()
+    with progress.bar("downloading x.tar.gz", 2_000_000, stream=out) as advance:
+        advance(1_000_000)
+        advance(1_000_000)
+    assert out.getvalue() == (
+        progress.CLEAR + "downloading x.tar.gz   50% (1.0/2.0 MB)"
+        + progress.CLEAR + "downloading x.tar.gz  100% (2.0/2.0 MB)\n"
+    )
+    log = io.StringIO()
+    with progress.bar("downloading x.tar.gz", 2_000_000, stream=log) as advance:
+        advance(2_000_000)
+    assert log.getvalue() == "downloading x.tar.gz (2.0 MB)\n"
+
+
+def test_the_library_does_not_import_click() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridpd.install, hybridpd.installed, hybridpd.testrun, "
+            "hybridpd.port, hybridpd.exportpr, hybridpd.doctor; print('click' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr

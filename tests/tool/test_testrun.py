@@ -147,3 +147,30 @@ def test_a_baseline_is_used_only_when_it_covers_the_files(monkeypatch, tmp_path:
     assert not testrun._baseline_covers("9.9.9", ["a.py", "c.py"])
     baseline.unlink()
     assert not testrun._baseline_covers("9.9.9", ["a.py"])
+
+
+def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) -> None:
+    import threading
+    import time
+
+    from builders import standard_project
+    from hybridpd import cache, guard, testrun
+
+    _, series = standard_project(tmp_path)
+    monkeypatch.setattr(testrun, "_run_locked", lambda *args: "ran")
+    root = cache.cache_dir() / "trees" / "1.0"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    logs: list[str] = []
+    results: list[str] = []
+    with guard.entry(root, print):  # a first `hybridpd test --pin 1.0` is running
+        second = threading.Thread(target=lambda: results.append(
+            testrun.run(series, "1.0", log=logs.append)))
+        second.start()
+        for _ in range(200):  # until it says it waits (no fixed sleep: CI may be loaded)
+            if logs:
+                break
+            time.sleep(0.05)
+        assert logs == [f"waiting for another hybridpd process that is writing {root}"]
+        assert second.is_alive() and results == []
+    second.join(10)
+    assert results == ["ran"]

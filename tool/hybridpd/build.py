@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import zipfile
@@ -31,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-import git
 
-from . import guard, kernels
+from . import gitops, guard, kernels
+from .errors import HybridpdError
+from . import proc as proc_mod
 from .cache import cache_dir
 from . import wheel_overlay as wo
 
@@ -85,7 +85,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class BuildError(Exception):
+class BuildError(HybridpdError):
     """A build step failed; the message is one line, fit for the user."""
 
 
@@ -147,20 +147,9 @@ class BuildResult:
 # --------------------------------------------------------------------------- processes
 
 
-def _run(cmd: Sequence[str | Path], *, capture: bool = False, **kw) -> subprocess.CompletedProcess:
-    """Run ``cmd``; without ``capture`` its output goes to the terminal (pip's progress)."""
-    return subprocess.run(
-        [str(c) for c in cmd],
-        check=False,
-        text=True,
-        stdout=subprocess.PIPE if capture else None,
-        stderr=subprocess.PIPE if capture else None,
-        **kw,
-    )
-
-
-def _pip(py: Path, *args: str | Path, capture: bool = False) -> subprocess.CompletedProcess:
-    return _run([py, "-m", "pip", *pip_args(args, sys.stdout.isatty())], capture=capture)
+def _pip(py: Path, *args: str | Path, capture: bool = False) -> proc_mod.Completed:
+    """pip of the venv of ``py``; without ``capture`` its output goes to the terminal."""
+    return proc_mod.run([py, "-m", "pip", *pip_args(args, sys.stdout.isatty())], capture=capture)
 
 
 def pip_args(args: Sequence[str | Path], tty: bool) -> list[str | Path]:
@@ -179,14 +168,14 @@ def ensure_venv(venv: Path, python: str | None, log: Log) -> Path:
         return py
     base = python or sys.executable
     log(f"creating virtualenv {venv} ({base})")
-    proc = _run([base, "-m", "venv", venv], capture=True)
+    proc = proc_mod.run([base, "-m", "venv", venv], capture=True)
     if proc.returncode != 0 or not py.exists():
         raise BuildError(f"could not create {venv}: {(proc.stderr or '').strip()[-300:]}")
     return py
 
 
 def _venv_paths(py: Path) -> dict:
-    proc = _run(
+    proc = proc_mod.run(
         [py, "-c", "import json, sysconfig; print(json.dumps(sysconfig.get_paths()))"],
         capture=True,
     )
@@ -244,20 +233,9 @@ def _download_wheel_locked(py: Path, distribution: str, version: str, dest: Path
 # --------------------------------------------------------------------------- git side
 
 
-def stock_blobs(repo: git.Repo, ref: str, package: str = PACKAGE) -> dict[str, str]:
+def stock_blobs(repo: Path, ref: str, package: str = PACKAGE) -> dict[str, str]:
     """``path -> git blob id`` of every file under ``package/`` at ``ref`` (one ls-tree)."""
-    out = repo.git.ls_tree("-r", "-z", "--full-tree", ref, "--", package)
-    blobs = {}
-    for entry in filter(None, out.split("\0")):
-        meta, path = entry.split("\t", 1)
-        mode, kind, sha = meta.split()
-        if kind == "blob":
-            blobs[path] = sha
-    return blobs
-
-
-def _read_blob(repo: git.Repo, ref: str, path: str) -> bytes:
-    return (repo.commit(ref).tree / path).data_stream.read()
+    return {path: sha for path, (_mode, sha) in gitops.tree_files(repo, ref, package).items()}
 
 
 def verify_release_wheel(
@@ -270,11 +248,10 @@ def verify_release_wheel(
     package: str = PACKAGE,
 ) -> wo.VerifyResult:
     """Compare ``wheel``'s Python files with the checkout's ``stock_ref`` tree."""
-    repo = git.Repo(checkout)
-    blobs = stock_blobs(repo, stock_ref, package)
+    blobs = stock_blobs(checkout, stock_ref, package)
     with zipfile.ZipFile(wheel) as zf:
         res = wo.verify_wheel(
-            zf, blobs, lambda p: _read_blob(repo, stock_ref, p),
+            zf, blobs, lambda p: gitops.read_blob(checkout, stock_ref, p),
             package=package, distribution=distribution, version=version,
         )
     if report is not None:
@@ -283,28 +260,27 @@ def verify_release_wheel(
 
 
 def patch_changes(
-    repo: git.Repo, stock_ref: str, head: str = "HEAD", package: str = PACKAGE
+    repo: Path, stock_ref: str, head: str = "HEAD", package: str = PACKAGE
 ) -> list[wo.Change]:
     """The files under ``package/`` that ``stock_ref..head`` adds, modifies or deletes."""
-    native = repo.git.diff("--name-only", stock_ref, head, "--", *NATIVE_PATHS).split()
+    native = [path for _status, path in gitops.changed_files(repo, stock_ref, head, *NATIVE_PATHS)]
     if native:
         raise BuildError(
             f"the patches change compiled sources ({', '.join(native[:3])}"
             f"{', …' if len(native) > 3 else ''}); the release wheel's binaries cannot be reused"
         )
-    out = repo.git.diff("--name-status", "-z", "--no-renames", stock_ref, head, "--", package)
-    fields = [f for f in out.split("\0") if f]
-    tree = repo.commit(head).tree
+    tree = gitops.tree_files(repo, head, package)
     changes = []
-    for status, path in zip(fields[0::2], fields[1::2]):
-        status = status[0]
+    for status, path in gitops.changed_files(repo, stock_ref, head, package):
         if status == "D":
             changes.append(wo.Change("D", path))
             continue
-        blob = tree / path
-        if blob.mode not in (0o100644, 0o100755):
-            raise BuildError(f"{path}: only regular files can be overlaid (mode {blob.mode:o})")
-        changes.append(wo.Change("A" if status == "A" else "M", path, blob.data_stream.read()))
+        entry = tree.get(path)  # None: not a file (a submodule)
+        if entry is None or entry[0] not in (0o100644, 0o100755):
+            mode = f"mode {entry[0]:o}" if entry else "not a file"
+            raise BuildError(f"{path}: only regular files can be overlaid ({mode})")
+        data = gitops.read_blob(repo, head, path)
+        changes.append(wo.Change("A" if status == "A" else "M", path, data))
     return changes
 
 
@@ -330,7 +306,7 @@ print(json.dumps(out))
 
 def wheel_requirements(py: Path, wheel: Path) -> list[dict]:
     """The wheel's Requires-Dist whose markers hold for the venv's interpreter."""
-    proc = _run([py, "-c", _REQS_SCRIPT, wheel], capture=True)
+    proc = proc_mod.run([py, "-c", _REQS_SCRIPT, wheel], capture=True)
     if proc.returncode != 0:
         raise BuildError(f"could not read the requirements of {wheel.name}: {proc.stderr[-300:]}")
     return json.loads(proc.stdout)
@@ -476,7 +452,7 @@ def prove_overlay(
         {"path": c.path, "sha256": hashlib.sha256(c.data).hexdigest() if c.data is not None else None}
         for c in changes
     ]
-    proc = _run(
+    proc = proc_mod.run(
         [py, "-c", _PROOF_SCRIPT, json.dumps(expected), package],
         capture=True, env=dict(env), cwd=cwd,
     )
@@ -496,7 +472,6 @@ def link_extensions(
     like ``VLLM_USE_PRECOMPILED=1`` in an editable install, the compiled ops must then sit
     in the source tree. Only paths git ignores are touched, so the tree stays clean.
     """
-    repo = git.Repo(checkout)
     linked = []
     for name in wheel.namelist():
         if not name.startswith(package + "/") or not re.search(r"\.so(\.|$)", name):
@@ -505,9 +480,7 @@ def link_extensions(
         if target.exists() and not target.is_symlink():
             log(f"keeping {name} already in the checkout")
             continue
-        try:
-            repo.git.check_ignore("-q", name)
-        except git.GitCommandError:
+        if not gitops.is_ignored(checkout, name):
             log(f"not linking {name}: git does not ignore it in the checkout")
             continue
         if target.is_symlink():
@@ -588,17 +561,14 @@ def build(
         warnings.append(msg)
         log(f"warning: {msg}")
 
-    try:
-        repo = git.Repo(checkout)
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        raise BuildError(f"{checkout} is not a git checkout") from None
-    try:
-        stock_commit = repo.commit(stock_ref).hexsha
-        head = repo.head.commit.hexsha
-    except (git.BadName, ValueError):
-        raise BuildError(f"{checkout} has no commit {stock_ref!r}") from None
-    changes = patch_changes(repo, stock_ref)
-    if repo.is_dirty(path=PACKAGE):
+    if not checkout.is_dir() or not gitops.is_repo(checkout):
+        raise BuildError(f"{checkout} is not a git checkout")
+    stock_commit = gitops.resolve(checkout, stock_ref)
+    head = gitops.resolve(checkout, "HEAD")
+    if stock_commit is None or head is None:
+        raise BuildError(f"{checkout} has no commit {stock_ref!r}")
+    changes = patch_changes(checkout, stock_ref)
+    if gitops.has_tracked_changes(checkout, PACKAGE):
         warn(
             "uncommitted changes under vllm/ are not installed (the overlay is taken from"
             " HEAD), though PYTHONPATH=DIR picks them up"
@@ -711,7 +681,7 @@ def build(
     if not ops.ok:
         warn(f"vllm imports, but its compiled ops ({ops.module}) do not load: {ops.status}")
     # The test route imports the checkout's vllm/ instead: it must find the same platform.
-    proc = _run([py, "-c", _PLATFORM_SCRIPT], capture=True, cwd=venv,
+    proc = proc_mod.run([py, "-c", _PLATFORM_SCRIPT], capture=True, cwd=venv,
                 env={**env, "PYTHONPATH": str(checkout)})
     lines = (proc.stdout or "").strip().splitlines()
     proof["pythonpath_platform"] = lines[-1] if proc.returncode == 0 and lines else None

@@ -12,9 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-import click
-
-from hybridpd import guard, pkgindex
+from hybridpd import guard, pkgindex, progress
 from hybridpd.errors import ChecksumError, LocalFileError
 
 CACHE_ENV = "HYBRIDPD_CACHE"
@@ -45,7 +43,7 @@ def sdist(package: str, filename: str, sha256: str) -> Path:
     """
     path = cache_dir() / "sdists" / filename
     path.parent.mkdir(parents=True, exist_ok=True)
-    with guard.entry(path, lambda msg: click.echo(msg, err=True)):
+    with guard.entry(path, progress.say):
         return _verified_or_downloaded(package, path, filename, sha256)
 
 
@@ -56,9 +54,7 @@ def _verified_or_downloaded(package: str, path: Path, filename: str, sha256: str
         actual = file_sha256(path)
         if actual == sha256:
             return path
-        click.echo(
-            f"cached {path} has sha256 {actual}, expected {sha256}; re-downloading", err=True
-        )
+        progress.say(f"cached {path} has sha256 {actual}, expected {sha256}; re-downloading")
         path.unlink()
     settings = pkgindex.pip_settings()
     found = pkgindex.find_file(package, filename, settings)

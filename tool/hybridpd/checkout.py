@@ -26,9 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-import click
-
-from hybridpd import cache, gitops, guard
+from hybridpd import cache, gitops, guard, progress
 from hybridpd.errors import CheckoutError, HybridpdError
 from hybridpd.series import Pin, Series
 
@@ -74,7 +72,7 @@ def checkout(
             if source == "git":
                 raise
             reason = f"git clone of {pin.tag} from {url} failed ({exc.message})"
-            click.echo(f"{reason}; using the sdist instead", err=True)
+            progress.say(f"{reason}; using the sdist instead")
             _empty(dest)
             _from_sdist(series, pin, dest)
             return _finish(pin, dest, "sdist", fallback=reason)

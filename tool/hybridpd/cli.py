@@ -35,7 +35,7 @@ from hybridpd.apply import status as checkout_status
 from hybridpd.checkout import SOURCES, Source
 from hybridpd.checkout import checkout as make_checkout
 from hybridpd.e2e.command import e2e_command
-from hybridpd.errors import CheckFailed, DoctorFailed, HybridpdError
+from hybridpd.errors import CheckFailed, DoctorFailed
 from hybridpd.export import check as check_series
 from hybridpd.export import export as export_series
 from hybridpd.series import Series
@@ -694,17 +694,9 @@ def build(
     patch commits change are written over it. Prints how to use the result.
     """
     pin = checkout_pin(state.series, repo)
-    try:
-        result = build_mod.build(
-            repo,
-            venv,
-            pin.version,
-            pin.tag,
-            install_mod.resolve_variant(variant),
-            torch=torch_spec,
-        )
-    except build_mod.BuildError as exc:
-        raise HybridpdError(str(exc)) from exc
+    result = build_mod.build(
+        repo, venv, pin.version, pin.tag, install_mod.resolve_variant(variant), torch=torch_spec
+    )
     if as_json:
         _echo_json(result.to_json())
         return

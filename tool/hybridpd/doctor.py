@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import platform
 import re
 import shutil
-import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,7 +37,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from hybridpd import cache, kernels, pkgindex, serving, testenv
+from hybridpd import cache, kernels, pkgindex, proc, serving, testenv
 from hybridpd.series import Series
 from hybridpd.serving import cpu_torch_pin, index_versions, offered
 
@@ -125,17 +123,14 @@ class Report:
 # The host -----------------------------------------------------------------------------
 
 
-def gpus(run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[str]:
+def gpus(run: Callable[..., proc.Completed] = proc.run) -> list[str]:
     """``name, driver`` of each GPU ``nvidia-smi`` lists (empty without the tool or a GPU)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
-    try:
-        proc = run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                   capture_output=True, text=True, timeout=PROCESS_TIMEOUT, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [l.strip() for l in proc.stdout.splitlines() if l.strip()] if proc.returncode == 0 else []
+    done = run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+               timeout=PROCESS_TIMEOUT)
+    return [l.strip() for l in done.stdout.splitlines() if l.strip()] if done.ok else []
 
 
 def _read(path: str) -> str:
@@ -153,10 +148,8 @@ def cache_size(root: Path, timeout: float = PROCESS_TIMEOUT) -> int | None:
     if not root.exists():
         return 0
     try:
-        proc = subprocess.run(["du", "-sb", str(root)], capture_output=True, text=True,
-                              timeout=timeout, check=False)
-        return int(proc.stdout.split()[0])
-    except (OSError, subprocess.TimeoutExpired, IndexError, ValueError):
+        return int(proc.run(["du", "-sb", str(root)], timeout=timeout).stdout.split()[0])
+    except (IndexError, ValueError):
         return None
 
 
@@ -174,19 +167,19 @@ def default_probe(venv: Path, cpu: kernels.CpuFlags | None) -> kernels.KernelPro
 
 def default_nixl(venv: Path) -> str:
     """"ok", or one line saying why ``nixl._api`` does not import in ``venv``."""
-    try:
-        proc = subprocess.run([str(venv / "bin" / "python"), "-c", _NIXL_SCRIPT],
-                              capture_output=True, text=True, env=_clean_env(), cwd=venv,
-                              timeout=PROCESS_TIMEOUT, check=False)
-    except subprocess.TimeoutExpired:
+    done = proc.run([venv / "bin" / "python", "-c", _NIXL_SCRIPT], env=_clean_env(), cwd=venv,
+                    timeout=PROCESS_TIMEOUT)
+    if done.timed_out:
         return f"no answer within {PROCESS_TIMEOUT:g} s"
-    if "HYBRIDPD-NIXL ok" in proc.stdout:
+    if "HYBRIDPD-NIXL ok" in done.stdout:
         return "ok"
-    return ((proc.stderr or "").strip().splitlines() or ["no output"])[-1][:200]
+    return done.tail(200)
 
 
 def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = proc.clean_env()
+    env.pop("VIRTUAL_ENV", None)
+    return env
 
 
 # The report ---------------------------------------------------------------------------

@@ -1,19 +1,36 @@
 """Errors hybridpd reports to its user.
 
-Every error is a :class:`click.ClickException` with a one-line message, so the CLI
-prints ``Error: <message>`` and exits with a meaningful code: 1 for a failed
-operation or check, 2 for bad usage (click's own ``UsageError``).
+Every expected failure of the library is a :class:`HybridpdError` with a one-line
+message; the library knows nothing of the command line. The CLI's one handler
+(:class:`hybridpd.jsonout.JsonGroup`) prints ``Error: <message>`` and exits with the
+error's code: 1 for a failed operation or check, 2 for bad usage (click's own
+``UsageError``), 130 when interrupted.
 """
 
 from __future__ import annotations
 
-import click
 
-
-class HybridpdError(click.ClickException):
+class HybridpdError(Exception):
     """Base class: an expected failure, reported without a traceback (exit 1)."""
 
     exit_code = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def format_message(self) -> str:
+        return self.message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Interrupted(HybridpdError):
+    """Ctrl-C or SIGTERM stopped the operation, after its own cleanup (exit 130:
+    128 + SIGINT, as shells report it)."""
+
+    exit_code = 130
 
 
 class GitError(HybridpdError):

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from hybridpd import gitops
 from hybridpd.apply import TRAILER
 from hybridpd.errors import HybridpdError
+from hybridpd.pytestrun import FINISHED, Counts
 from hybridpd.series import Patch, Pin, Series
 
 #: Where the upstream-style tests live: ``<pin>/<patch id>/tests/...``.
@@ -326,47 +327,23 @@ def build_commits(
                 (repo / rel).parent.mkdir(parents=True, exist_ok=True)
                 (repo / rel).write_bytes(content)
             if tests:
-                gitops.check(repo, "add", "--force", "--", *tests)
-            message = strip_trailer(gitops.check(repo, "log", "-1", "--format=%B", "HEAD"))
-            with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False) as fh:
-                fh.write(message)
-            try:
-                gitops.check(
-                    repo,
-                    "commit",
-                    "--quiet",
-                    "--amend",
-                    "--no-verify",
-                    "--allow-empty",
-                    "--cleanup=whitespace",
-                    f"--file={fh.name}",
-                    env=_FIXED_COMMITTER,
-                )
-            finally:
-                Path(fh.name).unlink()
-            sha = gitops.head(repo)
+                gitops.add(repo, *tests, force=True)
+            message = strip_trailer(gitops.message(repo))
+            sha = gitops.amend_message(repo, message)
             subject, _, body = message.partition("\n")
-            files = gitops.check(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", sha)
             commit = PrCommit(
                 patch_id,
                 f"{number:04d}-{patch_id}.patch",
                 subject.strip(),
                 body.strip(),
                 tuple(tests),
-                tuple(files.split()),
+                tuple(gitops.files_of(repo, sha)),
             )
             out.append((commit, gitops.format_patch(repo, sha)))
     finally:
         gitops.am_abort(repo)
         gitops.reset_hard(repo, base)
     return out
-
-
-_FIXED_COMMITTER = {
-    "GIT_COMMITTER_NAME": gitops.IDENTITY_NAME,
-    "GIT_COMMITTER_EMAIL": gitops.IDENTITY_EMAIL,
-    "GIT_COMMITTER_DATE": gitops.IDENTITY_DATE,
-}
 
 
 # Measurements -----------------------------------------------------------------------
@@ -394,12 +371,11 @@ def _git_date(project: Path, rel: str) -> datetime | None:
     uncommitted changes; None when ``project`` is not a repository or it is untracked."""
     if not gitops.is_repo(project):
         return None
-    tracked = gitops.run(project, "ls-files", "--error-unmatch", "--", rel).ok
-    if not tracked:
+    if not gitops.is_tracked(project, rel):
         return None
-    if gitops.check(project, "status", "--porcelain", "--", rel).strip():
+    if gitops.has_changes(project, rel):
         return datetime.now(timezone.utc)
-    out = gitops.check(project, "log", "-1", "--format=%cI", "--", rel).strip()
+    out = gitops.last_commit_date(project, rel)
     return datetime.fromisoformat(out) if out else None
 
 
@@ -432,7 +408,15 @@ def latest_reports(reports: Sequence[Report], pin: str) -> list[Report]:
 
 
 def e2e_command(report: Report) -> str:
-    """The ``hybridpd e2e`` command line the report describes (its options)."""
+    """The ``hybridpd e2e`` command line that produced the report: the one it records,
+    else (a report older than that field) one rebuilt from its fields, and said so."""
+    data = report.data
+    if data.get("command"):
+        return shlex.join(str(a) for a in data["command"])
+    return _rebuilt_command(report) + "  # rebuilt: the report does not record its command"
+
+
+def _rebuilt_command(report: Report) -> str:
     data = report.data
     args = ["hybridpd", "e2e", "--pin", report.pin, "--device", str(data.get("device", "?"))]
     model = str(data.get("model", ""))
@@ -664,8 +648,7 @@ def export_prs(
     with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
         work = Path(tmp) / "work"
         base = gitops.resolve(stock, pin.tag) or gitops.head(stock)
-        gitops.check(stock, "worktree", "add", "--quiet", "--detach", str(work), base)
-        try:
+        with gitops.worktree(stock, base, work):
             for patch_id in patch_ids:
                 deps = prerequisites(work, base, series, pin, patch_id)
                 if deps:
@@ -696,9 +679,6 @@ def export_prs(
                     log(f"warning: {patch_id}: {line}")
                 write_pr(export, series, chosen, stale)
                 exports.append(export)
-        finally:
-            gitops.run(stock, "worktree", "remove", "--force", str(work))
-            gitops.run(stock, "worktree", "prune")
     return exports
 
 
@@ -736,13 +716,8 @@ Runner = Callable[[Path, Sequence[str], str], SuiteLike]
 
 
 def _counts(outcomes: dict[str, str], files: Sequence[str]) -> dict[str, int]:
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    for test_id, outcome in outcomes.items():
-        if test_id.split("::", 1)[0] not in files:
-            continue
-        key = {"passed": "passed", "failed": "failed", "error": "errors"}.get(outcome, "skipped")
-        counts[key] += 1
-    return counts
+    return Counts.of(o for test_id, o in outcomes.items()
+                     if test_id.split("::", 1)[0] in files).to_json()
 
 
 def _run(
@@ -755,7 +730,7 @@ def _run(
         logs.mkdir(parents=True, exist_ok=True)
         log_name = f"{logs.name}/{label}.log"
         shutil.copyfile(result.log_path, logs / f"{label}.log")
-    if result.status in ("crashed", "timeout", "interrupted", "no-tests"):
+    if result.status not in FINISHED:
         raise ExportPrError(
             f"{label}: pytest did not finish ({result.status}): {result.reason}; log {log_name}"
         )
@@ -804,8 +779,7 @@ def verify(
         shutil.rmtree(logs)
     with tempfile.TemporaryDirectory(prefix="hybridpd-verify-") as tmp:
         tree = Path(tmp) / "vllm"
-        gitops.check(stock, "worktree", "add", "--quiet", "--detach", str(tree), base)
-        try:
+        with gitops.worktree(stock, base, tree):
 
             def place(paths: Sequence[str]) -> None:
                 for rel in paths:
@@ -815,7 +789,7 @@ def verify(
             def reset() -> None:
                 gitops.am_abort(tree)
                 gitops.reset_hard(tree, base)
-                gitops.check(tree, "clean", "-fdq", "--", "tests")
+                gitops.clean(tree, "tests")
 
             if not files:
                 problems.append("the directory adds no test")
@@ -866,9 +840,6 @@ def verify(
                 patched = report["patched"]
                 if patched["failed"] + patched["errors"] or not patched["passed"]:
                     problems.append("the added tests do not all pass after git am")
-        finally:
-            gitops.run(stock, "worktree", "remove", "--force", str(tree))
-            gitops.run(stock, "worktree", "prune")
     report["problems"] = problems
     report["ok"] = not problems
     report["seconds"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)

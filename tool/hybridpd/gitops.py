@@ -19,9 +19,11 @@ Invariants every call keeps:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +204,51 @@ def clone(url: str, dest: Path, ref: str) -> None:
     check(dest.parent, "clone", "--quiet", "--depth=1", f"--branch={ref}", url, str(dest))
 
 
+def clone_local(source: Path, dest: Path, branch: str) -> None:
+    """Clone the local repository ``source`` into ``dest`` (which must not exist) with
+    branch ``branch`` at ``source``'s HEAD, and its tags."""
+    dest = dest.absolute()
+    check(dest.parent, "clone", "--quiet", "--no-checkout", str(source), str(dest))
+    check(dest, "checkout", "--quiet", "-B", branch, head(source))
+    check(dest, "fetch", "--quiet", "--tags", str(source))
+
+
+def add_worktree(repo: Path, path: Path, rev: str) -> None:
+    """A detached work tree of ``rev`` at ``path``, kept (see :func:`worktree`)."""
+    check(repo, "worktree", "add", "--quiet", "--detach", str(path), rev)
+
+
+@contextlib.contextmanager
+def worktree(repo: Path, rev: str, path: Path) -> Iterator[Path]:
+    """A detached work tree of ``rev`` at ``path`` for the body; removed and pruned
+    after it, whatever the body did."""
+    add_worktree(repo, path, rev)
+    try:
+        yield path
+    finally:
+        run(repo, "worktree", "remove", "--force", str(path))
+        run(repo, "worktree", "prune")
+
+
+def fetch_ref(repo: Path, source: Path, ref: str) -> None:
+    """Fetch ``source``'s HEAD into ``ref`` of ``repo`` (no tags)."""
+    check(repo, "fetch", "--quiet", "--no-tags", str(source), f"+HEAD:{ref}")
+
+
+def delete_ref(repo: Path, ref: str) -> None:
+    check(repo, "update-ref", "-d", ref)
+
+
+def add(repo: Path, *paths: str, force: bool = False) -> None:
+    """Stage ``paths`` (``force``: ignored ones too)."""
+    check(repo, "add", *(["--force"] if force else []), "--", *paths)
+
+
+def clean(repo: Path, *paths: str) -> None:
+    """Remove untracked files and folders (not ignored ones) under ``paths`` (all)."""
+    check(repo, "clean", "--quiet", "-d", "--force", *(["--", *paths] if paths else []))
+
+
 def create_branch(repo: Path, name: str) -> None:
     """Create branch ``name`` at HEAD and switch to it."""
     check(repo, "checkout", "--quiet", "-b", name)
@@ -234,6 +281,45 @@ def resolve(repo: Path, rev: str) -> str | None:
     return result.stdout.strip() if result.ok else None
 
 
+def git_dir(repo: Path) -> Path:
+    """The repository's git directory."""
+    return repo / check(repo, "rev-parse", "--git-dir").strip()
+
+
+def message(repo: Path, rev: str = "HEAD") -> str:
+    """The full commit message of ``rev``."""
+    return check(repo, "log", "-1", "--format=%B", rev)
+
+
+def tree_id(repo: Path, rev: str) -> str:
+    """The id of ``rev``'s tree (equal ids: equal contents)."""
+    return check(repo, "rev-parse", f"{rev}^{{tree}}").strip()
+
+
+def files_of(repo: Path, commit: str) -> list[str]:
+    """The paths ``commit`` changes against its parent."""
+    return check(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", commit).splitlines()
+
+
+def is_tracked(repo: Path, path: str) -> bool:
+    return run(repo, "ls-files", "--error-unmatch", "--", path).ok
+
+
+def has_changes(repo: Path, path: str) -> bool:
+    """Whether ``path`` differs from HEAD, untracked files included."""
+    return bool(check(repo, "status", "--porcelain", "--", path).strip())
+
+
+def last_commit_date(repo: Path, path: str) -> str | None:
+    """ISO committer date of the last commit touching ``path``."""
+    return check(repo, "log", "-1", "--format=%cI", "--", path).strip() or None
+
+
+def index_matches_head(repo: Path) -> bool:
+    """Whether the index has nothing staged against HEAD."""
+    return run(repo, "diff", "--cached", "--quiet", "HEAD").ok
+
+
 def is_repo(path: Path) -> bool:
     """Whether ``path`` is the top level of a git work tree."""
     result = run(path, "rev-parse", "--show-toplevel")
@@ -249,6 +335,42 @@ def status(repo: Path) -> list[str]:
 def is_dirty(repo: Path) -> bool:
     """Whether the work tree or index differs from HEAD, or has untracked files."""
     return bool(status(repo))
+
+
+def has_tracked_changes(repo: Path, path: str = ".") -> bool:
+    """Whether tracked files under ``path`` differ from HEAD (untracked ones ignored)."""
+    return bool(check(repo, "status", "--porcelain=v1", "--untracked-files=no", "--", path))
+
+
+def is_ignored(repo: Path, path: str) -> bool:
+    """Whether git ignores ``path`` in ``repo``'s work tree."""
+    return run(repo, "check-ignore", "--quiet", path).ok
+
+
+def tree_files(repo: Path, rev: str, path: str) -> dict[str, tuple[int, str]]:
+    """``file -> (mode, blob sha)`` of every file under ``path`` at ``rev`` (repository
+    paths; one ``ls-tree``)."""
+    out = check(repo, "ls-tree", "-r", "-z", "--full-tree", rev, "--", path)
+    files = {}
+    for entry in filter(None, out.split("\0")):
+        meta, name = entry.split("\t", 1)
+        mode, kind, sha = meta.split()
+        if kind == "blob":
+            files[name] = (int(mode, 8), sha)
+    return files
+
+
+def read_blob(repo: Path, rev: str, path: str) -> bytes:
+    """The bytes of ``path`` at ``rev``."""
+    return check_bytes(repo, "cat-file", "blob", f"{rev}:{path}")
+
+
+def changed_files(repo: Path, old: str, new: str, *paths: str) -> list[tuple[str, str]]:
+    """``(status letter, path)`` of each file under ``paths`` that ``old..new`` adds (A),
+    modifies (M), deletes (D) or otherwise changes (renames are split in D and A)."""
+    out = check(repo, "diff", "--name-status", "-z", "--no-renames", old, new, "--", *paths)
+    fields = [f for f in out.split("\0") if f]
+    return [(status[0], path) for status, path in zip(fields[0::2], fields[1::2])]
 
 
 def tag_commits(repo: Path) -> dict[str, str]:
@@ -310,6 +432,11 @@ _REJECTED = re.compile(
 )
 
 
+def applies(repo: Path, patch: Path) -> bool:
+    """Whether ``patch`` applies to the work tree as it is (``git apply --check``)."""
+    return run(repo, "apply", "--check", "--whitespace=nowarn", str(patch)).ok
+
+
 def rejected_files(repo: Path, patch: Path) -> list[str]:
     """Paths of ``patch`` that do not apply to the work tree (``git apply --check``)."""
     stderr = run(repo, "apply", "--check", "--whitespace=nowarn", str(patch)).stderr
@@ -358,6 +485,13 @@ def am_abort(repo: Path) -> None:
         check(repo, "am", "--abort")
 
 
+def am_resume(repo: Path, verb: str) -> Result:
+    """``git am --continue``, ``--skip`` or ``--abort`` (fixed committer), as a result."""
+    if verb not in ("--continue", "--skip", "--abort"):
+        raise ValueError(f"not a git am verb: {verb}")
+    return run(repo, "am", verb, env=_FIXED_COMMITTER)
+
+
 def reset_hard(repo: Path, rev: str) -> None:
     """Point the current branch, index and work tree at ``rev``."""
     check(repo, "reset", "--quiet", "--hard", rev)
@@ -375,6 +509,19 @@ def amend_trailer(repo: Path, key: str, value: str) -> str:
         f"--trailer={key}: {value}",
         env=_FIXED_COMMITTER,
     )
+    return head(repo)
+
+
+def amend_message(repo: Path, text: str) -> str:
+    """Replace HEAD's message by ``text`` (whitespace cleaned up, fixed committer);
+    return the new HEAD sha."""
+    with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False) as fh:
+        fh.write(text)
+    try:
+        check(repo, "commit", "--quiet", "--amend", "--no-verify", "--allow-empty",
+              "--cleanup=whitespace", f"--file={fh.name}", env=_FIXED_COMMITTER)
+    finally:
+        Path(fh.name).unlink()
     return head(repo)
 
 

@@ -62,7 +62,7 @@ class InterruptedStateError(HybridpdError):
 
 
 def git_dir(repo: Path) -> Path:
-    return repo / gitops.check(repo, "rev-parse", "--git-dir").strip()
+    return gitops.git_dir(repo)
 
 
 def fault(point: str) -> None:
@@ -202,7 +202,7 @@ def recover(repo: Path) -> str | None:
     for lock in _git_locks(gdir) - set(data["locks"]):
         (gdir / lock).unlink(missing_ok=True)
     if (gdir / "rebase-apply").is_dir():  # started by the journal's operation
-        gitops.check(repo, "am", "--abort")
+        gitops.am_abort(repo)
     gitops.reset_hard(repo, data["head"])
     path.unlink()
     return (

@@ -151,10 +151,7 @@ def install(
     log(f"series: {len(applied.applied)} applied, {len(applied.already)} already applied")
     variant = resolve_variant(variant)
     log(f"building {venv} ({variant})")
-    try:
-        built = build_mod.build(dest, venv, pin.version, pin.tag, variant, torch=torch)
-    except build_mod.BuildError as exc:
-        raise HybridpdError(str(exc)) from exc
+    built = build_mod.build(dest, venv, pin.version, pin.tag, variant, torch=torch)
     # NixlConnector, the PD instances' transfer. Without it the venv still runs the
     # tests, so a failure here is a warning, not a failed install.
     try:

@@ -32,13 +32,12 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from hybridpd import build as build_mod
-from hybridpd import guard, releasetree
+from hybridpd import gitops, guard, proc, releasetree
 from hybridpd import wheel_overlay as wo
 from hybridpd.cache import cache_dir
 from hybridpd.errors import HybridpdError, UnknownPinError
@@ -160,28 +159,15 @@ def distributions(package: str) -> tuple[str, ...]:
     )
 
 
-def _clean_env() -> dict[str, str]:
-    """The environment without PYTHONPATH: what the servers will import."""
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-
 def locate(python: Path, package: str) -> Target:
     """The distribution of ``package`` installed for ``python`` (one line if none)."""
     names = distributions(package)
-    # Absolute, not resolved: a venv's python is a symlink out of the venv.
+    # Absolute, not resolved: a venv's python is a symlink out of the venv. The child
+    # runs without PYTHONPATH, as the proof and the servers will (proc.clean_env).
     python = Path(os.path.abspath(python))
-    try:
-        proc = subprocess.run(
-            [str(python), "-c", _LOCATE, *names], capture_output=True, text=True, timeout=60,
-            env=_clean_env(),
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise InstalledError(f"cannot run {python}: {exc}") from None
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("HYBRIDPD-LOCATE ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        raise InstalledError(f"cannot read the installed distributions of {python}: {tail[0]}")
-    found = json.loads(line[len("HYBRIDPD-LOCATE "):])
+    done, found = proc.script(python, _LOCATE, "HYBRIDPD-LOCATE", *names, timeout=60)
+    if found is None:
+        raise InstalledError(f"cannot read the installed distributions of {python}: {done.tail()}")
     if not found:
         raise InstalledError(
             f"{python} has none of {', '.join(names)} installed "
@@ -423,18 +409,15 @@ def _changed_since(target: Target, manifest: dict) -> list[str]:
 
 
 def _verify(target: Target, repo: Path, tag: str, package: str) -> wo.VerifyResult:
-    import git
-
     rows = wo.read_record((target.dist_info / "RECORD").read_text(encoding="utf-8"))
     files = (
         (row[0], lambda row=row: (target.site / row[0]).read_bytes())
         for row in rows
         if (target.site / row[0]).is_file()
     )
-    git_repo = git.Repo(repo)
-    blobs = build_mod.stock_blobs(git_repo, tag, package)
+    blobs = build_mod.stock_blobs(repo, tag, package)
     return wo.verify_files(
-        files, blobs, lambda p: build_mod._read_blob(git_repo, tag, p), package=package,
+        files, blobs, lambda p: gitops.read_blob(repo, tag, p), package=package,
         distribution=target.distribution, version=target.release,
         name=f"{target.distribution} {target.version} in {target.site}",
     )
@@ -461,7 +444,8 @@ def apply(
     with _locked(target):
         result = Result(target, "applied", pin.version)
         result.recovered = _recover(target)
-        head, result.patches, changes = _patched(series, pin, src or checkout_dir(pin.version), log)
+        src = src or checkout_dir(pin.version)
+        head, result.patches, changes = _patched(series, pin, src, log)
         result.head = head
 
         manifest = _read_manifest(target)
@@ -480,7 +464,7 @@ def apply(
             log(f"replacing the series applied earlier ({str(manifest.get('head'))[:12]})")
             _undo(target, "apply --installed")
 
-        verify = _verify(target, src or checkout_dir(pin.version), pin.tag, series.package)
+        verify = _verify(target, src, pin.tag, series.package)
         if not verify.ok:
             raise InstalledError(f"{verify.summary()}; {_reinstall(target)}")
         log(verify.summary())
@@ -516,8 +500,6 @@ def _patched(
 
     The checkout is shared by every environment of the pin: one writer at a time.
     """
-    import git
-
     from hybridpd.apply import patch_commits
 
     log(f"preparing the patched {pin.version} checkout in {src}")
@@ -525,10 +507,7 @@ def _patched(
     with guard.entry(src, log):
         head = releasetree.prepare(series, pin, src, patched=True, log=log)
         patches = tuple(pid for pid, _ in patch_commits(src, pin))
-        try:
-            changes = build_mod.patch_changes(git.Repo(src), pin.tag, head, series.package)
-        except build_mod.BuildError as exc:
-            raise InstalledError(str(exc)) from None
+        changes = build_mod.patch_changes(src, pin.tag, head, series.package)
     return head, patches, changes
 
 
@@ -601,14 +580,11 @@ def _overlay(
 
 
 def _prove(target: Target, changes: list[wo.Change], package: str) -> None:
-    env = _clean_env()
+    env = proc.clean_env()
     env.setdefault("HF_HUB_OFFLINE", "1")
     if target.distribution.endswith("-cpu"):
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    try:
-        proof = build_mod.prove_overlay(target.python, changes, env, target.site, package)
-    except build_mod.BuildError as exc:
-        raise InstalledError(str(exc)) from None
+    proof = build_mod.prove_overlay(target.python, changes, env, target.site, package)
     wrong = [f["path"] for f in proof["files"] if not f["ok"]]
     if wrong:
         raise InstalledError(f"{target.python} does not import the patched {', '.join(wrong)}")

@@ -5,7 +5,7 @@ On success the document is the command's own (see each command). On failure, unl
 the command already printed its document (``check`` and ``port`` describe their
 failures themselves), it is ``{"ok": false, "error": "<the one-line message>"}``; the
 message also goes to stderr as ``Error: ...`` and the exit code stays 1 (a failed
-operation) or 2 (bad usage).
+operation), 2 (bad usage) or 130 (interrupted).
 
 Commands declare the flag with :func:`flag`, print with :func:`emit`, and the
 command group (:class:`JsonGroup`) writes the failure document.
@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from hybridpd.errors import LocalFileError
+from hybridpd.errors import HybridpdError, Interrupted, LocalFileError
 
 _META = "hybridpd.json"
 
@@ -45,7 +45,7 @@ def emit(data: Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
 
-def failure_document(ctx: click.Context, exc: click.ClickException) -> dict | None:
+def failure_document(ctx: click.Context, exc: click.ClickException | HybridpdError) -> dict | None:
     """What a failed ``--json`` run prints on stdout, or None."""
     state = ctx.meta.get(_META)
     if not state or not state["on"] or state["emitted"]:
@@ -53,26 +53,43 @@ def failure_document(ctx: click.Context, exc: click.ClickException) -> dict | No
     return {"ok": False, "error": exc.format_message()}
 
 
-class JsonGroup(click.Group):
-    """A group whose commands keep the ``--json`` contract on failure.
+class _Failed(click.ClickException):
+    """A library error, for click to print and exit with."""
 
-    An ``OSError`` that reaches it is a local file system error (network errors are
-    :class:`~hybridpd.errors.PackageIndexError` by then): it is reported in one line
-    like any other failure, not as a traceback.
+    def __init__(self, exc: HybridpdError) -> None:
+        super().__init__(exc.message)
+        self.exit_code = exc.exit_code
+
+
+class JsonGroup(click.Group):
+    """The CLI's one error handler; its commands keep the ``--json`` contract on failure.
+
+    A :class:`~hybridpd.errors.HybridpdError` is printed as ``Error: <message>`` with
+    its exit code; an ``OSError`` that reaches it is a local file system error (network
+    errors are :class:`~hybridpd.errors.PackageIndexError` by then), reported in one
+    line like any other failure, not as a traceback; Ctrl-C or SIGTERM (which the CLI
+    turns into KeyboardInterrupt) is :class:`~hybridpd.errors.Interrupted` (exit 130)
+    once the command's own cleanup has run.
     """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             try:
-                return super().invoke(ctx)
-            except OSError as exc:
-                # A closed stdout (`hybridpd list | head`) is click's to handle
-                # quietly, and a network error is not a local one.
-                if exc.errno == errno.EPIPE or isinstance(exc, urllib.error.URLError):
-                    raise
-                raise LocalFileError.from_os_error(exc) from exc
+                try:
+                    return super().invoke(ctx)
+                except OSError as exc:
+                    # A closed stdout (`hybridpd list | head`) is click's to handle
+                    # quietly, and a network error is not a local one.
+                    if exc.errno == errno.EPIPE or isinstance(exc, urllib.error.URLError):
+                        raise
+                    raise LocalFileError.from_os_error(exc) from exc
+            except HybridpdError as exc:
+                raise _Failed(exc) from exc
+            except KeyboardInterrupt:
+                raise _Failed(Interrupted("interrupted")) from None
         except click.ClickException as exc:
             doc = failure_document(ctx, exc)
             if doc is not None:
                 click.echo(json.dumps(doc))
             raise
+

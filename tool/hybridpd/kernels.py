@@ -23,12 +23,11 @@ does :func:`probe`.
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
+
+from hybridpd import proc
 
 X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
 # vLLM's own string for the harmless ImportError of the suffixed libraries.
@@ -93,26 +92,11 @@ def select_module(variant: str, cpu: CpuFlags | None) -> str:
     return "vllm._C_AVX2"
 
 
-def _tail(proc: subprocess.CompletedProcess) -> str:
-    if proc.returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-proc.returncode).name}"
-        except ValueError:
-            return f"killed by signal {-proc.returncode}"
-    lines = (proc.stderr or "").strip().splitlines() or ["no output"]
-    return lines[-1][:300]
-
-
 def cpu_flags(py: Path, env: Mapping[str, str], cwd: Path) -> CpuFlags:
     """What torch in the venv of ``py`` reports of this CPU (the checks vLLM calls)."""
-    proc = subprocess.run(
-        [str(py), "-c", _FLAGS_SCRIPT], capture_output=True, text=True, env=dict(env),
-        cwd=str(cwd), check=False,
-    )
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("HYBRIDPD-CPU ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"torch cannot report the CPU's capabilities: {_tail(proc)}")
-    data = json.loads(line.split(" ", 1)[1])
+    done, data = proc.script(py, _FLAGS_SCRIPT, "HYBRIDPD-CPU", env=env, cwd=cwd)
+    if data is None:
+        raise RuntimeError(f"torch cannot report the CPU's capabilities: {done.tail()}")
     return CpuFlags(data["machine"], data["avx512"], data["avx512_bf16"])
 
 
@@ -150,13 +134,9 @@ def probe(
         except RuntimeError as exc:
             return KernelProbe("vllm._C", str(exc), None)
     module = select_module(variant, cpu)
-    try:
-        proc = subprocess.run(
-            [str(py), "-c", _IMPORT_SCRIPT, module, IGNORED_IMPORT_ERROR],
-            capture_output=True, text=True, env=dict(env), cwd=str(cwd), check=False,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
+    done = proc.run([py, "-c", _IMPORT_SCRIPT, module, IGNORED_IMPORT_ERROR], env=env, cwd=cwd,
+                    timeout=timeout)
+    if done.timed_out:
         return KernelProbe(module, f"no answer within {timeout:g} s", cpu)
-    ok = proc.returncode == 0 and "HYBRIDPD-KERNELS ok" in proc.stdout
-    return KernelProbe(module, "ok" if ok else _tail(proc), cpu)
+    ok = done.ok and "HYBRIDPD-KERNELS ok" in done.stdout
+    return KernelProbe(module, "ok" if ok else done.tail(), cpu)

@@ -11,28 +11,24 @@ its dependencies. The result is proven by importing ``nixl._api`` in the venv.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from hybridpd import proc
 from hybridpd.build import BuildError
 
 _CUDA_MAJOR = "import torch; print((torch.version.cuda or '').split('.')[0])"
 _IMPORT = "import nixl._api"
 
 
-def _run(py: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(py), *args], capture_output=True, text=True)
-
-
 def backend(py: Path) -> str:
     """``nixl-cu13`` for a CUDA 13 torch in the venv, else ``nixl-cu12``."""
-    proc = _run(py, "-c", _CUDA_MAJOR)
-    if proc.returncode != 0:
+    done = proc.run([py, "-c", _CUDA_MAJOR])
+    if not done.ok:
         raise BuildError(f"cannot read torch's CUDA version in {py}")
-    return "nixl-cu13" if proc.stdout.strip() == "13" else "nixl-cu12"
+    return "nixl-cu13" if done.stdout.strip() == "13" else "nixl-cu12"
 
 
 def requirement(checkout: Path, name: str) -> str:
@@ -65,16 +61,17 @@ def install_nixl(py: Path, checkout: Path, log: Callable[[str], None] = lambda _
     name = backend(py)
     req = requirement(checkout, name)
     log(f"installing {req} and nixl (without its dependencies) for NixlConnector")
-    if _run(py, "-m", "pip", "install", "-q", req).returncode != 0:
+    if not proc.run([py, "-m", "pip", "install", "-q", req]).ok:
         raise BuildError(f"pip could not install {req} into {py}")
-    probe = _run(py, "-c", f"from importlib.metadata import version; print(version('{name}'))")
+    probe = proc.run([py, "-c", f"from importlib.metadata import version; print(version('{name}'))"])
     version = probe.stdout.strip()
-    if probe.returncode != 0 or not version:
+    if not probe.ok or not version:
         raise BuildError(f"{name} is not installed in {py} after pip installed it")
-    if _run(py, "-m", "pip", "install", "-q", "--no-deps", f"nixl=={version}").returncode != 0:
+    if not proc.run([py, "-m", "pip", "install", "-q", "--no-deps", f"nixl=={version}"]).ok:
         raise BuildError(f"pip could not install nixl=={version} (--no-deps) into {py}")
-    imported = _run(py, "-c", _IMPORT)
-    if imported.returncode != 0:
-        last = (imported.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BuildError(f"nixl {version} is installed in {py} but nixl._api does not import: {last}")
+    imported = proc.run([py, "-c", _IMPORT])
+    if not imported.ok:
+        raise BuildError(
+            f"nixl {version} is installed in {py} but nixl._api does not import: {imported.tail()}"
+        )
     return version

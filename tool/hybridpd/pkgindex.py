@@ -15,7 +15,6 @@ import json
 import os
 import re
 import ssl
-import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -28,9 +27,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Protocol
 
-import click
-
-from hybridpd import __version__
+from hybridpd import __version__, proc, progress
 from hybridpd.errors import ChecksumError, LocalFileError, PackageIndexError
 
 _ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
@@ -163,17 +160,8 @@ def _unquote(raw: str) -> str:
 
 def _pip_config_list() -> str:
     """``pip config list`` of the running interpreter ('' if pip cannot say)."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
+    done = proc.run([sys.executable, "-m", "pip", "config", "list"], timeout=60)
+    return done.stdout if done.ok else ""
 
 
 def _pip_default_index() -> str:
@@ -347,10 +335,5 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
 @contextlib.contextmanager
 def _progress(name: str, size: int) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr when it is a terminal, else a one-line message."""
-    if size and sys.stderr.isatty():
-        with click.progressbar(length=size, label=f"downloading {name}", file=sys.stderr) as bar:
-            yield bar.update
-        return
-    megabytes = f" ({size / 1e6:.1f} MB)" if size else ""
-    click.echo(f"downloading {name}{megabytes}", err=True)
-    yield lambda _n: None
+    with progress.bar(f"downloading {name}", size) as advance:
+        yield advance

@@ -70,13 +70,6 @@ Result = Literal["clean", "3way", "resolved", "upstream", "dropped", "conflict"]
 Evidence = Literal["recorded", "reverse-applies", "empty", "manual"]
 CARRIED_RESULTS = ("clean", "3way", "resolved")
 
-# Commits made by `git am --continue` get the same fixed committer as gitops.am's.
-_COMMITTER = {
-    "GIT_COMMITTER_NAME": gitops.IDENTITY_NAME,
-    "GIT_COMMITTER_EMAIL": gitops.IDENTITY_EMAIL,
-    "GIT_COMMITTER_DATE": gitops.IDENTITY_DATE,
-}
-
 
 class PortError(HybridpdError):
     """A port cannot start or go on."""
@@ -345,7 +338,7 @@ def abort(dest: Path) -> PortState:
     with guard.operation(dest, "port --abort"):
         gitops.am_abort(dest)
         gitops.reset_hard(dest, state.stock)
-        gitops.check(dest, "clean", "--quiet", "-d", "--force")
+        gitops.clean(dest)
         _drop_base(dest)
         PortState.path(dest).unlink()
     return state
@@ -397,7 +390,7 @@ def _replay(
         return PatchResult(patch_id, "upstream", "recorded", files, on_v1.release, note)
     if gitops.reverse_applies(dest, path):
         return _upstream(series, v2, patch_id, "reverse-applies", files)
-    plain = gitops.run(dest, "apply", "--check", "--whitespace=nowarn", str(path)).ok
+    plain = gitops.applies(dest, path)
     before = gitops.head(dest)
     outcome = gitops.am(dest, [path])
     if not outcome.ok:
@@ -434,7 +427,7 @@ def _continue_current(series: Series, dest: Path, state: PortState) -> None:
         marked = [f for f in files if _marker_lines(dest / f)]
         if marked:
             raise PortError(f"conflict markers are left in {', '.join(marked)}")
-        if gitops.run(dest, "diff", "--cached", "--quiet", "HEAD").ok:
+        if gitops.index_matches_head(dest):
             # As `git am --continue` does: a resolution that stages nothing is not
             # one. Dropping the patch loses it from the pin, so only an explicit
             # --skip --upstream RELEASE may say the release has the change.
@@ -576,10 +569,10 @@ def _ensure_trailer(dest: Path, patch_id: str) -> None:
 
 
 def _am(dest: Path, verb: str, optional: bool = False) -> None:
-    """``git am --continue`` or ``--skip`` (gitops has no verb for them yet)."""
+    """``git am --continue`` or ``--skip``."""
     if optional and not gitops.am_in_progress(dest):
         return
-    result = gitops.run(dest, "am", verb, env=_COMMITTER)
+    result = gitops.am_resume(dest, verb)
     if not result.ok:
         raise PortError(f"git am {verb} failed in {dest}: {gitops.first_error_line(result.stderr)}")
 
@@ -590,7 +583,7 @@ def _reset_to(dest: Path, rev: str | None) -> None:
 
 
 def _tree(dest: Path, rev: str) -> str:
-    return gitops.check(dest, "rev-parse", f"{rev}^{{tree}}").strip()
+    return gitops.tree_id(dest, rev)
 
 
 def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
@@ -598,12 +591,12 @@ def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
         base = Path(tmp) / "src"
         checkout_mod.checkout(series, v1.version, base, source="sdist")
-        gitops.check(dest, "fetch", "--quiet", "--no-tags", str(base), f"+HEAD:{BASE_REF}")
+        gitops.fetch_ref(dest, base, BASE_REF)
 
 
 def _drop_base(dest: Path) -> None:
     if gitops.resolve(dest, BASE_REF):
-        gitops.check(dest, "update-ref", "-d", BASE_REF)
+        gitops.delete_ref(dest, BASE_REF)
 
 
 def _report(

@@ -17,6 +17,40 @@ from typing import Callable, Iterator, TextIO
 CLEAR = "\r\033[K"
 
 
+def say(message: str) -> None:
+    """A line for the user on stderr (the library's messages; results go to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def bar(label: str, total: int, stream: TextIO | None = None) -> Iterator[Callable[[int], None]]:
+    """Yield ``advance(n)``; on a terminal a line ``label  NN% (done/total MB)`` is
+    rewritten as it advances, elsewhere ``label (total MB)`` is said once."""
+    stream = stream or sys.stderr
+    size = f" ({total / 1e6:.1f} MB)" if total else ""
+    if not total or not stream.isatty():
+        stream.write(f"{label}{size}\n")
+        stream.flush()
+        yield lambda _n: None
+        return
+    state = {"done": 0, "shown": -1}
+
+    def advance(n: int) -> None:
+        state["done"] += n
+        percent = min(100, state["done"] * 100 // total)
+        if percent != state["shown"]:
+            state["shown"] = percent
+            stream.write(f"{CLEAR}{label}  {percent:3d}% "
+                         f"({state['done'] / 1e6:.1f}/{total / 1e6:.1f} MB)")
+            stream.flush()
+
+    try:
+        yield advance
+    finally:
+        stream.write("\n")
+        stream.flush()
+
+
 def printer(stream: TextIO | None = None, every: float = 10.0):
     """``(show, done)``: ``show(msg)`` rewrites the line on a terminal, else prints every
     ``every`` s (and always a message without "starting"); ``done()`` ends the line."""

@@ -40,20 +40,49 @@ import dataclasses
 import os
 import re
 import shutil
-import signal
-import subprocess
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from hybridpd import progress
+from hybridpd import proc, progress
 
 #: pytest exit codes (``pytest.ExitCode``), spelled out so we need not import pytest.
 EXIT_OK, EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO_TESTS = range(6)
 
 #: Statuses of a run, from best to worst.
 STATUSES = ("ok", "failures", "no-tests", "interrupted", "timeout", "crashed")
+
+
+#: The statuses of a run that went to its end: only these prove anything (a run that
+#: collected no tests proves nothing).
+FINISHED = ("ok", "failures")
+
+
+@dataclasses.dataclass
+class Counts:
+    """How many tests passed, failed, were skipped (xfailed and the like included) and
+    errored: the one count type of every suite result."""
+
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    errors: int = 0
+
+    _KEYS = {"passed": "passed", "failed": "failed", "error": "errors", "errors": "errors"}
+
+    @classmethod
+    def of(cls, outcomes: Iterable[str]) -> Counts:
+        counts = cls()
+        for outcome in outcomes:
+            key = cls._KEYS.get(outcome, "skipped")
+            setattr(counts, key, getattr(counts, key) + 1)
+        return counts
+
+    def to_json(self, errors: bool = True) -> dict[str, int]:
+        """The counts; without ``errors`` where a caller folds errors into failures."""
+        data = {"passed": self.passed, "failed": self.failed, "skipped": self.skipped}
+        return {**data, "errors": self.errors} if errors else data
 
 
 @dataclasses.dataclass
@@ -83,23 +112,25 @@ class SuiteResult:
     command: list[str] = dataclasses.field(default_factory=list)
 
     @property
+    def finished(self) -> bool:
+        """Whether pytest ran to its end (:data:`FINISHED`)."""
+        return self.status in FINISHED
+
+    @property
     def failed_total(self) -> int:
-        """Failures for summaries: failed tests, errors, and 1 for a run that crashed."""
-        return self.failed + self.errors + (1 if self.status in ("crashed", "timeout", "interrupted") else 0)
+        """Failures for summaries: failed tests, errors, and 1 for a run that did not
+        finish."""
+        return self.failed + self.errors + (0 if self.finished else 1)
 
     def counts(self) -> dict[str, int]:
-        return {"passed": self.passed, "failed": self.failed,
-                "skipped": self.skipped, "errors": self.errors}
+        return Counts(self.passed, self.failed, self.skipped, self.errors).to_json()
 
     def per_file_counts(self) -> dict[str, dict[str, int]]:
         """Outcome counts per test file."""
-        out: dict[str, dict[str, int]] = {}
+        files: dict[str, list[str]] = {}
         for test_id, outcome in self.outcomes.items():
-            f = test_id.split("::", 1)[0]
-            c = out.setdefault(f, {"passed": 0, "failed": 0, "skipped": 0, "errors": 0})
-            key = {"error": "errors", "xfailed": "skipped"}.get(outcome, outcome)
-            c[key] += 1
-        return out
+            files.setdefault(test_id.split("::", 1)[0], []).append(outcome)
+        return {f: Counts.of(outcomes).to_json() for f, outcomes in files.items()}
 
 
 def _module_of(path: str) -> str:
@@ -233,8 +264,7 @@ def has_plugin(venv: Path, module: str) -> bool:
     py = venv / "bin" / "python"
     if not py.exists():
         return False
-    return subprocess.run([str(py), "-c", f"import {module}"],
-                          capture_output=True).returncode == 0
+    return proc.run([py, "-c", f"import {module}"]).ok
 
 
 def _noop(_: str) -> None:
@@ -296,24 +326,19 @@ def run_pytest(
     log(f"pytest[{label}]: {len(files)} file(s) in {tree} -> {log_path}")
     start = time.monotonic()
     with log_path.open("w") as fh:
-        fh.write(f"$ cd {tree} && {' '.join(cmd)}\n")
+        fh.write(f"# cd {tree}\n")
         if missing:
             fh.write(f"# not in this tree, skipped: {' '.join(missing)}\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            with progress.ticker(f"pytest[{label}]", lambda: pytest_progress(log_path)):
-                code = proc.wait(timeout=session_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
-            timed_out = True
-        except BaseException:  # Ctrl-C or SIGTERM: the pytest run must not outlive us
-            _stop_group(proc)
-            raise
-        else:
-            timed_out = False
+    child = proc.start(cmd, log_path, cwd=tree, env=env)
+    try:
+        with progress.ticker(f"pytest[{label}]", lambda: pytest_progress(log_path)):
+            code = proc.wait(child, session_timeout)
+    except BaseException:  # Ctrl-C or SIGTERM: the pytest run must not outlive us
+        proc.stop(child)
+        raise
+    timed_out = code is None
+    if timed_out:
+        code = proc.stop(child, grace=0)
     wall = round(time.monotonic() - start, 1)
 
     if junit.is_file():
@@ -345,20 +370,6 @@ def run_pytest(
         result.status, result.reason = "crashed", f"exit {code}: {_tail(log_path)}"
     log(f"pytest[{label}]: {result.status} in {wall} s: {result.counts()}")
     return result
-
-
-def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM ``proc``'s process group, SIGKILL it after ``grace`` s; reap ``proc``."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
 
 
 _PERCENT = re.compile(rb"\[\s*(\d+)%\]\s*$", re.M)

@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +40,8 @@ from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
-from hybridpd import progress
+from hybridpd import proc, progress
+from hybridpd.errors import HybridpdError
 
 #: Bump when the way an environment is built changes, so old environments are rebuilt.
 ENV_SCHEMA = 1
@@ -114,7 +114,7 @@ RELAXATIONS: tuple[Relaxation, ...] = (
 )
 
 
-class TestEnvError(RuntimeError):
+class TestEnvError(HybridpdError):
     """The environment could not be built."""
 
 
@@ -230,9 +230,9 @@ def env_inputs(
         raise TestEnvError(f"{common} not found: is {source_tree} a vLLM source tree?")
     relaxed, applied = relax_requirements(common.read_text())
     python = python or sys.executable
-    py_version = subprocess.run(
+    py_version = proc.run(
         [python, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
-        check=True, capture_output=True, text=True,
+        check=True, what=f"{python}",
     ).stdout.strip()
     inputs = {
         "schema": ENV_SCHEMA,
@@ -259,13 +259,10 @@ def read_marker(venv: Path) -> dict | None:
 
 def _run(cmd: Sequence[str], log_file: Path, log: Callable[[str], None], what: str) -> None:
     log(f"testenv: {what}")
-    with log_file.open("a") as fh:
-        fh.write(f"\n$ {' '.join(map(str, cmd))}\n")
-        fh.flush()
-        with progress.ticker(f"testenv: {what}"):
-            proc = subprocess.run(list(map(str, cmd)), stdout=fh, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise TestEnvError(f"{what} failed (exit {proc.returncode}); see {log_file}")
+    with progress.ticker(f"testenv: {what}"):
+        done = proc.run(cmd, capture=False, log_file=log_file)
+    if not done.ok:
+        raise TestEnvError(f"{what} failed (exit {done.returncode}); see {log_file}")
 
 
 def _noop(_: str) -> None:
@@ -344,7 +341,7 @@ def _build(venv: Path, inputs: dict, python: str, log: Callable[[str], None]) ->
         raise TestEnvError(
             f"requirements replaced torch {torch_info['version']} by {after['version']}"
         )
-    freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True)
+    freeze = proc.run([py, "-m", "pip", "freeze"])
     (venv / "hybridpd-freeze.txt").write_text(freeze.stdout)
 
     marker = dict(inputs)
@@ -362,14 +359,13 @@ def _build(venv: Path, inputs: dict, python: str, log: Callable[[str], None]) ->
 
 def _torch_info(py: Path) -> dict:
     """Version and CUDA flavour of the torch in a venv; raises if it does not import."""
-    proc = subprocess.run(
-        [str(py), "-c", "import json, torch; print(json.dumps("
+    done = proc.run(
+        [py, "-c", "import json, torch; print(json.dumps("
          "{'version': torch.__version__, 'cuda': torch.version.cuda}))"],
-        capture_output=True, text=True,
     )
-    if proc.returncode != 0:
-        raise TestEnvError(f"torch does not import in {py}: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    if not done.ok:
+        raise TestEnvError(f"torch does not import in {py}: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 LAYER_MARKER = "hybridpd-layer.json"

@@ -33,11 +33,11 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hybridpd import cache, gitops, hfsnap, testenv, upstream
+from hybridpd import cache, gitops, guard, hfsnap, testenv, upstream
 from hybridpd.apply import apply, patch_commits
 from hybridpd.checkout import checkout
 from hybridpd.errors import HybridpdError
-from hybridpd.pytestrun import SuiteResult, parse_junit, run_pytest
+from hybridpd.pytestrun import Counts, SuiteResult, parse_junit, run_pytest
 from hybridpd.series import Pin, Series
 
 SUITES = ("patches", "upstream", "all")
@@ -46,18 +46,6 @@ PATCH_PROPERTY = "patch"
 
 class TestRunError(HybridpdError):
     """A suite could not run to the end (environment, crash, timeout)."""
-
-
-@dataclasses.dataclass
-class Counts:
-    """Outcomes of one patch's tests on one tree."""
-
-    passed: int = 0
-    failed: int = 0
-    skipped: int = 0
-
-    def to_json(self) -> dict[str, int]:
-        return {"passed": self.passed, "failed": self.failed, "skipped": self.skipped}
 
 
 @dataclasses.dataclass
@@ -88,9 +76,10 @@ class PatchRow:
             "id": self.id,
             "state": self.state,
             "tests": self.tests,
-            "stock": self.stock.to_json(),
-            "without": self.without.to_json() if self.without else None,
-            "patched": self.patched.to_json(),
+            # The table counts an error as a failure (_TABLE_OUTCOME).
+            "stock": self.stock.to_json(errors=False),
+            "without": self.without.to_json(errors=False) if self.without else None,
+            "patched": self.patched.to_json(errors=False),
             "red_green": self.proven,
         }
 
@@ -162,9 +151,7 @@ def prepare_trees(series: Series, pin: Pin, root: Path, log: Callable[[str], Non
     log(f"test: checking out {pin.version} (stock) in {stock}")
     checkout(series, pin.version, stock, source="sdist")
     patched = root / "patched"
-    gitops.check(root, "clone", "--quiet", "--no-checkout", str(stock), str(patched))
-    gitops.check(patched, "checkout", "--quiet", "-B", "hybridpd", gitops.head(stock))
-    gitops.check(patched, "fetch", "--quiet", "--tags", str(stock))
+    gitops.clone_local(stock, patched, "hybridpd")
     log(f"test: applying the {pin.version} series in {patched}")
     apply(series, patched)
     commits = {patch_id: c.sha for patch_id, c in patch_commits(patched, pin)}
@@ -175,7 +162,7 @@ def prepare_trees(series: Series, pin: Pin, root: Path, log: Callable[[str], Non
             without[patch.id] = stock
         else:
             path = root / f"without-{patch.id}"
-            gitops.check(patched, "worktree", "add", "--quiet", "--detach", str(path), previous)
+            gitops.add_worktree(patched, path, previous)
             without[patch.id] = path
         previous = commits[patch.id]
     return {"stock": stock, "patched": patched, "without": without}
@@ -206,12 +193,8 @@ def _case_outcomes(junit: Path) -> dict[str, str]:
 
 
 def _counts(outcomes: dict[str, str], tests: Sequence[str]) -> Counts:
-    counts = Counts()
-    for test in tests:
-        # A test missing from a run (its module failed to import) did not pass.
-        outcome = outcomes.get(test, "failed")
-        setattr(counts, outcome, getattr(counts, outcome) + 1)
-    return counts
+    # A test missing from a run (its module failed to import) did not pass.
+    return Counts.of(outcomes.get(test, "failed") for test in tests)
 
 
 def run_patch_suite(
@@ -235,7 +218,7 @@ def run_patch_suite(
             log=log,
         )
         junit = out_dir / f"{label}.junit.xml"
-        if result.status in ("crashed", "timeout", "interrupted") or not junit.is_file():
+        if not result.finished or not junit.is_file():
             raise TestRunError(
                 f"patch tests on {label} did not finish ({result.status}): "
                 f"{result.reason}; log {result.log_path}"
@@ -334,6 +317,18 @@ def run(
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite}")
     root = cache.cache_dir() / "trees" / pin.version
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # The trees and the run's outputs are rebuilt from scratch: one run per pin at a
+    # time (a second waits for the first instead of deleting its trees under it).
+    with guard.entry(root, log):
+        return _run_locked(series, pin, suite, root, full_upstream, stock_baseline,
+                           torch_spec, log)
+
+
+def _run_locked(
+    series: Series, pin: Pin, suite: str, root: Path, full_upstream: bool,
+    stock_baseline: bool, torch_spec: str | None, log: Callable[[str], None],
+) -> TestReport:
     out_dir = cache.cache_dir() / "runs" / pin.version
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -16,13 +16,12 @@ The e2e extras, on top of :func:`hybridpd.build.build`:
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from hybridpd import build as build_mod
-from hybridpd import cache, guard, kernels, pdextras
+from hybridpd import cache, guard, kernels, pdextras, proc
 from hybridpd.series import Pin, Series
 
 from .servers import E2EError
@@ -94,10 +93,10 @@ def preflight(
         smi = shutil.which("nvidia-smi")
         if smi is None:
             raise E2EError("--device cuda needs NVIDIA GPUs: nvidia-smi is not on PATH")
-        listed = subprocess.run([smi, "-L"], capture_output=True, text=True)
+        listed = proc.run([smi, "-L"])
         have = [line for line in listed.stdout.splitlines() if line.startswith("GPU ")]
         missing = [g for g in gpus if not g.isdigit() or int(g) >= len(have)]
-        if listed.returncode != 0 or missing:
+        if not listed.ok or missing:
             raise E2EError(
                 f"--device cuda needs GPUs {','.join(gpus)}; nvidia-smi lists {len(have)}"
             )
@@ -173,7 +172,9 @@ def _prepare_locked(
     t2 = time.monotonic()
     install_extras(result.python, src, log)
     timings["extras"] = round(time.monotonic() - t2, 1)
-    marker.write_text(json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
+    tmp = marker.with_name(marker.name + ".tmp")  # a reader sees the old marker or the new
+    tmp.write_text(json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
+    tmp.replace(marker)
     return Env(build, result.python, venv, src, head, True, timings)
 
 
@@ -194,7 +195,7 @@ def source(series: Series, pin: Pin, build: str, src: Path, log: Log) -> str:
 
 def install_extras(py: Path, checkout: Path, log: Log) -> None:
     log("installing matplotlib (the report's plot)")
-    if subprocess.run([str(py), "-m", "pip", "install", "-q", "matplotlib"]).returncode != 0:
+    if not proc.run([py, "-m", "pip", "install", "-q", "matplotlib"], capture=False).ok:
         raise E2EError(f"pip could not install matplotlib into {py}")
     try:
         pdextras.install_nixl(py, checkout, log)
@@ -223,16 +224,9 @@ print("HYBRIDPD-E2E-PROBE " + json.dumps(out))
 
 def probe(env: Env, process_env: dict, device: str) -> dict:
     """What the venv can do: load vLLM's compiled ops, import nixl and vLLM's Qwen3.5 module."""
-    proc = subprocess.run(
-        [str(env.python), "-c", _PROBE], capture_output=True, text=True, env=process_env,
-        cwd=str(env.venv),
-    )
-    line = next(
-        (l for l in proc.stdout.splitlines() if l.startswith("HYBRIDPD-E2E-PROBE ")), None
-    )
-    if line is None:
-        tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        raise E2EError(f"[{env.build}] `import vllm` fails in {env.venv}: {tail[0][:300]}")
-    out = json.loads(line.split(" ", 1)[1])
+    done, out = proc.script(env.python, _PROBE, "HYBRIDPD-E2E-PROBE", env=process_env,
+                            cwd=env.venv, require_ok=False)
+    if out is None:
+        raise E2EError(f"[{env.build}] `import vllm` fails in {env.venv}: {done.tail()}")
     out["kernels"] = kernels.probe(env.python, variant_for(device), process_env, env.venv).to_json()
     return out

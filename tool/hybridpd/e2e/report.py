@@ -15,8 +15,9 @@ Python, which has matplotlib; hybridpd itself does not need it.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
+
+from hybridpd import proc
 
 SMOKE_COLUMNS = ("decode local hit (tokens)", "KV bytes moved", "TTFT (ms)")
 
@@ -166,12 +167,9 @@ def write(report: dict, out: Path, plot_python: Path | None) -> dict[str, Path]:
     paths["md"].write_text(markdown(report))
     if plot_python is not None:
         png = out / "report.png"
-        proc = subprocess.run(
-            [str(plot_python), str(Path(__file__).with_name("plot.py")), str(paths["json"]), str(png)],
-            capture_output=True, text=True,
-        )
-        if proc.returncode == 0 and png.exists():
+        done = proc.run([plot_python, Path(__file__).with_name("plot.py"), paths["json"], png])
+        if done.ok and png.exists():
             paths["png"] = png
         else:
-            (out / "plot.log").write_text(proc.stdout + proc.stderr)
+            (out / "plot.log").write_text(done.stdout + done.stderr)
     return paths

@@ -25,16 +25,21 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
+from hybridpd import proc as proc_mod
+from hybridpd.proc import group_members
+from hybridpd.proc import signal_group as _signal_group
 from hybridpd.errors import HybridpdError
+
+if TYPE_CHECKING:
+    import subprocess
 
 Progress = Callable[[str], None]
 
@@ -141,25 +146,6 @@ def log_tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live pids whose process group is ``pgid`` (read from /proc; empty elsewhere).
-
-    Zombies do not count: they run nothing, and an orphan's zombie is its new
-    parent's to reap (in a container whose pid 1 never reaps, they stay listed).
-    """
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            pids.append(int(entry.name))
-    return pids
-
-
 @dataclass
 class Proc:
     name: str
@@ -261,18 +247,7 @@ class Processes:
             raise E2EError(f"{name} is already running")
         log = self.log_dir / f"{name}.log"
         cmd = [str(c) for c in cmd]
-        with open(log, "ab") as out:
-            out.write(f"$ {' '.join(cmd)}\n".encode())
-            out.flush()
-            popen = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=dict(env) if env is not None else None,
-                cwd=cwd,
-                start_new_session=True,
-            )
+        popen = proc_mod.start(cmd, log, cwd=cwd, env=env)
         proc = Proc(name, cmd, log, popen)
         with self._lock:
             self.procs[name] = proc
@@ -302,10 +277,7 @@ class Processes:
                 time.sleep(0.1)
             if p.popen.poll() is None or group_members(p.pid):
                 _signal_group(p.pid, signal.SIGKILL)
-            try:
-                p.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            proc_mod.wait(p.popen, 10)
             # SIGKILL is asynchronous: give the kernel a moment to end the children.
             settle = time.monotonic() + 5
             while group_members(p.pid) and time.monotonic() < settle:
@@ -403,13 +375,6 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _exit_reason(code: int) -> str:

@@ -1,0 +1,362 @@
+"""One ``hybridpd e2e`` invocation without the command line: options in, report out.
+
+:class:`E2EOptions` holds every option (the CLI builds it from its flags, a script can
+build it directly); :func:`run` checks them, prepares the environments (:mod:`.envs`),
+serves each (build, connector) pair in turn (:mod:`.scenarios`, one pair of servers at a
+time), writes the report (:mod:`.report`) and returns it with the checks that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from hybridpd import cache, proc, progress
+from hybridpd.errors import HybridpdError, Interrupted
+from hybridpd.series import Series
+
+from . import report as report_mod
+from . import scenarios as sc
+from .envs import Env, given, preflight, prepare, probe
+from .servers import E2EError, Processes
+from .tinymodel import spec_id
+
+Log = Callable[[str], None]
+
+
+class E2EUsageError(HybridpdError):
+    """Options that do not go together (exit 2, as a usage error)."""
+
+    exit_code = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class E2EOptions:
+    """Every option of ``hybridpd e2e`` (the CLI's names and defaults)."""
+
+    version: str
+    device: str = "cpu"
+    model: str | None = None
+    tiny: bool = False
+    tiny_arch: str = "auto"
+    connectors: tuple[str, ...] = ()
+    role: str = "kv_both"
+    scenario: str = "smoke"
+    compare: str | None = None
+    out_dir: Path | None = None
+    patched_venv: Path | None = None
+    stock_venv: Path | None = None
+    stock_only: bool = False
+    torch_spec: str | None = None
+    block_size: int = 128
+    max_model_len: int = 4096
+    decode_prefix_caching: bool = True
+    prompt_tokens: int = 1400
+    shared_tokens: int = 1300
+    max_tokens: int = 16
+    baseline_tokens: int = 4
+    prefix_len: int = 1024
+    suffix_len: int = 128
+    num_prefixes: int = 2
+    output_len: int = 16
+    num_prompts: int = 16
+    concurrency: int = 4
+    decode_num_blocks: int | None = None
+    gpus: str = "0,1"
+    gpu_memory_utilization: float = 0.85
+    server_args: tuple[str, ...] = ()
+    ready_timeout: float = 900
+    seed: int = 0
+    expect_patched_hit: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
+
+
+@dataclasses.dataclass
+class E2EResult:
+    report: dict
+    paths: dict[str, Path]
+    failures: list[str]
+
+
+def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2EResult:
+    """Run the pairs ``options`` asks for; ``command`` is recorded in the report as the
+    command line that reproduces it. Raises E2EUsageError, E2EError or Interrupted."""
+    # The body below predates E2EOptions and reads the options by their CLI names.
+    version, device, model, tiny = options.version, options.device, options.model, options.tiny
+    tiny_arch, connectors, role = options.tiny_arch, options.connectors, options.role
+    scenario, compare, out_dir = options.scenario, options.compare, options.out_dir
+    patched_venv, stock_venv = options.patched_venv, options.stock_venv
+    stock_only, torch_spec, block_size = options.stock_only, options.torch_spec, options.block_size
+    max_model_len, decode_prefix_caching = options.max_model_len, options.decode_prefix_caching
+    prompt_tokens, shared_tokens = options.prompt_tokens, options.shared_tokens
+    max_tokens, baseline_tokens = options.max_tokens, options.baseline_tokens
+    prefix_len, suffix_len = options.prefix_len, options.suffix_len
+    num_prefixes, output_len = options.num_prefixes, options.output_len
+    num_prompts, concurrency = options.num_prompts, options.concurrency
+    decode_num_blocks, gpus = options.decode_num_blocks, options.gpus
+    gpu_memory_utilization, server_args = options.gpu_memory_utilization, options.server_args
+    ready_timeout, seed = options.ready_timeout, options.seed
+    expect_patched_hit = options.expect_patched_hit
+    if bool(model) == bool(tiny):
+        raise E2EUsageError("give exactly one of --model and --tiny")
+    if device == "cpu" and not tiny and not Path(model).exists():
+        log("warning: on CPU a model hub is usually unreachable; --model should be a local path")
+    connectors = list(connectors) or ["nixl"]
+    if device == "cpu":
+        bad = [c for c in connectors if c in sc.GPU_ONLY_CONNECTORS]
+        if bad:
+            raise E2EUsageError(
+                f"{', '.join(bad)} do not start on a CPU engine; on CPU use nixl+decodebench"
+            )
+    gpu_pair = tuple(g.strip() for g in gpus.split(","))
+    if len(gpu_pair) != 2:
+        raise E2EUsageError("--gpus takes two GPU ids: P,D")
+    builds = ["stock"] if stock_only else (["patched", "stock"] if compare else ["patched"])
+
+    pin = series.pin(version)
+    # Before any checkout, build or output: can this host run it at all?
+    builds_here = any((patched_venv if b == "patched" else stock_venv) is None for b in builds)
+    preflight(
+        pin.version, device, gpu_pair, needs_wheel=builds_here,
+        sdist=lambda: cache.sdist(series.package, pin.sdist, pin.sha256),
+    )
+    out_dir = out_dir or Path(f"e2e-{pin.version}-{device}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_dir.resolve()
+    t_start = time.monotonic()
+
+    # Environments first: a build failure should not cost a server start.
+    envs: dict[str, Env] = {}
+    for build in builds:
+        override = patched_venv if build == "patched" else stock_venv
+        envs[build] = given(override, build) if override else prepare(
+            series, pin.version, build, device, _log, torch=torch_spec
+        )
+    opts = sc.ServerOptions(
+        device=device, block_size=block_size, max_model_len=max_model_len,
+        decode_prefix_caching=decode_prefix_caching, gpus=gpu_pair,
+        gpu_memory_utilization=gpu_memory_utilization, extra_args=tuple(server_args),
+        ready_timeout=ready_timeout,
+        decode_num_blocks=(
+            decode_num_blocks if decode_num_blocks is not None
+            else (16 if scenario == "correctness" else None)
+        ),
+    )
+    first = envs[builds[0]]
+    process_env = sc.server_env(opts, "P", 0)
+    caps = {b: probe(e, process_env, device) for b, e in envs.items()}
+    for b, c in caps.items():
+        log(f"[{b}] compiled ops: {c['kernels']['module']} ({c['kernels']['status']})")
+        if c["kernels"]["status"] != "ok":
+            raise E2EError(
+                f"[{b}] vLLM's compiled ops ({c['kernels']['module']}) do not load in"
+                f" {envs[b].venv}: {c['kernels']['status']}"
+            )
+        if c["nixl"] != "ok":
+            raise E2EError(f"[{b}] NixlConnector cannot load nixl in {envs[b].venv}: {c['nixl']}")
+    notes = []
+    vocab = None
+    if tiny:
+        arch = tiny_arch
+        if arch == "auto":
+            arch = "qwen3_5" if all(c["qwen3_5"] == "ok" for c in caps.values()) else "qwen3_next"
+            if arch != "qwen3_5":
+                why = next(c["qwen3_5"] for c in caps.values() if c["qwen3_5"] != "ok")
+                notes.append(
+                    "tiny model: Qwen3NextForCausalLM stands in for Qwen3_5ForCausalLM "
+                    f"(same Gated-DeltaNet + gated attention decoder layers) because vLLM's "
+                    f"Qwen3.5 module does not import in this venv: {why}"
+                )
+                log(f"note: {notes[-1]}")
+        from hybridpd.cache import cache_dir
+
+        # correctness compares outputs: its model's tokens must depend on the Mamba state.
+        variant = "state-sensitive" if scenario == "correctness" else "default"
+        model_path = tiny_model(first, arch, seed, cache_dir() / "e2e" / "models", process_env,
+                                variant)
+        manifest = json.loads((model_path / "hybridpd-tiny.json").read_text())
+        vocab = manifest["vocab_size"]
+        model = str(model_path)
+        log(f"tiny model {manifest['architectures'][0]} ({manifest['parameters']:,} parameters) at {model}")
+    elif scenario in ("smoke", "correctness"):
+        vocab = _vocab_size(model)
+
+    report = {
+        "command": list(command),
+        "options": options.to_json(),
+        "pin": pin.version,
+        "device": device,
+        "model": model,
+        "scenario": scenario,
+        "role": role,
+        "environments": {b: e.to_json() for b, e in envs.items()},
+        "capabilities": caps,
+        "server_options": {
+            "block_size": block_size, "max_model_len": max_model_len,
+            "decode_prefix_caching": decode_prefix_caching, "extra_args": list(server_args),
+        },
+        "runs": [],
+        "notes": notes,
+        "timings_s": {},
+    }
+    failures: list[str] = []
+    show, done = progress.printer()
+    for build in builds:
+        env = envs[build]
+        for connector in connectors:
+            tag = f"{build}-{connector}"
+            run_dir = out_dir / tag
+            log(f"== {build} / {connector}: starting prefill, decode and proxy (logs: {run_dir})")
+            t0 = time.monotonic()
+            try:
+                with Processes(run_dir) as procs:
+                    try:
+                        pair = sc.start_pair(procs, env, model, connector, role, opts, show)
+                        done()
+                        log(f"   ready: {pair.ready_s}")
+                        t1 = time.monotonic()
+                        if scenario == "smoke":
+                            result = sc.run_smoke(
+                                pair, procs, vocab,
+                                sc.SmokeOptions(prompt_tokens, shared_tokens, max_tokens,
+                                                baseline_tokens, seed),
+                                _log,
+                            )
+                        elif scenario == "correctness":
+                            result = sc.run_correctness(
+                                pair, procs, vocab,
+                                sc.CorrectnessOptions(block_size=block_size,
+                                                      max_tokens=max_tokens, seed=seed),
+                                _log,
+                            )
+                        else:
+                            result = sc.run_prefix_repetition(
+                                pair, procs, env, model,
+                                sc.BenchOptions(prefix_len, suffix_len, num_prefixes, output_len,
+                                                num_prompts, concurrency, seed),
+                                run_dir, _log,
+                            )
+                        t2 = time.monotonic()
+                    except E2EError:
+                        # Whatever broke, a server that died is the explanation to report.
+                        procs.check_soon()
+                        raise
+                left = procs.leftovers()
+                if left:
+                    raise E2EError(f"processes left running after the run: {left}")
+            except (E2EError, KeyboardInterrupt) as exc:
+                done()
+                report["runs"].append({"build": build, "connector": connector, "error": str(exc),
+                                       "logs": str(run_dir), "requests": [],
+                                       "decode_prefix_cache_hits": None,
+                                       "decode_prefix_cache_queries": None,
+                                       "outputs_match_baseline": None})
+                report_mod.write(report, out_dir, None)
+                if isinstance(exc, KeyboardInterrupt):
+                    raise Interrupted(f"interrupted; logs kept in {run_dir}") from None
+                raise E2EError(f"{build} / {connector}: {exc}") from None
+            run = {"build": build, "connector": connector, **result,
+                   "ready_s": pair.ready_s, "scenario_s": round(t2 - t1, 1),
+                   "total_s": round(time.monotonic() - t0, 1), "logs": str(run_dir),
+                   "server_commands": pair.commands}
+            report["runs"].append(run)
+            failures += _failures(run, scenario, expect_patched_hit, version)
+    report["timings_s"]["total"] = round(time.monotonic() - t_start, 1)
+    paths = report_mod.write(report, out_dir, first.python)
+    return E2EResult(report, paths, failures)
+
+
+def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict,
+               variant: str = "default") -> Path:
+    """The tiny model for ``arch``/``seed``/``variant``, written once under ``cache``."""
+    import shutil
+
+    dest = cache / f"tiny-{arch}-{spec_id(seed, arch, variant)}"
+    if (dest / "hybridpd-tiny.json").exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    done = proc.run(
+        [env.python, Path(__file__).with_name("tinymodel.py"), tmp,
+         "--seed", str(seed), "--arch", arch, "--variant", variant],
+        env=process_env,
+    )
+    if not done.ok:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise E2EError(f"could not write the tiny model: {done.tail()}")
+    tmp.rename(dest)
+    return dest
+
+
+#: Connector sets for which stock vLLM (v0.24+) already keeps the decode-side hit.
+UPSTREAM_CAPABLE_CONNECTORS = frozenset({"nixl"})
+
+
+def _has_upstream_gate(pin: str) -> bool:
+    """Whether stock ``pin`` keeps the decode-side hit for capable connectors (v0.24+)."""
+    major, minor = (int(part) for part in pin.removeprefix("v").split(".")[:2])
+    return (major, minor) >= (0, 24)
+
+
+def _failures(run: dict, scenario: str, expect_patched_hit: bool, pin: str) -> list[str]:
+    """Checks that fail the command: outputs always; the hit only with the gate flag
+    (patched must hit; on pins with upstream's capability gate (v0.24+), stock must
+    hit exactly for the connector sets upstream handles)."""
+    where = f"{run['build']} / {run['connector']}"
+    if scenario == "correctness":
+        return _correctness_failures(run, where, expect_patched_hit)
+    if scenario != "smoke":
+        return []
+    out = []
+    checks = run.get("checks", {})
+    if not checks.get("warm_equals_cold_decode", True):
+        out.append(f"{where}: the decode output with a local prefix hit differs from a cold decode instance's")
+    if not checks.get("first_tokens_equal_single_instance", True):
+        out.append(f"{where}: the first tokens differ from a single-instance run")
+    if not checks.get("upstream_outputs_equal", True):
+        out.append(f"{where}: the same prompt twice gave different outputs")
+    if not expect_patched_hit:
+        return out
+    hit = checks.get("decode_local_hit")
+    if run["build"] == "patched" and not hit:
+        out.append(f"{where}: the decode instance took no local prefix hit for the shared-prefix request")
+    if run["build"] == "stock" and _has_upstream_gate(pin):
+        # Upstream keeps the hit exactly when every connector declares
+        # supports_divergent_local_hybrid_hits (NIXL alone does): stock must
+        # show that, or the gate proves nothing.
+        capable = run["connector"] in UPSTREAM_CAPABLE_CONNECTORS
+        if capable and not hit:
+            out.append(f"{where}: stock lost the decode-side hit that upstream keeps for this connector")
+        if not capable and hit:
+            out.append(f"{where}: stock already keeps the decode-side hit, so the gate proves nothing")
+    return out
+
+
+def _correctness_failures(run: dict, where: str, expect_patched_hit: bool) -> list[str]:
+    checks = run.get("checks", {})
+    out = [
+        f"{where}: {r['label']} differs from the single-instance reference: {r['note']}"
+        for r in run.get("requests", []) if not r["equal"]
+    ]
+    if not checks.get("preemption_forced", True):
+        out.append(f"{where}: no preemption on the decode instance (the pool is too large)")
+    if expect_patched_hit and run["build"] == "patched" and not checks.get("decode_local_hit"):
+        out.append(f"{where}: the decode instance took no local prefix hit for request B")
+    return out
+
+
+def _vocab_size(model: str) -> int:
+    cfg = Path(model) / "config.json"
+    if cfg.exists():
+        data = json.loads(cfg.read_text())
+        data = data.get("text_config", data)
+        return int(data["vocab_size"])
+    return 32000  # token ids below any real model's vocabulary
