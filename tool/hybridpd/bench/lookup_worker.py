@@ -1,9 +1,9 @@
 """Time the decode instance's prefix-cache hit computation in one vLLM tree.
 
-What is timed is the function the scheduler calls for a waiting request's local hit:
+What is timed is what the scheduler calls for a waiting request's local hit:
 ``Scheduler._get_local_prefix_cache_hit`` where the tree has it (0.28+: it picks
-``get_computed_blocks`` or ``get_computed_blocks_for_connector``), else
-``KVCacheManager.get_computed_blocks``; the sample says which.
+``get_computed_blocks`` or ``get_computed_blocks_for_connector``), else the calls
+``schedule()`` makes inline (:func:`_inline_lookup`); the ready line says which.
 
 Runs as a script under a pin's test environment, with the tree on ``PYTHONPATH``:
 ``python lookup_worker.py SPEC.json``. It builds a real decode instance (the patch
@@ -26,6 +26,24 @@ import sys
 import time
 
 
+def _inline_lookup(sched):
+    """Trees whose scheduler looks the hit up inline in ``schedule()`` (0.20.2): the
+    same calls, in the same order. The patched series asks the connector first
+    whether a load may complete a divergent hit."""
+    manager, connector = sched.kv_cache_manager, sched.connector
+    may_complete = getattr(connector, "may_complete_divergent_local_hybrid_hit", None)
+    if may_complete is None:
+        return manager.get_computed_blocks, "KVCacheManager.get_computed_blocks"
+
+    def lookup(request):
+        if may_complete(request):
+            return manager.get_computed_blocks_for_connector(request)
+        return manager.get_computed_blocks(request)
+
+    return lookup, ("connector.may_complete_divergent_local_hybrid_hit, then "
+                    "KVCacheManager.get_computed_blocks[_for_connector]")
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(open(argv[0]).read())
     sys.path.insert(0, spec["builders_dir"])
@@ -46,7 +64,7 @@ def main(argv: list[str]) -> int:
     lookup = getattr(sched, "_get_local_prefix_cache_hit", None)
     timed = "Scheduler._get_local_prefix_cache_hit"
     if lookup is None:
-        lookup, timed = sched.kv_cache_manager.get_computed_blocks, "KVCacheManager.get_computed_blocks"
+        lookup, timed = _inline_lookup(sched)
     hits = {k: lookup(r)[1] for k, r in requests.items()}
     print(json.dumps({"ready": True, "hits": hits, "timed": timed}), flush=True)
     for _ in sys.stdin:
