@@ -27,29 +27,36 @@ from hybridpd.bench import decode_replay, deployment, env, lookup, render, repla
 def test_default_plan_derives_the_block_and_pool_from_the_h20() -> None:
     plan = deployment.plan(deployment.Workload(), deployment.Hardware(),
                            deployment.load_model_config(None))
-    # A GDN state page (1,097,728 B) needs 536 tokens of attention page (2,048 B/token):
-    # vLLM raises --block-size 128 to the next multiple of 128.
-    assert plan.block_size == 640
+    # A GDN state (bf16 conv 49,152 B + fp32 SSM 2,097,152 B) needs 1,048 tokens of
+    # attention page (2,048 B/token): vLLM raises --block-size 128 to 9 x 128.
+    assert plan.block_size == 1152
+    assert plan.num_mamba_groups == 3
     assert 34e9 < plan.model["params"] < 36e9  # the "35B" of the name
     assert 3e9 < plan.model["active_params"] < 4e9  # the "A3B"
-    pool = 96e9 * 0.9 - plan.model["params"] * 2 - 4e9
-    assert plan.num_blocks == int(pool // (10 * 640 * 2048))
-    assert any("997 blocks of 640 tokens" in line for line in plan.derivation)
+    pool = 96 * 2**30 * 0.9 - plan.model["params"] * 2 - 4 * 2**30
+    assert plan.num_blocks == int(pool // (10 * 1152 * 2048)) == 811
+    assert any("811 blocks of 1152 tokens" in line for line in plan.derivation)
 
 
 def test_pool_options_override_the_derivation() -> None:
     config = deployment.load_model_config(None)
     w, h = deployment.Workload(), deployment.Hardware()
     assert deployment.plan(w, h, config, kv_blocks=123).num_blocks == 123
-    assert deployment.plan(w, h, config, kv_gib=1.0).num_blocks == 2**30 // (10 * 640 * 2048)
+    assert deployment.plan(w, h, config, kv_gib=1.0).num_blocks == 2**30 // (10 * 1152 * 2048)
     with pytest.raises(ValueError, match="holds no block"):
-        deployment.plan(w, deployment.Hardware(hbm_gb=60), config)
+        deployment.plan(w, deployment.Hardware(hbm_gib=60), config)
+
+
+def test_ssm_dtype_of_the_config_sizes_the_block() -> None:
+    config = dict(deployment.QWEN35_35B_A3B, mamba_ssm_dtype=None)  # the model's bf16
+    plan = deployment.plan(deployment.Workload(), deployment.Hardware(), config)
+    assert plan.block_size == 640  # 1,097,728 B of state: 5 x 128 tokens
 
 
 def test_a_block_already_larger_than_the_state_is_kept() -> None:
     plan = deployment.plan(deployment.Workload(), deployment.Hardware(),
-                           deployment.load_model_config(None), block_size=1024)
-    assert plan.block_size == 1024
+                           deployment.load_model_config(None), block_size=2048)
+    assert plan.block_size == 2048
 
 
 def test_model_config_file_with_layer_types(tmp_path: Path) -> None:
@@ -59,6 +66,9 @@ def test_model_config_file_with_layer_types(tmp_path: Path) -> None:
     path.write_text(json.dumps({"text_config": config}))
     shape = deployment.shape(deployment.load_model_config(path))
     assert (shape["full_attention_layers"], shape["linear_attention_layers"]) == (2, 6)
+    plan = deployment.plan(deployment.Workload(), deployment.Hardware(),
+                           deployment.load_model_config(path), kv_blocks=10)
+    assert plan.num_mamba_groups == 3
 
 
 # -- the replay's stand-ins -----------------------------------------------------------
@@ -142,6 +152,18 @@ def test_table_names_exact_and_modelled_figures() -> None:
     assert "output tok/s (modelled)" in text and "2.00x" in text
 
 
+def test_gates() -> None:
+    assert render.gate_problems(_report(99), 0.99, True) == []
+    assert render.gate_problems(_report(98), 0.99, False) == [
+        "patched hit 98.00% of the limit, below 99%"]
+    assert render.gate_problems(_report(0), None, True) == [
+        "stock's hit (0 tokens) is not below patched's (0)"]
+    no_limit = _report(0, limit=0)
+    assert no_limit.hit_fraction() is None
+    assert "the limit is 0" in render.gate_problems(no_limit, 0.5, False)[0]
+    assert "no limit (0)" in render.replay_table(no_limit)
+
+
 def test_png_is_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the bench extra (CI installs it)")
     render.replay_png(_report(), tmp_path / "r.png")
@@ -159,6 +181,8 @@ def test_expect_hit_fails_the_command_below_the_fraction(monkeypatch, tmp_path) 
     assert bad.exit_code == 1
     assert json.loads(bad.stdout)["patched"]["hit_tokens"] == 98
     assert "98.00% of the limit" in bad.stderr
+    usage = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--num-prompts", "0"])
+    assert usage.exit_code == 2 and "--num-prompts" in usage.stderr
 
 
 # -- running bench scripts -----------------------------------------------------------
@@ -205,27 +229,31 @@ def test_run_script_failure_names_the_log(tmp_path: Path) -> None:
         env.run_script(_env(tmp_path), "stock", script, {})
 
 
+def _fake_lookup_env(tmp_path: Path, monkeypatch, worker: Path) -> None:
+    """Make ``lookup.run`` use :class:`_Env` and ``worker`` instead of a pin's."""
+    import contextlib
+
+    fake = _env(tmp_path)
+    monkeypatch.setattr(lookup, "prepared",
+                        lambda series, version, log: contextlib.nullcontext(fake))
+    monkeypatch.setattr(lookup, "WORKER", worker)
+
+
 def test_lookup_alternates_builds_and_reports_the_ratio_spread(tmp_path, monkeypatch) -> None:
     worker = _script(tmp_path, """
         import json, os, sys
-        slow = 1.02 if os.environ["BUILD"] == "patched" else 1.0
+        build = os.environ["BUILD"]
+        slow = 1.02 if build == "patched" else 1.0
+        print("{not json")
         print(json.dumps({"ready": True, "hits": {"decode": 7, "plain": 3}, "timed": "f"}), flush=True)
         n = 0
         for _ in sys.stdin:
             n += 1
+            with open("order", "a") as fh:
+                fh.write(build + "\\n")
             print(json.dumps({"sample": {"decode": 100 * slow * n, "plain": 50 * slow * n}}), flush=True)
     """)
-    fake = _env(tmp_path)
-
-    class _Prepared:
-        def __enter__(self):
-            return fake
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(lookup, "prepared", lambda series, version, log: _Prepared())
-    monkeypatch.setattr(lookup, "WORKER", worker)
+    _fake_lookup_env(tmp_path, monkeypatch, worker)
     report = lookup.run(None, lookup.LookupOptions("0.0.0", repeats=4, calls=1))
     ratio = report["ratio_patched_over_stock"]
     assert ratio["decode"]["median"] == pytest.approx(1.02)
@@ -233,3 +261,12 @@ def test_lookup_alternates_builds_and_reports_the_ratio_spread(tmp_path, monkeyp
     assert report["hit_tokens"]["patched"] == {"decode": 7, "plain": 3}
     assert "1.020 [1.020, 1.020]" in lookup.table(report)
     assert report["stock_build"] == "v0.0.0 + scheduler-mamba-external-kv"
+    order = (tmp_path / "order").read_text().split()
+    assert order == ["stock", "patched", "patched", "stock"] * 2
+
+
+def test_lookup_worker_that_dies_is_one_error(tmp_path, monkeypatch) -> None:
+    worker = _script(tmp_path, "raise SystemExit('import failed')\n")
+    _fake_lookup_env(tmp_path, monkeypatch, worker)
+    with pytest.raises(env.BenchError, match=r"lookup worker \(stock\) stopped answering; log "):
+        lookup.run(None, lookup.LookupOptions("0.0.0", repeats=1, calls=1))

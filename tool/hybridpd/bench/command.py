@@ -17,6 +17,7 @@ from hybridpd.bench import replay as replay_mod
 from hybridpd.errors import CheckFailed
 
 _W, _H = deployment.Workload(), deployment.Hardware()
+_POSITIVE = click.IntRange(min=1)
 
 
 @click.group("bench")
@@ -38,25 +39,26 @@ def _status_printer():
 @click.option("--pin", "version", required=True, metavar="VERSION")
 @click.option("--connector", type=click.Choice(replay_mod.CONNECTORS), default="nixl", show_default=True,
               help="The decode instance's connector set (nixl+decodebench: one upstream's gate refuses).")
-@click.option("--prefix-len", type=int, default=_W.prefix_len, show_default=True)
-@click.option("--suffix-len", type=int, default=_W.suffix_len, show_default=True)
-@click.option("--num-prefixes", type=int, default=_W.num_prefixes, show_default=True)
-@click.option("--num-prompts", type=int, default=_W.num_prompts, show_default=True)
-@click.option("--output-len", type=int, default=_W.output_len, show_default=True)
-@click.option("--concurrency", type=int, default=_W.concurrency, show_default=True)
+@click.option("--prefix-len", type=_POSITIVE, default=_W.prefix_len, show_default=True)
+@click.option("--suffix-len", type=_POSITIVE, default=_W.suffix_len, show_default=True)
+@click.option("--num-prefixes", type=_POSITIVE, default=_W.num_prefixes, show_default=True)
+@click.option("--num-prompts", type=_POSITIVE, default=_W.num_prompts, show_default=True)
+@click.option("--output-len", type=_POSITIVE, default=_W.output_len, show_default=True)
+@click.option("--concurrency", type=_POSITIVE, default=_W.concurrency, show_default=True)
 @click.option("--seed", type=int, default=_W.seed, show_default=True)
-@click.option("--block-size", type=int, default=128, show_default=True,
+@click.option("--block-size", type=_POSITIVE, default=128, show_default=True,
               help="As passed to vLLM; raised as vLLM does until a page holds a Mamba state.")
 @click.option("--model-config", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="A HF config.json of a Qwen3.5-style model. [default: Qwen3.5-35B-A3B's shape]")
 @click.option("--kv-blocks", type=click.IntRange(min=1), help="The decode pool in blocks.")
-@click.option("--kv-gib", type=float, help="The decode pool in GiB. [default: derived from an H20]")
-@click.option("--max-num-seqs", type=int, default=256, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=16384, show_default=True)
-@click.option("--max-model-len", type=int, default=24576, show_default=True)
-@click.option("--hbm-gb", type=float, default=_H.hbm_gb, show_default=True, help="GPU memory (H20: 96).")
+@click.option("--kv-gib", type=click.FloatRange(min=0, min_open=True),
+              help="The decode pool in GiB. [default: derived from an H20]")
+@click.option("--max-num-seqs", type=_POSITIVE, default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=_POSITIVE, default=16384, show_default=True)
+@click.option("--max-model-len", type=_POSITIVE, default=24576, show_default=True)
+@click.option("--hbm-gib", type=float, default=_H.hbm_gib, show_default=True, help="GPU memory (H20: 96).")
 @click.option("--gpu-memory-utilization", type=float, default=_H.gpu_memory_utilization, show_default=True)
-@click.option("--activation-gb", type=float, default=_H.activation_reserve_gb, show_default=True,
+@click.option("--activation-gib", type=float, default=_H.activation_reserve_gib, show_default=True,
               help="Memory vLLM's profiling keeps for activations.")
 @click.option("--hbm-tbps", type=float, default=_H.hbm_tbps, show_default=True, help="H20: 4.0.")
 @click.option("--bandwidth-efficiency", type=float, default=_H.bandwidth_efficiency, show_default=True)
@@ -65,14 +67,16 @@ def _status_printer():
 @click.option("--step-overhead-ms", type=float, default=_H.step_overhead_ms, show_default=True,
               help="Per decode step (kernel launches with --enforce-eager).")
 @click.option("--pull-gbps", type=float, default=_H.pull_gbps, show_default=True,
-              help="NIXL's pull rate, GB/s.")
+              help="NIXL's pull rate in gigabytes (not bits) per second.")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
               help="Write running and waiting requests over time, stock against patched.")
 @click.option("--expect-hit", type=click.FloatRange(0, 1), metavar="FRACTION",
               help="Exit 1 unless the patched hit reaches FRACTION of the limit (CI: 0.99).")
+@click.option("--expect-gap", is_flag=True,
+              help="Exit 1 unless stock's hit is below patched's (a connector set upstream refuses).")
 @jsonout.flag()
 @click.pass_obj
-def replay_command(state, version, connector, png, expect_hit, as_json, **p) -> None:
+def replay_command(state, version, connector, png, expect_hit, expect_gap, as_json, **p) -> None:
     """Replay the seed's prefix-repetition workload through the pin's real decode-side
     Scheduler (KV cache manager, coordinator, connector), stock then patched.
 
@@ -83,11 +87,13 @@ def replay_command(state, version, connector, png, expect_hit, as_json, **p) -> 
         "prefix_len", "suffix_len", "num_prefixes", "num_prompts", "output_len",
         "concurrency", "seed")})
     hardware = deployment.Hardware(
-        hbm_gb=p.pop("hbm_gb"), gpu_memory_utilization=p.pop("gpu_memory_utilization"),
-        activation_reserve_gb=p.pop("activation_gb"), hbm_tbps=p.pop("hbm_tbps"),
+        hbm_gib=p.pop("hbm_gib"), gpu_memory_utilization=p.pop("gpu_memory_utilization"),
+        activation_reserve_gib=p.pop("activation_gib"), hbm_tbps=p.pop("hbm_tbps"),
         bandwidth_efficiency=p.pop("bandwidth_efficiency"), bf16_tflops=p.pop("tflops"),
         mfu=p.pop("mfu"), step_overhead_ms=p.pop("step_overhead_ms"), pull_gbps=p.pop("pull_gbps"))
     options = replay_mod.ReplayOptions(version, workload, hardware, connector, **p)
+    if png:
+        render.require_matplotlib()
     status, done = _status_printer()
     try:
         report = replay_mod.run(state.series, options, log=progress.say, status=status)
@@ -103,21 +109,19 @@ def replay_command(state, version, connector, png, expect_hit, as_json, **p) -> 
         click.echo(render.replay_table(report))
         if png:
             click.echo(f"plot: {png}")
-    if expect_hit is not None and report.hit_fraction() < expect_hit:
-        raise CheckFailed(
-            f"patched hit {report.hit_fraction() * 100:.2f}% of the limit, below "
-            f"{expect_hit * 100:g}%"
-        )
+    problems = render.gate_problems(report, expect_hit, expect_gap)
+    if problems:
+        raise CheckFailed("; ".join(problems))
 
 
 @bench_group.command("lookup")
 @click.option("--pin", "version", required=True, metavar="VERSION")
 @click.option("--connector", type=click.Choice(replay_mod.CONNECTORS), default="nixl", show_default=True)
-@click.option("--prompt-len", type=int, default=17408, show_default=True)
-@click.option("--block-size", type=int, default=640, show_default=True,
+@click.option("--prompt-len", type=_POSITIVE, default=17408, show_default=True)
+@click.option("--block-size", type=_POSITIVE, default=1152, show_default=True,
               help="The block vLLM uses for the default model (see bench replay).")
-@click.option("--calls", type=int, default=2000, show_default=True, help="Lookups per sample.")
-@click.option("--repeats", type=int, default=15, show_default=True, help="Samples per build.")
+@click.option("--calls", type=_POSITIVE, default=2000, show_default=True, help="Lookups per sample.")
+@click.option("--repeats", type=_POSITIVE, default=15, show_default=True, help="Samples per build.")
 @jsonout.flag()
 @click.pass_obj
 def lookup_command(state, version, connector, prompt_len, block_size, calls, repeats, as_json) -> None:

@@ -121,22 +121,29 @@ def worker_output(sched_output, requests, finished_recving: set[str]):
 
 
 class Counters:
-    """Wraps the connector's ``get_num_new_matched_tokens`` and the block pool's
-    ``get_new_blocks`` on this scheduler instance (they still run unchanged) to
-    read the local hit, the external tokens and the blocks each call hands out."""
+    """Wraps the connector's ``update_state_after_alloc`` and the block pool's
+    ``get_new_blocks`` on this scheduler instance (both still run unchanged).
+
+    ``update_state_after_alloc`` is where the scheduler commits a request's
+    external tokens, after any reconciliation of its hit: the first call per
+    request is its first admission's (``external``); a call with tokens is a load
+    the connector now plans (``planned``, taken by the caller each step).
+    """
 
     def __init__(self, sched) -> None:
-        self.matched: dict[str, tuple[int, int]] = {}
+        self.external: dict[str, int] = {}
+        self.planned: dict[str, int] = {}
         self.blocks_allocated = 0
         connector = sched.connector
-        get_matched = connector.get_num_new_matched_tokens
+        update_state_after_alloc = connector.update_state_after_alloc
 
-        def matched(request, num_computed_tokens):
-            external, load_async = get_matched(request, num_computed_tokens)
-            self.matched[request.request_id] = (num_computed_tokens, external or 0)
-            return external, load_async
+        def after_alloc(request, blocks, num_external_tokens):
+            self.external.setdefault(request.request_id, num_external_tokens)
+            if num_external_tokens:
+                self.planned[request.request_id] = num_external_tokens
+            return update_state_after_alloc(request, blocks, num_external_tokens)
 
-        connector.get_num_new_matched_tokens = matched
+        connector.update_state_after_alloc = after_alloc
         pool = sched.kv_cache_manager.block_pool
         get_new_blocks = pool.get_new_blocks
 
@@ -162,7 +169,11 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
         **b.connectors(spec["connector"]),
     )
     sched = b.scheduler(
-        config, b.hybrid_kv_cache_config(num_blocks=spec["num_blocks"], block_size=bs)
+        config,
+        b.hybrid_kv_cache_config(
+            num_blocks=spec["num_blocks"], block_size=bs,
+            num_mamba_groups=spec["num_mamba_groups"],
+        ),
     )
     counters = Counters(sched)
     prompts = Prompts(w)
@@ -175,7 +186,9 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
     sent_at_prompt: dict[int, float] = {}
     sent_at: dict[str, float] = {}
     prefix_of: dict[str, int] = {}
-    admitted: dict[str, tuple[int, int]] = {}
+    # Tokens a request did not compute itself at its first admission (local hit +
+    # external tokens).
+    admitted: dict[str, int] = {}
     loads: dict[str, float] = {}  # request -> time its pull completes
     first_token: dict[str, float] = {}
     finished: dict[str, float] = {}
@@ -224,14 +237,15 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
         for rid, req in requests.items():
             if rid in admitted or req.status == RequestStatus.WAITING:
                 continue
-            # Admitted this step: the hit it got is the last one the connector saw.
-            local, external = counters.matched.get(rid, (req.num_computed_tokens, 0))
-            admitted[rid] = (local, external)
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # Admitted this step: scheduled tokens are already in num_computed_tokens.
+            admitted[rid] = req.num_computed_tokens - output.num_scheduled_tokens.get(rid, 0)
+        for rid, external in counters.planned.items():
+            if requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 loads[rid] = (
                     clock + cost["pull_ms_per_request"]
                     + external * cost["pull_ms_per_token"]
                 )
+        counters.planned.clear()
         end = clock + step_ms(cost, output, requests)
         done = {rid for rid, t in loads.items() if t <= end}
         for rid in done:
@@ -251,8 +265,8 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
 
         if output.num_scheduled_tokens:
             steps += 1
-            running, waiting = len(sched.running), len(sched.waiting)
-            waiting += len(getattr(sched, "skipped_waiting", ()))
+            # vLLM's own counts (waiting includes requests whose KV is loading).
+            running, waiting = sched.get_request_counts()
             running_sum += running
             waiting_sum += waiting
             peak_running = max(peak_running, running)
@@ -262,6 +276,9 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
             clock = end
         elif not done:
             # Nothing ran and no load finished: move the clock to the next event.
+            # Every pending load ends after `clock` (those that ended by `end` were
+            # reported above) and arrivals up to `clock` were added, so nothing is
+            # skipped; with neither left, no step can change anything.
             upcoming = [t for t in loads.values()]
             if arrivals:
                 upcoming.append(arrivals[0][0])
@@ -283,8 +300,8 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
     prompt_len = w["prefix_len"] + w["suffix_len"]
     reusable = min(w["prefix_len"], prompt_len - 1) // bs * bs
     limit = reusable * (total - len(first_of_prefix))
-    hit = sum(local for local, _ in admitted.values())
-    pulled = sum(external for _, external in admitted.values())
+    pulled = sum(counters.external.get(rid, 0) for rid in admitted)
+    hit = sum(admitted.values()) - pulled
     ttfts = sorted(first_token[r] - sent_at[r] for r in first_token)
     makespan_ms = max(finished.values())
     stride = max(1, len(trace) // TRACE_POINTS)

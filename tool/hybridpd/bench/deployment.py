@@ -40,10 +40,14 @@ QWEN35_35B_A3B: dict[str, Any] = {
     "vocab_size": 248320,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
+    # vLLM takes the SSM state's dtype from this key of a Qwen3.5 config
+    # (Qwen3_5ForConditionalGenerationConfig); the conv state keeps the model dtype.
+    "mamba_ssm_dtype": "float32",
 }
 
-#: NVIDIA H20 figures from its public specification sheet.
-H20_HBM_GB = 96.0
+#: NVIDIA H20 figures from its public specification sheet (HBM sizes are binary:
+#: "96 GB" is 96 GiB).
+H20_HBM_GIB = 96.0
 H20_HBM_TBPS = 4.0
 H20_BF16_TFLOPS = 148.0
 
@@ -65,9 +69,9 @@ class Workload:
 class Hardware:
     """The decode instance's GPU and the engine settings that size its pool."""
 
-    hbm_gb: float = H20_HBM_GB
+    hbm_gib: float = H20_HBM_GIB
     gpu_memory_utilization: float = 0.9
-    activation_reserve_gb: float = 4.0
+    activation_reserve_gib: float = 4.0
     hbm_tbps: float = H20_HBM_TBPS
     bandwidth_efficiency: float = 0.8
     bf16_tflops: float = H20_BF16_TFLOPS
@@ -82,6 +86,7 @@ class Plan:
 
     block_size: int
     num_blocks: int
+    num_mamba_groups: int
     cost: dict[str, float]
     model: dict[str, float]
     derivation: list[str] = field(default_factory=list)
@@ -108,9 +113,13 @@ def _layers(config: dict[str, Any]) -> tuple[int, int]:
     return full, n - full
 
 
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 def shape(config: dict[str, Any]) -> dict[str, float]:
-    """Byte and parameter counts of a Qwen3.5-style hybrid MoE config (bf16)."""
-    dtype = 2
+    """Byte and parameter counts of a Qwen3.5-style hybrid MoE config."""
+    dtype = _DTYPE_BYTES[config.get("torch_dtype", "bfloat16")]
+    ssm_dtype = _DTYPE_BYTES[config.get("mamba_ssm_dtype") or config.get("torch_dtype", "bfloat16")]
     h = config["hidden_size"]
     full, linear = _layers(config)
     kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
@@ -133,10 +142,14 @@ def shape(config: dict[str, Any]) -> dict[str, float]:
         "linear_attention_layers": linear,
         "params": total,
         "active_params": dense + layers * active * expert_params,
+        # A prefill token multiplies through every active weight but the embeddings
+        # (a lookup; the LM head runs for the last token only).
+        "prefill_params": dense - embeddings + layers * active * expert_params,
         "attn_bytes_per_token_layer": 2 * kv_heads * head_dim * dtype,
         "mamba_state_bytes_layer": (config["linear_conv_kernel_dim"] - 1) * conv_dim * dtype
-        + vh * kd * vd * dtype,
+        + vh * kd * vd * ssm_dtype,
         "dtype_bytes": dtype,
+        "ssm_dtype_bytes": ssm_dtype,
     }
 
 
@@ -156,11 +169,13 @@ def plan(
     lines.append(
         f"model: {full} full-attention + {linear} linear-attention layers, "
         f"{m['params'] / 1e9:.2f} B parameters ({m['active_params'] / 1e9:.2f} B active), "
-        f"bf16 weights {weights / 1e9:.1f} GB"
+        f"weights {weights / 1e9:.1f} GB ({m['dtype_bytes']:.0f} B/param), SSM state "
+        f"{m['ssm_dtype_bytes']:.0f} B/element"
     )
     # vLLM raises the attention block size of a hybrid model until one attention
-    # page holds a Mamba state page (Platform._align_hybrid_block_size), rounding
-    # to a multiple of the requested size.
+    # page holds a Mamba state page (0.33: Platform._align_hybrid_block_size), in
+    # multiples of the requested size when that is a multiple of the kernel's and
+    # the Mamba checkpoint alignment (128 and 64 here).
     attn_tok = m["attn_bytes_per_token_layer"]
     state = m["mamba_state_bytes_layer"]
     effective = block_size * math.ceil(state / (block_size * attn_tok))
@@ -171,9 +186,11 @@ def plan(
         f"attention page {attn_tok:,.0f} B/token, so vLLM raises the block to "
         f"{effective} tokens (page {page:,.0f} B)"
     )
-    # Layers share the pool in groups of equal size (one group per layer type, each
-    # as large as the full-attention layers); a block id is one page per layer slot.
+    # Layers share the pool in groups of equal size: one group of the full-attention
+    # layers and ceil(linear / full) groups of linear-attention layers (Qwen3.5: 1
+    # and 3 groups of 10). A block id is one page in each of a group's layer slots.
     per_block = page * full
+    mamba_groups = -(-linear // full)
     if kv_blocks is not None:
         num_blocks = kv_blocks
         lines.append(f"pool: --kv-blocks {kv_blocks}")
@@ -182,17 +199,18 @@ def plan(
             pool = kv_gib * 2**30
             lines.append(f"pool: --kv-gib {kv_gib} = {pool / 1e9:.2f} GB")
         else:
-            usable = hardware.hbm_gb * 1e9 * hardware.gpu_memory_utilization
-            pool = usable - weights - hardware.activation_reserve_gb * 1e9
+            usable = hardware.hbm_gib * 2**30 * hardware.gpu_memory_utilization
+            pool = usable - weights - hardware.activation_reserve_gib * 2**30
             lines.append(
-                f"pool: {hardware.hbm_gb:g} GB x gpu_memory_utilization "
+                f"pool: {hardware.hbm_gib:g} GiB x gpu_memory_utilization "
                 f"{hardware.gpu_memory_utilization:g} - weights {weights / 1e9:.1f} GB - "
-                f"activations {hardware.activation_reserve_gb:g} GB = {pool / 1e9:.2f} GB"
+                f"activations {hardware.activation_reserve_gib:g} GiB = {pool / 1e9:.2f} GB"
             )
         num_blocks = int(pool // per_block)
         lines.append(
             f"blocks: {pool / 1e9:.2f} GB / ({full} layer slots x {page:,.0f} B) = "
-            f"{num_blocks} blocks of {effective} tokens"
+            f"{num_blocks} blocks of {effective} tokens, shared by 1 attention and "
+            f"{mamba_groups} Mamba groups"
         )
     if num_blocks < 1:
         raise ValueError("the KV pool holds no block: give --kv-blocks or --kv-gib")
@@ -205,7 +223,7 @@ def plan(
         "weights_read_ms": weights / hbm * 1e3,
         "kv_read_ms_per_token": kv_token / hbm * 1e3,
         "state_read_ms_per_request": state_request / hbm * 1e3,
-        "prefill_ms_per_token": 2 * m["active_params"] / flops * 1e3,
+        "prefill_ms_per_token": 2 * m["prefill_params"] / flops * 1e3,
         "pull_ms_per_token": kv_token / (hardware.pull_gbps * 1e9) * 1e3,
         "pull_ms_per_request": state_request / (hardware.pull_gbps * 1e9) * 1e3,
     }
@@ -214,12 +232,13 @@ def plan(
         f"{weights / 1e9:.1f} GB / ({hardware.hbm_tbps:g} TB/s x "
         f"{hardware.bandwidth_efficiency:g}) = {cost['weights_read_ms']:.2f} ms + "
         f"{kv_token:,.0f} B per context token + {state_request / 1e6:.1f} MB Mamba "
-        "state per request, read at the same rate",
-        f"prefill: 2 x {m['active_params'] / 1e9:.2f} B active params / "
-        f"({hardware.bf16_tflops:g} TFLOPS x MFU {hardware.mfu:g}) = "
+        "state per request, read at the same rate (every expert every step: a batch of "
+        "32 or more touches nearly all of them)",
+        f"prefill: 2 x {m['prefill_params'] / 1e9:.2f} B active params without the "
+        f"embeddings / ({hardware.bf16_tflops:g} TFLOPS x MFU {hardware.mfu:g}) = "
         f"{cost['prefill_ms_per_token']:.4f} ms per token (attention's quadratic term "
         "left out)",
         f"pull: {kv_token:,.0f} B per token + {state_request / 1e6:.1f} MB per request "
         f"at {hardware.pull_gbps:g} GB/s",
     ]
-    return Plan(effective, num_blocks, cost, m, lines)
+    return Plan(effective, num_blocks, mamba_groups, cost, m, lines)

@@ -32,7 +32,7 @@ class LookupOptions:
     version: str
     connector: str = "nixl"
     prompt_len: int = 17408
-    block_size: int = 640
+    block_size: int = 1152
     calls: int = 2000
     repeats: int = 15
 
@@ -60,7 +60,11 @@ class _Worker:
             end = data.rfind(b"\n") + 1
             for line in data[:end].splitlines():
                 self.seen += len(line) + 1
-                if line.startswith(b"{") and key in (doc := json.loads(line)):
+                try:
+                    doc = json.loads(line) if line.startswith(b"{") else {}
+                except ValueError:
+                    continue
+                if key in doc:
                     return doc
             if self.child.poll() is not None or time.monotonic() > deadline:
                 raise BenchError(f"lookup worker ({self.build}) stopped answering; log {self.log}")
@@ -72,10 +76,15 @@ class _Worker:
         self.child.stdin.flush()
         return self.next_line("sample", READY_TIMEOUT)["sample"]
 
-    def close(self) -> None:
-        if self.child.stdin:
-            self.child.stdin.close()
-        if proc.wait(self.child, 10) is None:
+    def close(self, wait: float) -> None:
+        """End the worker: close its stdin (it exits), give it ``wait`` s, then stop
+        its process group."""
+        try:
+            if self.child.stdin:
+                self.child.stdin.close()
+        except OSError:
+            pass
+        if proc.wait(self.child, wait) is None:
             proc.stop(self.child)
 
 
@@ -95,7 +104,8 @@ def run(series: Series, options: LookupOptions, log: Callable[[str], None] = lam
         spec = {"builders_dir": str(env.builders_dir), "connector": options.connector,
                 "prompt_len": options.prompt_len, "block_size": options.block_size,
                 "calls": options.calls}
-        workers = {}
+        workers: dict[str, _Worker] = {}
+        wait = 10.0  # a clean end: the workers exit when their stdin closes
         try:
             for build in BUILDS:
                 workers[build] = _Worker(env, build, spec)
@@ -106,9 +116,15 @@ def run(series: Series, options: LookupOptions, log: Callable[[str], None] = lam
                 for build in BUILDS if i % 2 == 0 else BUILDS[::-1]:
                     samples[build].append(workers[build].sample())
                 log(f"lookup: sample {i + 1}/{options.repeats}")
+        except BaseException:
+            wait = 0.0  # failed or interrupted: stop them now
+            raise
         finally:
             for w in workers.values():
-                w.close()
+                try:
+                    w.close(wait)
+                except BaseException:  # a second interrupt still stops the others
+                    proc.stop(w.child)
     ratios = {
         path: [p[path] / s[path] for s, p in zip(samples["stock"], samples["patched"])]
         for path in PATHS

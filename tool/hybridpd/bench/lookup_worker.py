@@ -37,7 +37,12 @@ def _inline_lookup(sched):
 
     def lookup(request):
         if may_complete(request):
-            return manager.get_computed_blocks_for_connector(request)
+            blocks, hit, diverged = manager.get_computed_blocks_for_connector(request)
+            if diverged:
+                # schedule() records a kept divergent hit's stats itself (after the
+                # connector's answer; stock's get_computed_blocks records them inside).
+                manager.record_prefix_cache_stats(request, hit)
+            return blocks, hit
         return manager.get_computed_blocks(request)
 
     return lookup, ("connector.may_complete_divergent_local_hybrid_hit, then "

@@ -48,21 +48,46 @@ def replay_table(report: ReplayReport) -> str:
         a, b = stock[key], patched[key]
         ratio = f"{b / a:.2f}x" if a else "-"
         lines.append(f"{label:34} {_fmt(a):>14} {_fmt(b):>14} {ratio:>14}")
+    fraction = report.hit_fraction()
+    share = f"{fraction * 100:.2f}% of the limit" if fraction is not None else "no limit (0)"
     lines.append(
-        f"patched hit: {report.hit_fraction() * 100:.2f}% of the limit; "
-        "exact: counts read from vLLM's scheduler; modelled: TTFT and tok/s"
+        f"patched hit: {share}; exact: counts read from vLLM's scheduler; "
+        "modelled: TTFT and tok/s"
     )
     return "\n".join(lines)
 
 
-def replay_png(report: ReplayReport, dest: Path) -> None:
-    """Running and waiting requests over scheduler steps, stock against patched."""
+def gate_problems(report: ReplayReport, expect_hit: float | None, expect_gap: bool) -> list[str]:
+    """What fails ``--expect-hit FRACTION`` and ``--expect-gap`` (empty: both pass)."""
+    problems = []
+    fraction = report.hit_fraction()
+    if expect_hit is not None:
+        if fraction is None:
+            problems.append("the workload allows no decode-side hit (the limit is 0): "
+                            "--expect-hit cannot pass")
+        elif fraction < expect_hit:
+            problems.append(f"patched hit {fraction * 100:.2f}% of the limit, below "
+                            f"{expect_hit * 100:g}%")
+    stock, patched = (report.results[b]["hit_tokens"] for b in ("stock", "patched"))
+    if expect_gap and not stock < patched:
+        problems.append(f"stock's hit ({stock:,} tokens) is not below patched's ({patched:,})")
+    return problems
+
+
+def require_matplotlib() -> None:
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise HybridpdError(
             "--png needs matplotlib in hybridpd's environment: pip install 'hybridpd[bench]'"
         ) from None
+
+
+def replay_png(report: ReplayReport, dest: Path) -> None:
+    """Running and waiting requests over modelled time, stock against patched."""
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

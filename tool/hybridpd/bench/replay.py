@@ -22,7 +22,8 @@ DRIVER = Path(__file__).with_name("decode_replay.py")
 
 #: Connector sets a replay can run (the builders' names): NIXL alone, and NIXL beside
 #: a connector that does not deliver the Mamba state (upstream's gate is false).
-CONNECTORS = ("nixl", "nixl+decodebench", "decodebench+nixl")
+#: (DecodeBench first would fill every new request itself: no NIXL load at all.)
+CONNECTORS = ("nixl", "nixl+decodebench")
 
 #: Keys of a build's result in the report (the JSON contract), in order.
 RESULT_KEYS = (
@@ -68,9 +69,10 @@ class ReplayReport:
             k: (round(patched[k] / stock[k], 3) if stock[k] else None) for k in RATIO_KEYS
         }
 
-    def hit_fraction(self, build: str = "patched") -> float:
+    def hit_fraction(self, build: str = "patched") -> float | None:
+        """The hit as a fraction of the limit; None when the workload allows none."""
         r = self.results[build]
-        return r["hit_tokens"] / r["limit_tokens"] if r["limit_tokens"] else 1.0
+        return r["hit_tokens"] / r["limit_tokens"] if r["limit_tokens"] else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +93,7 @@ def spec(options: ReplayOptions, plan: deployment.Plan, env: BenchEnv, build: st
         "connector": options.connector,
         "block_size": plan.block_size,
         "num_blocks": plan.num_blocks,
+        "num_mamba_groups": plan.num_mamba_groups,
         "max_num_seqs": options.max_num_seqs,
         "max_num_batched_tokens": options.max_num_batched_tokens,
         "max_model_len": options.max_model_len,
