@@ -6,7 +6,10 @@
 #   2. `hybridpd check`: records, patch files and a fresh checkout + apply + export agree;
 #   3. per ported pin, `hybridpd test`: the red->green patch tests (stock / without the
 #      patch / patched) and vLLM's own tests of the touched modules;
-#   4. the CPU prefill/decode end-to-end runs on v0.32.0 (`hybridpd e2e`): the smoke,
+#   4. a reduced `hybridpd bench replay` of 0.20.2 (NIXL) and 0.33.0 (NIXL beside a
+#      connector upstream's gate refuses): red if the patched decode-side hit falls below
+#      99 % of the block-rounded limit;
+#   5. the CPU prefill/decode end-to-end runs on v0.32.0 (`hybridpd e2e`): the smoke,
 #      stock and patched; `apply --installed` on a copy of the smoke's stock venv (a PD
 #      pair from it takes the decode-side hit; --revert restores every file); the
 #      correctness scenario on the patched build (every
@@ -17,7 +20,7 @@
 # compares it with the committed stock baseline (tool/hybridpd/data/upstream/), which
 # keeps a CI run on 2 cores under an hour. `--full` runs the full upstream selection on
 # stock and patched (what ci/github-workflow.yml runs as a matrix over the pins).
-# `--pins "0.20.2 0.33.0"` limits step 3; `--no-e2e` skips step 4.
+# `--pins "0.20.2 0.33.0"` limits step 3; `--no-e2e` skips step 5.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -47,7 +50,7 @@ step() {
 
 install() {
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet -e '.[test]'
+  "$venv/bin/python" -m pip install --quiet -e '.[test,bench]'
 }
 
 # The smoke's stock venv, patched in place by `apply --installed` (a copy of it), must serve
@@ -78,6 +81,17 @@ for pin in $pins; do
       "$hpd" test --pin "$pin" --suite all --stock-baseline
   fi
 done
+
+# The seed's workload, scaled down (64 prompts, output 128, concurrency 32) on the
+# default H20-sized pool; docs/benchmarks.md has the full-scale runs. Both pins run
+# whatever --pins says: the gate is about the bench, not the pin list.
+bench_gate() {
+  "$hpd" bench replay --pin 0.20.2 --connector nixl \
+    --num-prompts 64 --output-len 128 --concurrency 32 --expect-hit 0.99 --expect-gap
+  "$hpd" bench replay --pin 0.33.0 --connector nixl+decodebench \
+    --num-prompts 64 --output-len 128 --concurrency 32 --expect-hit 0.99 --expect-gap
+}
+step "hybridpd bench replay, reduced (patched hit >= 99% of the limit)" bench_gate
 
 if [ "$e2e" = 1 ]; then
   if "$hpd" e2e --help >/dev/null 2>&1; then

@@ -59,7 +59,7 @@ _TINY_OPT_CONFIG = {
     "ffn_dim": 128,
     "num_attention_heads": 4,
     "num_hidden_layers": 2,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 32768,
     "vocab_size": 1024,
     "word_embed_proj_dim": 64,
     "do_layer_norm_before": True,
@@ -116,6 +116,8 @@ def vllm_config(
     enable_prefix_caching: bool = True,
     kv_load_failure_policy: str = "fail",
     hybrid_kv_cache_manager: bool | None = None,
+    max_num_seqs: int = 16,
+    max_model_len: int = 4096,
 ) -> VllmConfig:
     """A VllmConfig of a PD instance with the hybrid allocator enabled.
 
@@ -130,11 +132,12 @@ def vllm_config(
         dtype="float32",
         seed=0,
         skip_tokenizer_init=True,
+        max_model_len=max_model_len,
     )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=4096,
+        max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )

@@ -34,6 +34,7 @@ from hybridpd.apply import checkout_pin
 from hybridpd.apply import status as checkout_status
 from hybridpd.checkout import SOURCES, Source
 from hybridpd.checkout import checkout as make_checkout
+from hybridpd.bench.command import bench_group
 from hybridpd.e2e.command import e2e_command
 from hybridpd.errors import CheckFailed, DoctorFailed
 from hybridpd.export import check as check_series
@@ -831,3 +832,4 @@ def export_pr(
 
 # Commands defined in other modules ------------------------------------------------
 main.add_command(e2e_command)
+main.add_command(bench_group)

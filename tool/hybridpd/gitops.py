@@ -227,7 +227,12 @@ def worktree(repo: Path, rev: str, path: Path) -> Iterator[Path]:
         yield path
     finally:
         run(repo, "worktree", "remove", "--force", str(path))
-        run(repo, "worktree", "prune")
+        prune_worktrees(repo)
+
+
+def prune_worktrees(repo: Path) -> None:
+    """Forget work trees of ``repo`` whose directories are gone."""
+    run(repo, "worktree", "prune")
 
 
 def fetch_ref(repo: Path, source: Path, ref: str) -> None:

@@ -178,15 +178,17 @@ def start(
     *,
     cwd: Path | str | None = None,
     env: Mapping[str, str] | None = None,
+    stdin: bool = False,
 ) -> subprocess.Popen:
-    """Start ``cmd`` in its own session, stdin closed, output to ``log_file`` (after a
-    ``$ command`` line). ``env`` None means :func:`clean_env`."""
+    """Start ``cmd`` in its own session, output to ``log_file`` (after a ``$ command``
+    line); stdin closed, or a pipe (``proc.stdin``) with ``stdin``. ``env`` None means
+    :func:`clean_env`."""
     args = [str(c) for c in cmd]
     with open(log_file, "ab") as out:
         out.write(f"$ {' '.join(args)}\n".encode())
         out.flush()
         return subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else clean_env(), cwd=cwd,
             start_new_session=True,
         )

@@ -138,7 +138,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     for build in builds:
         override = patched_venv if build == "patched" else stock_venv
         envs[build] = given(override, build) if override else prepare(
-            series, pin.version, build, device, _log, torch=torch_spec
+            series, pin.version, build, device, log, torch=torch_spec
         )
     opts = sc.ServerOptions(
         device=device, block_size=block_size, max_model_len=max_model_len,
@@ -228,21 +228,21 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
                                 pair, procs, vocab,
                                 sc.SmokeOptions(prompt_tokens, shared_tokens, max_tokens,
                                                 baseline_tokens, seed),
-                                _log,
+                                log,
                             )
                         elif scenario == "correctness":
                             result = sc.run_correctness(
                                 pair, procs, vocab,
                                 sc.CorrectnessOptions(block_size=block_size,
                                                       max_tokens=max_tokens, seed=seed),
-                                _log,
+                                log,
                             )
                         else:
                             result = sc.run_prefix_repetition(
                                 pair, procs, env, model,
                                 sc.BenchOptions(prefix_len, suffix_len, num_prefixes, output_len,
                                                 num_prompts, concurrency, seed),
-                                run_dir, _log,
+                                run_dir, log,
                             )
                         t2 = time.monotonic()
                     except E2EError:

@@ -1,0 +1,272 @@
+"""``hybridpd bench``: the deployment's derivation, the replay's stand-ins and report,
+the lookup's alternation, the runner of bench scripts and the CLI gate.
+
+The replay and lookup scripts drive real vLLM classes only under a pin's test
+environment; CI runs a reduced replay of two pins with ``--expect-hit 0.99``
+(ci/test.sh). Here the parts that need no vLLM are tested directly, and the scripts'
+protocol with stand-in scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hybridpd import cli
+from hybridpd.bench import decode_replay, deployment, env, lookup, render, replay
+
+
+# -- deployment ---------------------------------------------------------------------
+
+def test_default_plan_derives_the_block_and_pool_from_the_h20() -> None:
+    plan = deployment.plan(deployment.Workload(), deployment.Hardware(),
+                           deployment.load_model_config(None))
+    # A GDN state (bf16 conv 49,152 B + fp32 SSM 2,097,152 B) needs 1,048 tokens of
+    # attention page (2,048 B/token): vLLM raises --block-size 128 to 9 x 128.
+    assert plan.block_size == 1152
+    assert plan.num_mamba_groups == 3
+    assert 34e9 < plan.model["params"] < 36e9  # the "35B" of the name
+    assert 3e9 < plan.model["active_params"] < 4e9  # the "A3B"
+    pool = 96 * 2**30 * 0.9 - plan.model["params"] * 2 - 4 * 2**30
+    assert plan.num_blocks == int(pool // (10 * 1152 * 2048)) == 811
+    assert any("811 blocks of 1152 tokens" in line for line in plan.derivation)
+
+
+def test_pool_options_override_the_derivation() -> None:
+    config = deployment.load_model_config(None)
+    w, h = deployment.Workload(), deployment.Hardware()
+    assert deployment.plan(w, h, config, kv_blocks=123).num_blocks == 123
+    assert deployment.plan(w, h, config, kv_gib=1.0).num_blocks == 2**30 // (10 * 1152 * 2048)
+    with pytest.raises(ValueError, match="holds no block"):
+        deployment.plan(w, deployment.Hardware(hbm_gib=60), config)
+
+
+def test_ssm_dtype_of_the_config_sizes_the_block() -> None:
+    config = dict(deployment.QWEN35_35B_A3B, mamba_ssm_dtype=None)  # the model's bf16
+    plan = deployment.plan(deployment.Workload(), deployment.Hardware(), config)
+    assert plan.block_size == 640  # 1,097,728 B of state: 5 x 128 tokens
+
+
+def test_a_block_already_larger_than_the_state_is_kept() -> None:
+    plan = deployment.plan(deployment.Workload(), deployment.Hardware(),
+                           deployment.load_model_config(None), block_size=2048)
+    assert plan.block_size == 2048
+
+
+def test_model_config_file_with_layer_types(tmp_path: Path) -> None:
+    config = dict(deployment.QWEN35_35B_A3B, num_hidden_layers=8)
+    config["layer_types"] = ["linear_attention"] * 6 + ["full_attention"] * 2
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"text_config": config}))
+    shape = deployment.shape(deployment.load_model_config(path))
+    assert (shape["full_attention_layers"], shape["linear_attention_layers"]) == (2, 6)
+    plan = deployment.plan(deployment.Workload(), deployment.Hardware(),
+                           deployment.load_model_config(path), kv_blocks=10)
+    assert plan.num_mamba_groups == 3
+
+
+# -- the replay's stand-ins -----------------------------------------------------------
+
+WORKLOAD = {"prefix_len": 40, "suffix_len": 8, "num_prefixes": 2, "num_prompts": 10,
+            "output_len": 4, "concurrency": 4, "seed": 3}
+
+
+def test_prompts_share_their_prefix_and_differ_in_their_suffix() -> None:
+    prompts = decode_replay.Prompts(WORKLOAD)
+    assert sorted(prompts.order) == [0] * 5 + [1] * 5
+    made = [prompts.prompt(i) for i in range(10)]
+    for i, p in enumerate(made):
+        assert len(p) == 48 and p[:40] == prompts.prefixes[prompts.order[i]]
+    assert len({tuple(p[40:]) for p in made}) == 10
+    assert decode_replay.Prompts(WORKLOAD).prompt(7) == made[7]  # deterministic
+
+
+def test_prefill_instance_computes_a_prefix_once_and_serves_in_order() -> None:
+    p = decode_replay.PrefillInstance({"prefill_ms_per_token": 1.0}, WORKLOAD)
+    assert p.submit(0, 0.0) == 48  # prefix + suffix
+    assert p.submit(0, 0.0) == 56  # queued behind it; suffix only
+    assert p.submit(1, 100.0) == 148  # idle until sent; a new prefix
+    assert p.submit(1, 0.0) == 156
+
+
+class _Req:
+    def __init__(self, computed: int, tokens: int) -> None:
+        self.num_computed_tokens, self.num_tokens = computed, tokens
+
+
+class _Out:
+    def __init__(self, scheduled: dict[str, int]) -> None:
+        self.num_scheduled_tokens = scheduled
+
+
+def test_step_cost_counts_context_requests_and_extra_tokens() -> None:
+    cost = {"step_overhead_ms": 1.0, "weights_read_ms": 10.0, "kv_read_ms_per_token": 0.01,
+            "state_read_ms_per_request": 0.5, "prefill_ms_per_token": 0.1}
+    requests = {"a": _Req(100, 101), "b": _Req(50, 60)}
+    assert decode_replay.step_ms(cost, _Out({}), requests) == 0.0
+    got = decode_replay.step_ms(cost, _Out({"a": 1, "b": 11}), requests)
+    assert got == pytest.approx(1 + 10 + 150 * 0.01 + 2 * 0.5 + 10 * 0.1)
+
+
+# -- the report and its renderings ---------------------------------------------------
+
+def _result(**over) -> dict:
+    base = {k: 1 for k in replay.RESULT_KEYS}
+    base.update(over)
+    return base
+
+
+def _report(patched_hit: int = 99, limit: int = 100) -> replay.ReplayReport:
+    trace = [(1, 10.0, 3, 5), (2, 20.0, 4, 4)]
+    return replay.ReplayReport(
+        "0.20.2", "nixl", "v0.20.2 + scheduler-mamba-external-kv", dict(WORKLOAD), {"kv_blocks": 997, "block_size": 640},
+        {"stock": _result(hit_tokens=0, limit_tokens=limit, output_tps_est=400.0, steps=10),
+         "patched": _result(hit_tokens=patched_hit, limit_tokens=limit, output_tps_est=800.0,
+                            steps=5)},
+        {"stock": trace, "patched": trace},
+    )
+
+
+def test_report_json_has_the_documented_keys_and_ratios() -> None:
+    doc = _report().to_json()
+    for key in ("pin", "stock_build", "workload", "cost_model", "stock", "patched"):
+        assert key in doc
+    for key in ("hit_tokens", "limit_tokens", "pulled_tokens", "blocks_allocated",
+                "peak_running", "mean_running", "preemptions", "steps", "ttft_ms_est",
+                "output_tps_est"):
+        assert key in doc["stock"] and key in doc["patched"]
+    assert doc["ratios"]["output_tps_est"] == 2.0
+    assert doc["ratios"]["steps"] == 0.5
+    assert _report().hit_fraction() == 0.99
+
+
+def test_table_names_exact_and_modelled_figures() -> None:
+    text = render.replay_table(_report())
+    assert "99.00% of the limit" in text
+    assert "output tok/s (modelled)" in text and "2.00x" in text
+
+
+def test_gates() -> None:
+    assert render.gate_problems(_report(99), 0.99, True) == []
+    assert render.gate_problems(_report(98), 0.99, False) == [
+        "patched hit 98.00% of the limit, below 99%"]
+    assert render.gate_problems(_report(0), None, True) == [
+        "stock's hit (0 tokens) is not below patched's (0)"]
+    no_limit = _report(0, limit=0)
+    assert no_limit.hit_fraction() is None
+    assert "the limit is 0" in render.gate_problems(no_limit, 0.5, False)[0]
+    assert "no limit (0)" in render.replay_table(no_limit)
+
+
+def test_png_is_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra (CI installs it)")
+    render.replay_png(_report(), tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_expect_hit_fails_the_command_below_the_fraction(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(replay, "run", lambda series, options, log, status: _report(98))
+    monkeypatch.setattr(cli.State, "series", None)
+    runner = CliRunner()
+    ok = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--expect-hit", "0.98"])
+    assert ok.exit_code == 0, ok.output
+    bad = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--expect-hit", "0.99",
+                                   "--json"])
+    assert bad.exit_code == 1
+    assert json.loads(bad.stdout)["patched"]["hit_tokens"] == 98
+    assert "98.00% of the limit" in bad.stderr
+    usage = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--num-prompts", "0"])
+    assert usage.exit_code == 2 and "--num-prompts" in usage.stderr
+
+
+# -- running bench scripts -----------------------------------------------------------
+
+class _Env(env.BenchEnv):
+    """A bench environment whose "builds" run this interpreter."""
+
+    def python(self) -> Path:
+        return Path(sys.executable)
+
+    def env(self, build: str) -> dict[str, str]:
+        return {**os.environ, "BUILD": build}
+
+
+def _env(tmp_path: Path) -> _Env:
+    return _Env("0.0.0", tmp_path, tmp_path, {"stock": tmp_path, "patched": tmp_path}, tmp_path,
+                ("scheduler-mamba-external-kv",))
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_run_script_passes_progress_and_reads_the_result(tmp_path: Path) -> None:
+    script = _script(tmp_path, """
+        import json, os, sys
+        spec = json.load(open(sys.argv[1]))
+        for i in range(3):
+            print(json.dumps({"build": os.environ["BUILD"], "i": i}), file=sys.stderr, flush=True)
+        print("a line that is not progress", file=sys.stderr)
+        json.dump({"echo": spec["x"]}, open(spec["out"], "w"))
+    """)
+    seen = []
+    result = env.run_script(_env(tmp_path), "patched", script, {"x": 5}, seen.append)
+    assert result == {"echo": 5}
+    assert [e["i"] for e in seen] == [0, 1, 2] and seen[0]["build"] == "patched"
+
+
+def test_run_script_failure_names_the_log(tmp_path: Path) -> None:
+    script = _script(tmp_path, "raise SystemExit('no pool')\n")
+    with pytest.raises(env.BenchError, match=r"script on 0.0.0 stock failed \(exit 1\): no pool; log "):
+        env.run_script(_env(tmp_path), "stock", script, {})
+
+
+def _fake_lookup_env(tmp_path: Path, monkeypatch, worker: Path) -> None:
+    """Make ``lookup.run`` use :class:`_Env` and ``worker`` instead of a pin's."""
+    import contextlib
+
+    fake = _env(tmp_path)
+    monkeypatch.setattr(lookup, "prepared",
+                        lambda series, version, log: contextlib.nullcontext(fake))
+    monkeypatch.setattr(lookup, "WORKER", worker)
+
+
+def test_lookup_alternates_builds_and_reports_the_ratio_spread(tmp_path, monkeypatch) -> None:
+    worker = _script(tmp_path, """
+        import json, os, sys
+        build = os.environ["BUILD"]
+        slow = 1.02 if build == "patched" else 1.0
+        print("{not json")
+        print(json.dumps({"ready": True, "hits": {"decode": 7, "plain": 3}, "timed": "f"}), flush=True)
+        n = 0
+        for _ in sys.stdin:
+            n += 1
+            with open("order", "a") as fh:
+                fh.write(build + "\\n")
+            print(json.dumps({"sample": {"decode": 100 * slow * n, "plain": 50 * slow * n}}), flush=True)
+    """)
+    _fake_lookup_env(tmp_path, monkeypatch, worker)
+    report = lookup.run(None, lookup.LookupOptions("0.0.0", repeats=4, calls=1))
+    ratio = report["ratio_patched_over_stock"]
+    assert ratio["decode"]["median"] == pytest.approx(1.02)
+    assert ratio["plain"]["min"] == pytest.approx(1.02)
+    assert report["hit_tokens"]["patched"] == {"decode": 7, "plain": 3}
+    assert "1.020 [1.020, 1.020]" in lookup.table(report)
+    assert report["stock_build"] == "v0.0.0 + scheduler-mamba-external-kv"
+    order = (tmp_path / "order").read_text().split()
+    assert order == ["stock", "patched", "patched", "stock"] * 2
+
+
+def test_lookup_worker_that_dies_is_one_error(tmp_path, monkeypatch) -> None:
+    worker = _script(tmp_path, "raise SystemExit('import failed')\n")
+    _fake_lookup_env(tmp_path, monkeypatch, worker)
+    with pytest.raises(env.BenchError, match=r"lookup worker \(stock\) stopped answering; log "):
+        lookup.run(None, lookup.LookupOptions("0.0.0", repeats=1, calls=1))

@@ -1,0 +1,343 @@
+"""Replay a prefix-repetition workload through one vLLM tree's decode instance.
+
+Runs as a script under a pin's test environment, with the tree (stock or patched) on
+``PYTHONPATH``: ``python decode_replay.py SPEC.json``. Standard library, the pin's
+vLLM and ``tests/patches/builders.py`` only (the spec names its directory). Progress
+goes to stderr as JSON lines; the result is one JSON object, written to the spec's
+``out`` (stdout without one).
+
+What is real: vLLM's ``Scheduler``, its KV cache manager, its hybrid coordinator and
+the KV connector's scheduler side (NIXL, or a MultiConnector), built by the same
+builders the patch tests use. What stands in: the client (a closed loop at the
+workload's concurrency), the prefill instance (a FIFO server that computes each
+prompt at a modelled per-token cost, with its own prefix cache), the worker (it
+reports a KV load finished once the modelled pull time has passed, and samples one
+token for every request that has computed all its tokens) and the clock (each step
+takes the modelled time of the batch it ran). Hits, pulls, blocks, running and
+waiting requests, preemptions and steps are counted from vLLM's own objects, so they
+are exact for the modelled arrival times; TTFT and throughput follow the cost model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+#: The token every stand-in sample returns (never the builders' EOS).
+SAMPLED_TOKEN = 7
+#: Points kept in the running/waiting trace (the plot's resolution).
+TRACE_POINTS = 2000
+
+
+def _progress(build: str, done: int, total: int, steps: int) -> None:
+    print(json.dumps({"build": build, "finished": done, "total": total, "steps": steps}),
+          file=sys.stderr, flush=True)
+
+
+class Prompts:
+    """The prefix-repetition prompts (vLLM's ``prefix_repetition`` dataset shape):
+    ``num_prefixes`` shared prefixes, a distinct suffix per prompt, shuffled order.
+    Prompts are made when sent, so only the ones in flight are held."""
+
+    def __init__(self, w: dict[str, Any]) -> None:
+        self.w = w
+        rng = random.Random(w["seed"])
+        self.prefixes = [
+            [rng.randrange(3, 1000) for _ in range(w["prefix_len"])]
+            for _ in range(w["num_prefixes"])
+        ]
+        self.order = [i % w["num_prefixes"] for i in range(w["num_prompts"])]
+        rng.shuffle(self.order)
+        self.seed = w["seed"]
+
+    def prompt(self, index: int) -> list[int]:
+        rng = random.Random(f"{self.seed}:{index}")
+        suffix = [rng.randrange(3, 1000) for _ in range(self.w["suffix_len"])]
+        return self.prefixes[self.order[index]] + suffix
+
+
+class PrefillInstance:
+    """The prefill side: a FIFO server at ``prefill_ms_per_token``, with its own
+    prefix cache (the first prompt of a prefix computes it all, later ones only
+    their suffix). Returns when each prompt's KV is ready to pull."""
+
+    def __init__(self, cost: dict[str, float], w: dict[str, Any]) -> None:
+        self.cost, self.w = cost, w
+        self.free_at = 0.0
+        self.cached: set[int] = set()
+
+    def submit(self, prefix: int, now: float) -> float:
+        tokens = self.w["suffix_len"]
+        if prefix not in self.cached:
+            tokens += self.w["prefix_len"]
+            self.cached.add(prefix)
+        self.free_at = max(self.free_at, now) + tokens * self.cost["prefill_ms_per_token"]
+        return self.free_at
+
+
+def step_ms(cost: dict[str, float], sched_output, requests) -> float:
+    """Modelled time of one decode step: a fixed launch overhead, one read of the
+    weights, each scheduled request's attention context and Mamba state, and the
+    tokens computed beyond one per request (local prefill and recompute)."""
+    scheduled = sched_output.num_scheduled_tokens
+    if not scheduled:
+        return 0.0
+    context = sum(requests[rid].num_computed_tokens for rid in scheduled)
+    extra = sum(n - 1 for n in scheduled.values())
+    return (
+        cost["step_overhead_ms"]
+        + cost["weights_read_ms"]
+        + context * cost["kv_read_ms_per_token"]
+        + len(scheduled) * cost["state_read_ms_per_request"]
+        + extra * cost["prefill_ms_per_token"]
+    )
+
+
+def worker_output(sched_output, requests, finished_recving: set[str]):
+    """What the stand-in worker returns: a token for every request that has now
+    computed all its tokens (none for a chunk of a prefill), and the loads done."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    req_ids = list(sched_output.num_scheduled_tokens)
+    sampled = [
+        [SAMPLED_TOKEN]
+        if requests[rid].num_computed_tokens >= requests[rid].num_tokens else []
+        for rid in req_ids
+    ]
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=(
+            KVConnectorOutput(finished_recving=finished_recving)
+            if finished_recving else None
+        ),
+    )
+
+
+class Counters:
+    """Wraps the connector's ``update_state_after_alloc`` and the block pool's
+    ``get_new_blocks`` on this scheduler instance (both still run unchanged).
+
+    ``update_state_after_alloc`` is where the scheduler commits a request's
+    external tokens, after any reconciliation of its hit: the first call per
+    request is its first admission's (``external``); a call with tokens is a load
+    the connector now plans (``planned``, taken by the caller each step).
+    """
+
+    def __init__(self, sched) -> None:
+        self.external: dict[str, int] = {}
+        self.planned: dict[str, int] = {}
+        self.blocks_allocated = 0
+        connector = sched.connector
+        update_state_after_alloc = connector.update_state_after_alloc
+
+        def after_alloc(request, blocks, num_external_tokens):
+            self.external.setdefault(request.request_id, num_external_tokens)
+            if num_external_tokens:
+                self.planned[request.request_id] = num_external_tokens
+            return update_state_after_alloc(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = after_alloc
+        pool = sched.kv_cache_manager.block_pool
+        get_new_blocks = pool.get_new_blocks
+
+        def new_blocks(num_blocks):
+            self.blocks_allocated += num_blocks
+            return get_new_blocks(num_blocks)
+
+        pool.get_new_blocks = new_blocks
+
+
+def replay(spec: dict[str, Any]) -> dict[str, Any]:
+    sys.path.insert(0, spec["builders_dir"])
+    import builders as b
+    from vllm.v1.request import RequestStatus
+
+    w, cost, build = spec["workload"], spec["cost"], spec["build"]
+    bs = spec["block_size"]
+    config = b.vllm_config(
+        block_size=bs,
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        max_model_len=spec["max_model_len"],
+        **b.connectors(spec["connector"]),
+    )
+    sched = b.scheduler(
+        config,
+        b.hybrid_kv_cache_config(
+            num_blocks=spec["num_blocks"], block_size=bs,
+            num_mamba_groups=spec["num_mamba_groups"],
+        ),
+    )
+    counters = Counters(sched)
+    prompts = Prompts(w)
+    prefill = PrefillInstance(cost, w)
+
+    total = w["num_prompts"]
+    next_prompt = 0
+    in_flight = 0
+    arrivals: list[tuple[float, int]] = []  # (time the KV is ready on P, prompt)
+    sent_at_prompt: dict[int, float] = {}
+    sent_at: dict[str, float] = {}
+    prefix_of: dict[str, int] = {}
+    # Tokens a request did not compute itself at its first admission (local hit +
+    # external tokens).
+    admitted: dict[str, int] = {}
+    loads: dict[str, float] = {}  # request -> time its pull completes
+    first_token: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    requests: dict[str, Any] = {}
+    first_of_prefix: set[str] = set()
+    seen_prefixes: set[int] = set()
+    preemptions = 0
+    clock = 0.0
+    steps = 0
+    running_sum = waiting_sum = 0
+    peak_running = peak_waiting = 0
+    peak_usage = 0.0
+    trace: list[tuple[int, float, int, int]] = []
+    started = time.monotonic()
+    last_progress = started
+
+    while len(finished) < total:
+        # The client keeps `concurrency` requests in flight; P computes each prompt.
+        while in_flight < w["concurrency"] and next_prompt < total:
+            prefix = prompts.order[next_prompt]
+            heapq.heappush(arrivals, (prefill.submit(prefix, clock), next_prompt))
+            sent_at_prompt[next_prompt] = clock
+            next_prompt += 1
+            in_flight += 1
+        # Requests whose KV is ready on P reach the decode instance.
+        while arrivals and arrivals[0][0] <= clock:
+            _, index = heapq.heappop(arrivals)
+            tokens = prompts.prompt(index)
+            req = b.request(
+                tokens,
+                b.remote_prefill_params(-(-len(tokens) // bs)),
+                block_size=bs,
+                max_tokens=w["output_len"],
+            )
+            rid = req.request_id
+            sent_at[rid] = sent_at_prompt.pop(index)
+            prefix = prompts.order[index]
+            prefix_of[rid] = prefix
+            if prefix not in seen_prefixes:
+                seen_prefixes.add(prefix)
+                first_of_prefix.add(rid)
+            requests[rid] = req
+            sched.add_request(req)
+
+        output = sched.schedule()
+        for rid, req in requests.items():
+            if rid in admitted or req.status == RequestStatus.WAITING:
+                continue
+            # Admitted this step: scheduled tokens are already in num_computed_tokens.
+            admitted[rid] = req.num_computed_tokens - output.num_scheduled_tokens.get(rid, 0)
+        for rid, external in counters.planned.items():
+            if requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                loads[rid] = (
+                    clock + cost["pull_ms_per_request"]
+                    + external * cost["pull_ms_per_token"]
+                )
+        counters.planned.clear()
+        end = clock + step_ms(cost, output, requests)
+        done = {rid for rid, t in loads.items() if t <= end}
+        for rid in done:
+            del loads[rid]
+        engine_outputs = sched.update_from_output(
+            output, worker_output(output, requests, done)
+        )
+        for outs in engine_outputs.values():
+            for out in outs.outputs:
+                if out.new_token_ids and out.request_id not in first_token:
+                    first_token[out.request_id] = end
+                if out.finish_reason is not None:
+                    finished[out.request_id] = end
+                    req = requests.pop(out.request_id)
+                    preemptions += req.num_preemptions
+                    in_flight -= 1
+
+        if output.num_scheduled_tokens:
+            steps += 1
+            # vLLM's own counts (waiting includes requests whose KV is loading).
+            running, waiting = sched.get_request_counts()
+            running_sum += running
+            waiting_sum += waiting
+            peak_running = max(peak_running, running)
+            peak_waiting = max(peak_waiting, waiting)
+            peak_usage = max(peak_usage, sched.kv_cache_manager.usage)
+            trace.append((steps, round(end, 3), running, waiting))
+            clock = end
+        elif not done:
+            # Nothing ran and no load finished: move the clock to the next event.
+            # Every pending load ends after `clock` (those that ended by `end` were
+            # reported above) and arrivals up to `clock` were added, so nothing is
+            # skipped; with neither left, no step can change anything.
+            upcoming = [t for t in loads.values()]
+            if arrivals:
+                upcoming.append(arrivals[0][0])
+            if not upcoming:
+                raise RuntimeError(
+                    f"{build}: stalled with {len(requests)} request(s) on the decode "
+                    "instance and nothing to wait for (the KV pool cannot hold one "
+                    "request?)"
+                )
+            clock = max(clock, min(upcoming))
+        now = time.monotonic()
+        if now - last_progress >= 2:
+            _progress(build, len(finished), total, steps)
+            last_progress = now
+    _progress(build, len(finished), total, steps)
+
+    # The block-rounded limit: every request but the first of its prefix can reuse
+    # the whole prefix, rounded down to a block, and never its prompt's last token.
+    prompt_len = w["prefix_len"] + w["suffix_len"]
+    reusable = min(w["prefix_len"], prompt_len - 1) // bs * bs
+    limit = reusable * (total - len(first_of_prefix))
+    pulled = sum(counters.external.get(rid, 0) for rid in admitted)
+    hit = sum(admitted.values()) - pulled
+    ttfts = sorted(first_token[r] - sent_at[r] for r in first_token)
+    makespan_ms = max(finished.values())
+    stride = max(1, len(trace) // TRACE_POINTS)
+    return {
+        "build": build,
+        "hit_tokens": hit,
+        "limit_tokens": limit,
+        "pulled_tokens": pulled,
+        "blocks_allocated": counters.blocks_allocated,
+        "peak_block_usage": round(peak_usage, 4),
+        "peak_running": peak_running,
+        "mean_running": round(running_sum / max(steps, 1), 2),
+        "peak_waiting": peak_waiting,
+        "mean_waiting": round(waiting_sum / max(steps, 1), 2),
+        "preemptions": preemptions,
+        "steps": steps,
+        "ttft_ms_est": round(sum(ttfts) / len(ttfts), 1),
+        "ttft_p50_ms_est": round(ttfts[len(ttfts) // 2], 1),
+        "makespan_s_est": round(makespan_ms / 1000, 2),
+        "output_tps_est": round(total * w["output_len"] / (makespan_ms / 1000), 1),
+        "wall_s": round(time.monotonic() - started, 1),
+        "trace": trace[::stride],
+    }
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(open(argv[0]).read())
+    result = json.dumps(replay(spec))
+    if spec.get("out"):
+        with open(spec["out"] + ".tmp", "w") as fh:
+            fh.write(result)
+        os.replace(spec["out"] + ".tmp", spec["out"])
+    else:
+        print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
