@@ -534,7 +534,12 @@ class CorrectnessOptions:
     block_size: int = 128
     prefix_blocks: int = 4  # the shared prefix: whole blocks, so a hit can end on it
     max_tokens: int = 16
-    concurrent: int = 6  # requests in flight at once on the small decode pool
+    # Requests in flight at once on the small decode pool (16 blocks of 128). Once the
+    # shared 4-block prefix is a decode-side hit, each request still needs 2 attention
+    # blocks of its own (suffix + 64 output tokens) besides its Mamba blocks: 10 need at
+    # least 4 + 20, so D must preempt however the arrivals interleave. Six needed only
+    # 4 + 12 with full sharing, and a CI run saw no preemption.
+    concurrent: int = 10
     concurrent_max_tokens: int = 64
     seed: int = 0
 
