@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from hybridpd import cli
 from hybridpd.bench import decode_replay, deployment, env, lookup, render, replay
+from hybridpd.errors import UsageError
 
 
 # -- deployment ---------------------------------------------------------------------
@@ -43,7 +44,7 @@ def test_pool_options_override_the_derivation() -> None:
     w, h = deployment.Workload(), deployment.Hardware()
     assert deployment.plan(w, h, config, kv_blocks=123).num_blocks == 123
     assert deployment.plan(w, h, config, kv_gib=1.0).num_blocks == 2**30 // (10 * 1152 * 2048)
-    with pytest.raises(ValueError, match="holds no block"):
+    with pytest.raises(UsageError, match="holds no block"):
         deployment.plan(w, deployment.Hardware(hbm_gib=60), config)
 
 

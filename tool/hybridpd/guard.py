@@ -119,25 +119,31 @@ def directory(dest: Path) -> Iterator[None]:
     if key in _HELD:
         yield
         return
-    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise BusyError(
-                f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
-            ) from None
+    busy = f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
+    with flocked(dest, BusyError(busy), os.O_DIRECTORY) as fd:
         if not dest.is_dir() or os.fstat(fd).st_ino != os.stat(dest).st_ino:
             # Removed (a failed writer cleaned up) and perhaps made again since we
             # opened it: the lock we hold is on a directory that is gone.
-            raise BusyError(
-                f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
-            )
+            raise BusyError(busy)
         _HELD.add(key)
         try:
             yield
         finally:
             _HELD.discard(key)
+
+
+@contextlib.contextmanager
+def flocked(path: Path, busy: HybridpdError, flags: int = 0) -> Iterator[int]:
+    """An exclusive ``flock`` on ``path`` itself (opened read-only with ``flags``, so no
+    lock file is left behind), held for the block; its descriptor is yielded. Raises
+    ``busy`` at once when another process holds it."""
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
+        yield fd
     finally:
         os.close(fd)  # releases the flock
 

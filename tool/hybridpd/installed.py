@@ -27,7 +27,6 @@ byte (and mtime for mtime: the release's bytecode stays valid) what they were.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -218,17 +217,9 @@ def _locked(target: Target) -> Iterator[None]:
                 f"{folder} is not writable by this user: run hybridpd as the user that "
                 "installed the environment"
             )
-    fd = os.open(target.dist_info, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InstalledError(
-                f"{target.dist_info} is busy: another hybridpd is patching it"
-            ) from None
+    busy = InstalledError(f"{target.dist_info} is busy: another hybridpd is patching it")
+    with guard.flocked(target.dist_info, busy):
         yield
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- backup

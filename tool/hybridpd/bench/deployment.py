@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridpd.errors import UsageError
+
 #: A Qwen3.5-35B-A3B-shaped text config (HF key names).
 QWEN35_35B_A3B: dict[str, Any] = {
     "model_type": "qwen3_5_moe_text",
@@ -213,7 +215,7 @@ def plan(
             f"{mamba_groups} Mamba groups"
         )
     if num_blocks < 1:
-        raise ValueError("the KV pool holds no block: give --kv-blocks or --kv-gib")
+        raise UsageError("the KV pool holds no block: give --kv-blocks or --kv-gib")
     hbm = hardware.hbm_tbps * 1e12 * hardware.bandwidth_efficiency  # bytes/s
     flops = hardware.bf16_tflops * 1e12 * hardware.mfu
     kv_token = attn_tok * full
