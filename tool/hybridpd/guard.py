@@ -148,6 +148,30 @@ def flocked(path: Path, busy: HybridpdError, flags: int = 0) -> Iterator[int]:
         os.close(fd)  # releases the flock
 
 
+def write_atomic(path: Path, data: str | bytes, mode: int | None = None) -> None:
+    """Write ``path`` so that a reader, or a process killed mid-write, sees the old file
+    or the new one, never a part: a temporary file beside it (:func:`temporary_of`),
+    flushed to disk, then renamed over it. ``mode``: the new file's permissions."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_of(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def temporary_of(path: Path) -> Path:
+    """The temporary file :func:`write_atomic` writes ``path`` through (one per process,
+    so two writers never share one); a SIGKILL may leave it behind."""
+    return path.with_name(f".{path.name}.{os.getpid()}.hybridpd-tmp")
+
+
 @contextlib.contextmanager
 def entry(path: Path, log: Callable[[str], None]) -> Iterator[None]:
     """Be the only writer of cache entry ``path`` (lock file ``.<name>.lock`` beside it).
@@ -235,9 +259,7 @@ def journal(repo: Path, name: str) -> Iterator[None]:
         "head": gitops.head(repo),
         "locks": sorted(_git_locks(gdir)),
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
     yield
     path.unlink(missing_ok=True)
 

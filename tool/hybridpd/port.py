@@ -182,10 +182,7 @@ class PortState:
         return repo / ".git" / STATE_FILE
 
     def save(self, repo: Path) -> None:
-        path = self.path(repo)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        guard.write_atomic(self.path(repo), json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, repo: Path) -> PortState:
