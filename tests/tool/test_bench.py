@@ -186,6 +186,18 @@ def test_expect_hit_fails_the_command_below_the_fraction(monkeypatch, tmp_path) 
     assert usage.exit_code == 2 and "--num-prompts" in usage.stderr
 
 
+def test_library_usage_errors_show_the_subcommands_usage_line(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(cli.State, "series", None)
+    bad_config = tmp_path / "config.json"
+    bad_config.write_text("not json")
+    runner = CliRunner()
+    for extra in (["--max-model-len", "10"], ["--model-config", str(bad_config)]):
+        result = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--json", *extra])
+        assert result.exit_code == 2, result.output
+        assert "Usage: main bench replay [OPTIONS]" in result.stderr
+        assert json.loads(result.stdout)["ok"] is False
+
+
 # -- running bench scripts -----------------------------------------------------------
 
 class _Env(env.BenchEnv):

@@ -100,7 +100,10 @@ class Plan:
 def load_model_config(path: Path | None) -> dict[str, Any]:
     if path is None:
         return dict(QWEN35_35B_A3B)
-    config = json.loads(Path(path).read_text())
+    try:
+        config = json.loads(Path(path).read_text())
+    except ValueError as exc:  # not JSON: a bad --model-config (exit 2)
+        raise UsageError(str(exc)) from None
     return config.get("text_config", config)
 
 

@@ -22,7 +22,7 @@ _W, _H = deployment.Workload(), deployment.Hardware()
 _POSITIVE = click.IntRange(min=1)
 
 
-@click.group("bench")
+@click.group("bench", cls=jsonout.UsageGroup)
 def bench_group() -> None:
     """Benchmarks of the decode side, stock against patched, without a GPU."""
 

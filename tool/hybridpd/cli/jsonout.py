@@ -61,7 +61,19 @@ class _Failed(click.ClickException):
         self.exit_code = exc.exit_code
 
 
-class JsonGroup(click.Group):
+class UsageGroup(click.Group):
+    """A group whose subcommands' :class:`~hybridpd.errors.UsageError` is click's own,
+    with the subcommand's usage line (a nested group such as ``bench`` is one too, so
+    that its subcommands' usage line is theirs, not the group's)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            raise click.UsageError(exc.message, _command_context(self, ctx)) from None
+
+
+class JsonGroup(UsageGroup):
     """The CLI's one error handler; its commands keep the ``--json`` contract on failure.
 
     A :class:`~hybridpd.errors.HybridpdError` is printed as ``Error: <message>`` with
@@ -84,8 +96,6 @@ class JsonGroup(click.Group):
                     if exc.errno == errno.EPIPE or isinstance(exc, urllib.error.URLError):
                         raise
                     raise LocalFileError.from_os_error(exc) from exc
-            except UsageError as exc:
-                raise click.UsageError(exc.message, _command_context(self, ctx)) from None
             except HybridpdError as exc:
                 raise _Failed(exc) from exc
             except KeyboardInterrupt:
@@ -95,7 +105,6 @@ class JsonGroup(click.Group):
             if doc is not None:
                 click.echo(json.dumps(doc))
             raise
-
 
 
 def _command_context(group: click.Group, ctx: click.Context) -> click.Context | None:
