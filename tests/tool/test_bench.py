@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from hybridpd import cli
 from hybridpd.bench import decode_replay, deployment, env, lookup, render, replay
+from hybridpd.errors import UsageError
 
 
 # -- deployment ---------------------------------------------------------------------
@@ -43,7 +44,7 @@ def test_pool_options_override_the_derivation() -> None:
     w, h = deployment.Workload(), deployment.Hardware()
     assert deployment.plan(w, h, config, kv_blocks=123).num_blocks == 123
     assert deployment.plan(w, h, config, kv_gib=1.0).num_blocks == 2**30 // (10 * 1152 * 2048)
-    with pytest.raises(ValueError, match="holds no block"):
+    with pytest.raises(UsageError, match="holds no block"):
         deployment.plan(w, deployment.Hardware(hbm_gib=60), config)
 
 
@@ -183,6 +184,18 @@ def test_expect_hit_fails_the_command_below_the_fraction(monkeypatch, tmp_path) 
     assert "98.00% of the limit" in bad.stderr
     usage = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--num-prompts", "0"])
     assert usage.exit_code == 2 and "--num-prompts" in usage.stderr
+
+
+def test_library_usage_errors_show_the_subcommands_usage_line(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(cli.State, "series", None)
+    bad_config = tmp_path / "config.json"
+    bad_config.write_text("not json")
+    runner = CliRunner()
+    for extra in (["--max-model-len", "10"], ["--model-config", str(bad_config)]):
+        result = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--json", *extra])
+        assert result.exit_code == 2, result.output
+        assert "Usage: main bench replay [OPTIONS]" in result.stderr
+        assert json.loads(result.stdout)["ok"] is False
 
 
 # -- running bench scripts -----------------------------------------------------------

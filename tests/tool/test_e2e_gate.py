@@ -42,7 +42,7 @@ def test_the_recorded_command_reproduces_non_default_options() -> None:
 
     import click
 
-    from hybridpd.e2e.command import e2e_command, reproducing_argv
+    from hybridpd.cli.e2e import e2e_command, reproducing_argv
 
     args = [
         "--pin", "0.32.0", "--tiny", "--scenario", "prefix-repetition",
@@ -67,7 +67,7 @@ def test_the_recorded_command_reproduces_non_default_options() -> None:
 
 def test_an_explicit_series_is_part_of_the_recorded_command(tmp_path) -> None:
     from hybridpd.cli import main
-    from hybridpd.e2e.command import e2e_command, reproducing_argv
+    from hybridpd.cli.e2e import e2e_command, reproducing_argv
 
     series = tmp_path / "series.toml"
     series.write_text("")
@@ -81,7 +81,7 @@ def test_an_explicit_series_is_part_of_the_recorded_command(tmp_path) -> None:
 def test_e2e_options_have_the_cli_names_and_defaults() -> None:
     import dataclasses
 
-    from hybridpd.e2e.command import e2e_command
+    from hybridpd.cli.e2e import e2e_command
     from hybridpd.e2e.run import E2EOptions
 
     ctx = e2e_command.make_context("e2e", ["--pin", "0.32.0", "--tiny"])

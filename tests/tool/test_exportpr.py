@@ -9,6 +9,7 @@ when the tree's file contains the text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -351,11 +352,10 @@ def test_list_says_why_a_patch_was_dropped(tmp_path):
     lines = result.output.splitlines()
     dead = lines.index("  dropped   dead: title of dead")
     assert lines[dead + 1] == "            why dropped: dropped of dead."
-    from hybridpd.cli import _first_sentence
-
-    assert _first_sentence("Dead, e.g. on v0.32.0 too.  See\n vllm#1.") == (
-        "Dead, e.g. on v0.32.0 too."
+    patch = dataclasses.replace(
+        load(project.series_path).patches[0], dropped="Dead, e.g. on v0.32.0 too.  See\n vllm#1."
     )
+    assert patch.why_dropped == "Dead, e.g. on v0.32.0 too."
     as_json = CliRunner().invoke(
         main, ["--series", str(project.series_path), "list", "--pin", "3.0", "--json"]
     )

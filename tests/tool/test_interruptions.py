@@ -34,8 +34,12 @@ def hybridpd(
     env.pop(guard.FAULT_ENV, None)
     if fault:
         env[guard.FAULT_ENV] = fault
-    if tmp:
-        env["TMPDIR"] = str(tmp)
+    # A killed run cannot remove its temporary trees: keep them in the test's project,
+    # never in the machine's /tmp.
+    if tmp is None:
+        tmp = series.dir.parent / "tmp"
+        tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     if path:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
     code = "import sys; from hybridpd.cli import main; sys.exit(main())"
@@ -218,12 +222,18 @@ def test_sigterm_during_check_leaves_no_temporary_tree(project, tmp_path: Path) 
     assert list(tmp.iterdir()) == []
 
 
-def test_sigkill_during_check_changes_nothing_and_the_next_check_passes(project) -> None:
-    # A killed check cannot remove its temporary tree; it never writes the series.
+def test_sigkill_during_check_changes_nothing_and_the_next_check_passes(
+    project, tmp_path: Path
+) -> None:
+    # A killed check cannot remove its temporary tree (kept in this test's own TMPDIR,
+    # not the machine's); it never writes the series.
     _, series, _ = project
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     before = {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()}
-    killed = hybridpd(series, "check", fault="check:round-trip")
+    killed = hybridpd(series, "check", fault="check:round-trip", tmp=tmp)
     assert killed.returncode == -signal.SIGKILL
+    assert [p.name.startswith("hybridpd-check-") for p in tmp.iterdir()] == [True]
     assert {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()} == before
     again = hybridpd(series, "check")
     assert again.returncode == 0, again.stdout + again.stderr

@@ -265,12 +265,12 @@ def test_a_closed_stdout_is_not_a_local_file_error(
     project: Project, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # `hybridpd list --json | head`: click ends quietly on EPIPE, as before.
-    from hybridpd import cli
+    from hybridpd.cli import jsonout
 
     def closed(_data) -> None:
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
-    monkeypatch.setattr(cli, "_echo_json", closed)
+    monkeypatch.setattr(jsonout, "emit", closed)
     result = run(project.series_path, "list", "--json")
     assert result.exit_code == 1
     assert "local file system" not in result.stderr and "Error" not in result.stderr

@@ -14,8 +14,9 @@ exclusive (one hybridpd operation per checkout at a time).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from hybridpd import gitops, guard
 from hybridpd.errors import (
@@ -46,6 +47,9 @@ class ApplyResult:
     upstream: tuple[str, ...]
     recovered: str | None = None  # a killed earlier operation this call undid first
 
+    def to_json(self) -> dict[str, Any]:
+        return _to_json(self)
+
 
 @dataclass(frozen=True)
 class Status:
@@ -59,6 +63,17 @@ class Status:
     applied: tuple[str, ...]
     pending: tuple[str, ...]
     upstream: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return _to_json(self)
+
+
+def _to_json(result: ApplyResult | Status) -> dict[str, Any]:
+    """Every field in order, tuples as lists (the ``apply``/``status --json`` contracts)."""
+    return {
+        f.name: list(value) if isinstance(value := getattr(result, f.name), tuple) else value
+        for f in fields(result)
+    }
 
 
 @dataclass(frozen=True)

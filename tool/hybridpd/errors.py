@@ -2,9 +2,9 @@
 
 Every expected failure of the library is a :class:`HybridpdError` with a one-line
 message; the library knows nothing of the command line. The CLI's one handler
-(:class:`hybridpd.jsonout.JsonGroup`) prints ``Error: <message>`` and exits with the
-error's code: 1 for a failed operation or check, 2 for bad usage (click's own
-``UsageError``), 130 when interrupted.
+(:class:`hybridpd.cli.jsonout.JsonGroup`) prints ``Error: <message>`` and exits with the
+error's code: 1 for a failed operation or check, 2 for bad usage (:class:`UsageError`,
+or click's own for what click parses), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ class HybridpdError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class UsageError(HybridpdError):
+    """Options that do not go together, or values the library cannot use (exit 2, as
+    click's own usage errors)."""
+
+    exit_code = 2
 
 
 class Interrupted(HybridpdError):

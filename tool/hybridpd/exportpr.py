@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from hybridpd import gitops
 from hybridpd.apply import TRAILER
+from hybridpd.checkout import checkout
 from hybridpd.errors import HybridpdError
 from hybridpd.pytestrun import FINISHED, Counts
 from hybridpd.series import Patch, Pin, Series
@@ -876,3 +877,48 @@ def pytest_runner(pin: Pin, stock: Path, work: Path, log: Log = _noop) -> Runner
         return pytestrun.run_pytest(venv, tree, files, out, hf_home=hf_home, label=label, log=log)
 
     return run
+
+
+# The command ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPrResult:
+    """What ``hybridpd export-pr`` wrote (the ``--json`` contract)."""
+
+    pin: str
+    exports: tuple[PrExport, ...]
+
+    @property
+    def failed(self) -> list[str]:
+        """The patches whose ``--verify`` failed."""
+        return [e.patch_id for e in self.exports if e.verification and not e.verification["ok"]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pin": self.pin, "exports": [e.to_json() for e in self.exports]}
+
+
+def run(
+    series: Series,
+    version: str | None,
+    patch_id: str | None,
+    out_dir: Path,
+    verify_them: bool = False,
+    log: Log = _noop,
+) -> ExportPrResult:
+    """Export ``patch_id`` (None: every patch carried on the pin) of ``version`` (None:
+    the newest pin) into ``out_dir``, from a fresh stock checkout, and with
+    ``verify_them`` prove each directory on it (see :func:`verify`)."""
+    pin = series.pin(version) if version else newest_pin(series)
+    ids = [patch_id] if patch_id else [p.id for p in series.carried(pin)]
+    with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
+        stock = Path(tmp) / "stock"
+        log(f"export-pr: checking out stock {pin.version}")
+        checkout(series, pin.version, stock, source="sdist")
+        exports = export_prs(series, pin, ids, stock, out_dir, log=log)
+        if verify_them:
+            runner = pytest_runner(pin, stock, Path(tmp), log=log)
+            for export in exports:
+                verify(export, stock, runner, series, pin, log=log)
+                write_pr(export, series, *pr_evidence(series, pin, export))
+    return ExportPrResult(pin.version, tuple(exports))

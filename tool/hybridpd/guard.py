@@ -119,27 +119,57 @@ def directory(dest: Path) -> Iterator[None]:
     if key in _HELD:
         yield
         return
-    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise BusyError(
-                f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
-            ) from None
+    busy = f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
+    with flocked(dest, BusyError(busy), os.O_DIRECTORY) as fd:
         if not dest.is_dir() or os.fstat(fd).st_ino != os.stat(dest).st_ino:
             # Removed (a failed writer cleaned up) and perhaps made again since we
             # opened it: the lock we hold is on a directory that is gone.
-            raise BusyError(
-                f"{dest} is busy: another hybridpd process is writing it; run again when it ends"
-            )
+            raise BusyError(busy)
         _HELD.add(key)
         try:
             yield
         finally:
             _HELD.discard(key)
+
+
+@contextlib.contextmanager
+def flocked(path: Path, busy: HybridpdError, flags: int = 0) -> Iterator[int]:
+    """An exclusive ``flock`` on ``path`` itself (opened read-only with ``flags``, so no
+    lock file is left behind), held for the block; its descriptor is yielded. Raises
+    ``busy`` at once when another process holds it."""
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
+        yield fd
     finally:
         os.close(fd)  # releases the flock
+
+
+def write_atomic(path: Path, data: str | bytes, mode: int | None = None) -> None:
+    """Write ``path`` so that a reader, or a process killed mid-write, sees the old file
+    or the new one, never a part: a temporary file beside it (:func:`temporary_of`),
+    flushed to disk, then renamed over it. ``mode``: the new file's permissions."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_of(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def temporary_of(path: Path) -> Path:
+    """The temporary file :func:`write_atomic` writes ``path`` through (one per process,
+    so two writers never share one); a SIGKILL may leave it behind."""
+    return path.with_name(f".{path.name}.{os.getpid()}.hybridpd-tmp")
 
 
 @contextlib.contextmanager
@@ -229,9 +259,7 @@ def journal(repo: Path, name: str) -> Iterator[None]:
         "head": gitops.head(repo),
         "locks": sorted(_git_locks(gdir)),
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
     yield
     path.unlink(missing_ok=True)
 

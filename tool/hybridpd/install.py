@@ -112,10 +112,14 @@ def pick_pin(
 @dataclass
 class InstallResult:
     checkout: Path
+    venv: Path
     applied: ApplyResult
     build: build_mod.BuildResult
     nixl: str | None = None  # the NIXL version installed; None: NixlConnector will not load
     nixl_error: str | None = None
+
+    def to_json(self) -> dict:
+        return {"checkout": str(self.checkout), **self.build.to_json()}
 
     @property
     def cannot_serve(self) -> str | None:
@@ -127,9 +131,9 @@ class InstallResult:
 
 def install(
     series: Series,
-    version: str,
-    dest: Path,
-    venv: Path,
+    version: str | None,
+    dest: Path | None,
+    venv: Path | None,
     *,
     variant: str = "auto",
     source: Source = "sdist",
@@ -137,8 +141,13 @@ def install(
     log: Callable[[str], None] = lambda _: None,
 ) -> InstallResult:
     """Check out ``version`` into ``dest`` (or reuse a checkout of it there), apply
-    its series and build ``venv``. Raises HybridpdError with one line on failure."""
-    pin = series.pin(version)
+    its series and build ``venv``. Raises HybridpdError with one line on failure.
+
+    Defaults: the pin of :func:`pick_pin`, ``vllm-<pin>`` and ``venv-<pin>``.
+    """
+    pin = series.pin(pick_pin(series, version, dest, variant, log))
+    dest = dest or Path(f"vllm-{pin.version}")
+    venv = venv or Path(f"venv-{pin.version}")
     if dest.exists() and any(dest.iterdir()):
         found = checkout_pin(series, dest)
         if found.version != pin.version:
@@ -158,5 +167,5 @@ def install(
         nixl = pdextras.install_nixl(built.python, dest, log)
     except build_mod.BuildError as exc:
         log(f"warning: {exc}; {venv} is built and runs the tests, but NixlConnector will not load")
-        return InstallResult(dest, applied, built, None, str(exc))
-    return InstallResult(dest, applied, built, nixl)
+        return InstallResult(dest, venv, applied, built, None, str(exc))
+    return InstallResult(dest, venv, applied, built, nixl)

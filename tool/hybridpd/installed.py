@@ -27,7 +27,6 @@ byte (and mtime for mtime: the release's bytecode stays valid) what they were.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -218,17 +217,9 @@ def _locked(target: Target) -> Iterator[None]:
                 f"{folder} is not writable by this user: run hybridpd as the user that "
                 "installed the environment"
             )
-    fd = os.open(target.dist_info, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InstalledError(
-                f"{target.dist_info} is busy: another hybridpd is patching it"
-            ) from None
+    busy = InstalledError(f"{target.dist_info} is busy: another hybridpd is patching it")
+    with guard.flocked(target.dist_info, busy):
         yield
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- backup
@@ -256,17 +247,9 @@ def _pycs(path: Path) -> list[Path]:
     return sorted(cache.glob(path.stem + ".*.pyc"))
 
 
-def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".hybridpd-tmp")
-    tmp.write_bytes(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, data: object) -> bytes:
     raw = (json.dumps(data, indent=2) + "\n").encode()
-    _write_atomic(path, raw)
+    guard.write_atomic(path, raw, 0o644)
     return raw
 
 
@@ -313,7 +296,7 @@ def _restore(target: Target, journal: dict) -> None:
                 st = path.stat() if path.is_file() and not path.is_symlink() else None
                 if not (st and st.st_mtime_ns == entry["mtime_ns"]
                         and st.st_mode & 0o7777 == entry["mode"] and path.read_bytes() == data):
-                    _write_atomic(path, data, entry["mode"])
+                    guard.write_atomic(path, data, entry["mode"])
                     os.utime(path, ns=(entry["mtime_ns"], entry["mtime_ns"]))
             backed = {entry["path"] for entry in index}
             for rel in journal["added"]:
@@ -330,11 +313,12 @@ def _restore(target: Target, journal: dict) -> None:
                 shutil.rmtree(folder / "__pycache__", ignore_errors=True)
                 with contextlib.suppress(OSError):
                     folder.rmdir()
-            # A kill inside _write_atomic leaves its temporary file.
+            # A kill inside guard.write_atomic leaves its temporary file.
             for rel in [*journal["written"], os.path.relpath(target.dist_info / "RECORD",
                                                              target.site)]:
                 path = _inside(target, rel)
-                path.with_name(path.name + ".hybridpd-tmp").unlink(missing_ok=True)
+                for tmp in path.parent.glob(f".{path.name}.*.hybridpd-tmp"):
+                    tmp.unlink(missing_ok=True)
             guard.fault("installed:restored")
             (root / "index.json").unlink()
         (target.dist_info / MANIFEST).unlink(missing_ok=True)
@@ -553,7 +537,7 @@ def _overlay(
             files.append({"path": change.path, "status": "D"})
             continue
         mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-        _write_atomic(path, change.data, mode)
+        guard.write_atomic(path, change.data, mode)
         guard.fault(f"installed:file-{len(files) + 1}")
         rows[change.path] = [change.path, wo.record_hash(change.data), str(len(change.data))]
         files.append({
@@ -574,7 +558,9 @@ def _overlay(
         rows[rel] = [rel, wo.record_hash(data), str(len(data))]
     record_rel = os.path.relpath(record, site)
     rows.pop(record_rel, None)
-    _write_atomic(record, wo.write_record([*rows.values(), [record_rel, "", ""]]).encode())
+    guard.write_atomic(
+        record, wo.write_record([*rows.values(), [record_rel, "", ""]]).encode(), 0o644
+    )
     guard.fault("installed:manifest")
     return files
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from typing import Any, Literal
 from hybridpd import cache, gitops, guard, seriesedit
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
-from hybridpd.errors import HybridpdError
+from hybridpd.errors import HybridpdError, UsageError
 from hybridpd.export import export
 from hybridpd.series import Pin, Series
 
@@ -68,6 +69,7 @@ STATE_SCHEMA = 1
 
 Result = Literal["clean", "3way", "resolved", "upstream", "dropped", "conflict"]
 Evidence = Literal["recorded", "reverse-applies", "empty", "manual"]
+Action = Literal["start", "continue", "skip", "abort"]
 CARRIED_RESULTS = ("clean", "3way", "resolved")
 
 
@@ -180,10 +182,7 @@ class PortState:
         return repo / ".git" / STATE_FILE
 
     def save(self, repo: Path) -> None:
-        path = self.path(repo)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        guard.write_atomic(self.path(repo), json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, repo: Path) -> PortState:
@@ -324,6 +323,79 @@ def _resume_locked(
     elif state.current is not None:
         _continue_current(series, dest, state)
     return _run(series, dest, state, log)
+
+
+@dataclass(frozen=True)
+class PortRequest:
+    """One ``hybridpd port`` call, checked: what to do, in which directory."""
+
+    action: Action
+    dir: Path
+    from_version: str | None = None
+    to_version: str | None = None
+    upstream: str | None = None
+
+    @classmethod
+    def parse(
+        cls,
+        from_version: str | None,
+        to_version: str | None,
+        repo: Path | None,
+        go_on: bool = False,
+        skip: bool = False,
+        abort: bool = False,
+        upstream: str | None = None,
+    ) -> PortRequest:
+        """The request the command line's options make, or a :class:`UsageError`.
+
+        A resumed port (``--continue``, ``--skip``, ``--abort``) is checked against the
+        port under way in the directory: a ``--from`` or ``--to`` given must be its own.
+        """
+        if sum((go_on, skip, abort)) > 1:
+            raise UsageError("use only one of --continue, --skip and --abort")
+        if upstream and not skip:
+            raise UsageError("--upstream goes with --skip")
+        if skip and not upstream:
+            raise UsageError("--skip needs --upstream RELEASE (the first release with the change)")
+        action: Action = "continue" if go_on else "skip" if skip else "abort" if abort else "start"
+        if action == "start" and not (from_version and to_version):
+            raise UsageError("--from and --to are required to start a port")
+        if repo is None:
+            if not to_version:
+                raise UsageError("--dir (or --to) is required")
+            repo = default_dir(to_version.removeprefix("v"))
+        if action != "start":
+            started = PortState.load(repo.absolute())
+            for given, actual in ((from_version, started.from_version),
+                                  (to_version, started.to_version)):
+                if given and given.removeprefix("v") != actual:
+                    raise UsageError(
+                        f"the port in {repo} is from {started.from_version} to {started.to_version}"
+                    )
+        return cls(action, repo, from_version, to_version, upstream)
+
+
+def run(series: Series, request: PortRequest, log: Log = _quiet) -> PortReport:
+    """Start or resume the port ``request`` names (not ``abort``: see :func:`abort`)."""
+    if request.action == "start":
+        assert request.from_version and request.to_version
+        return start(series, request.from_version, request.to_version, request.dir, log=log)
+    assert request.action in ("continue", "skip")
+    return resume(series, request.dir, request.action, upstream=request.upstream, log=log)
+
+
+def next_steps(report: PortReport, series_option: Path | None = None) -> list[str]:
+    """The commands that go on from a conflict: continue, skip, abort (with ``--series
+    series_option`` where the port was started with one)."""
+    prefix = "hybridpd"
+    if series_option is not None:
+        prefix += f" --series {shlex.quote(str(series_option))}"
+    where = shlex.quote(str(report.dir))
+    return [
+        f"{prefix} port --continue --dir {where}",
+        f"{prefix} port --skip --upstream RELEASE --dir {where}",
+        f"{prefix} port --abort --dir {where}",
+    ]
 
 
 def abort(dest: Path) -> PortState:

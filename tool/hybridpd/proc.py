@@ -32,6 +32,8 @@ from typing import IO, Any
 
 from hybridpd.errors import HybridpdError
 
+#: A child :func:`start` started (callers name its type without importing subprocess).
+Child = subprocess.Popen
 #: Variables a child never inherits (see the module docstring).
 DROPPED = (
     "PYTHONPATH",
@@ -179,7 +181,7 @@ def start(
     cwd: Path | str | None = None,
     env: Mapping[str, str] | None = None,
     stdin: bool = False,
-) -> subprocess.Popen:
+) -> Child:
     """Start ``cmd`` in its own session, output to ``log_file`` (after a ``$ command``
     line); stdin closed, or a pipe (``proc.stdin``) with ``stdin``. ``env`` None means
     :func:`clean_env`."""

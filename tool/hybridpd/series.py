@@ -83,6 +83,15 @@ class Patch:
     pins: Mapping[str, PinState]
     dropped: str | None = None
 
+    @property
+    def why_dropped(self) -> str | None:
+        """The first sentence of ``dropped``, on one line (what ``list`` prints)."""
+        if self.dropped is None:
+            return None
+        flat = " ".join(self.dropped.split())
+        found = re.search(r"\.\s+(?=[A-Z])", flat)  # not at "e.g. " or "v0.32.0 "
+        return flat if found is None else flat[: found.start() + 1]
+
 
 @dataclass(frozen=True)
 class Series:
@@ -137,6 +146,24 @@ class Series:
     def carried(self, pin: Pin) -> list[Patch]:
         """The patches carried on ``pin``, in apply order."""
         return [p for p, state in self.records(pin) if state.state == "carried"]
+
+    def pin_json(self, pin: Pin) -> dict[str, Any]:
+        """``pin`` and its patches' states (an entry of ``hybridpd list --json``)."""
+        patches = []
+        for patch, state in self.records(pin):
+            entry = {"id": patch.id, "title": patch.title, "state": state.state}
+            if state.release:
+                entry["release"] = state.release
+            if state.state == "dropped":
+                entry["dropped"] = patch.dropped
+            patches.append(entry)
+        return {
+            "version": pin.version,
+            "tag": pin.tag,
+            "sha256": pin.sha256,
+            "ported": pin.ported,
+            "patches": patches,
+        }
 
     def relative(self, path: Path) -> str:
         """``path`` relative to the directory above the series dir, for messages."""

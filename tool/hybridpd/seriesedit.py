@@ -19,7 +19,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import tomlkit
 from tomlkit.items import AoT, Table, Whitespace
 from tomlkit.toml_document import TOMLDocument
 
+from hybridpd import guard
 from hybridpd.errors import SeriesError
 from hybridpd.series import STATES, Series, load, parse
 
@@ -139,15 +139,7 @@ def write_validated(path: Path, text: str, before: str) -> Series:
     if text == before:
         return load(path)
     series = parse(text, path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    guard.write_atomic(path, text)
     return series
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
-from hybridpd import proc, progress
+from hybridpd import guard, proc, progress
 from hybridpd.errors import HybridpdError
 
 #: Bump when the way an environment is built changes, so old environments are rebuilt.
@@ -351,9 +351,7 @@ def _build(venv: Path, inputs: dict, python: str, log: Callable[[str], None]) ->
         built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         build_seconds=round(time.monotonic() - start, 1),
     )
-    tmp = venv / (MARKER_NAME + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-    tmp.replace(venv / MARKER_NAME)
+    guard.write_atomic(venv / MARKER_NAME, json.dumps(marker, indent=2, sort_keys=True) + "\n")
     log(f"testenv: done in {marker['build_seconds']} s: {venv}")
 
 

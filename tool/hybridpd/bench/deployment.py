@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridpd.errors import UsageError
+
 #: A Qwen3.5-35B-A3B-shaped text config (HF key names).
 QWEN35_35B_A3B: dict[str, Any] = {
     "model_type": "qwen3_5_moe_text",
@@ -98,7 +100,10 @@ class Plan:
 def load_model_config(path: Path | None) -> dict[str, Any]:
     if path is None:
         return dict(QWEN35_35B_A3B)
-    config = json.loads(Path(path).read_text())
+    try:
+        config = json.loads(Path(path).read_text())
+    except ValueError as exc:  # not JSON: a bad --model-config (exit 2)
+        raise UsageError(str(exc)) from None
     return config.get("text_config", config)
 
 
@@ -213,7 +218,7 @@ def plan(
             f"{mamba_groups} Mamba groups"
         )
     if num_blocks < 1:
-        raise ValueError("the KV pool holds no block: give --kv-blocks or --kv-gib")
+        raise UsageError("the KV pool holds no block: give --kv-blocks or --kv-gib")
     hbm = hardware.hbm_tbps * 1e12 * hardware.bandwidth_efficiency  # bytes/s
     flops = hardware.bf16_tflops * 1e12 * hardware.mfu
     kv_token = attn_tok * full

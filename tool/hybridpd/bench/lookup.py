@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Callable
 from hybridpd import proc
 from hybridpd.bench.env import BUILDS, BenchEnv, BenchError, prepared
 from hybridpd.bench.replay import CONNECTORS
+from hybridpd.errors import UsageError
 from hybridpd.series import Series
 
 WORKER = Path(__file__).with_name("lookup_worker.py")
@@ -46,7 +46,7 @@ class _Worker:
         self.log.unlink(missing_ok=True)
         spec_path = env.root / f"{build}-lookup.spec.json"
         spec_path.write_text(json.dumps(spec))
-        self.child: subprocess.Popen = proc.start(
+        self.child: proc.Child = proc.start(
             [env.python(), WORKER, spec_path], self.log, cwd=env.root, env=env.env(build), stdin=True
         )
         self.seen = 0
@@ -96,9 +96,9 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def run(series: Series, options: LookupOptions, log: Callable[[str], None] = lambda _: None) -> dict:
     if options.connector not in CONNECTORS:
-        raise ValueError(f"unknown connector set {options.connector}")
+        raise UsageError(f"unknown connector set {options.connector}")
     if options.repeats < 1 or options.calls < 1:
-        raise ValueError("--repeats and --calls must be at least 1")
+        raise UsageError("--repeats and --calls must be at least 1")
     with prepared(series, options.version, log) as env:
         stock_build = f"v{options.version}" + "".join(f" + {p}" for p in env.baseline)
         spec = {"builders_dir": str(env.builders_dir), "connector": options.connector,

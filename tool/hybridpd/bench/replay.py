@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from hybridpd.bench import deployment
 from hybridpd.bench.env import BUILDS, BenchEnv, prepared, run_script
+from hybridpd.errors import UsageError
 from hybridpd.series import Series
 
 DRIVER = Path(__file__).with_name("decode_replay.py")
@@ -109,10 +110,10 @@ def run(
     status: Callable[[dict], None] = lambda _: None,
 ) -> ReplayReport:
     if options.connector not in CONNECTORS:
-        raise ValueError(f"unknown connector set {options.connector}")
+        raise UsageError(f"unknown connector set {options.connector}")
     w = options.workload
     if w.prefix_len + w.suffix_len + w.output_len > options.max_model_len:
-        raise ValueError(
+        raise UsageError(
             f"prompt + output ({w.prefix_len + w.suffix_len + w.output_len} tokens) exceed "
             f"--max-model-len {options.max_model_len}"
         )

@@ -172,9 +172,7 @@ def _prepare_locked(
     t2 = time.monotonic()
     install_extras(result.python, src, log)
     timings["extras"] = round(time.monotonic() - t2, 1)
-    tmp = marker.with_name(marker.name + ".tmp")  # a reader sees the old marker or the new
-    tmp.write_text(json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
-    tmp.replace(marker)
+    guard.write_atomic(marker, json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
     return Env(build, result.python, venv, src, head, True, timings)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridpd import cache, proc, progress
-from hybridpd.errors import HybridpdError, Interrupted
+from hybridpd.errors import Interrupted, UsageError
 from hybridpd.series import Series
 
 from . import report as report_mod
@@ -27,10 +27,11 @@ from .tinymodel import spec_id
 Log = Callable[[str], None]
 
 
-class E2EUsageError(HybridpdError):
-    """Options that do not go together (exit 2, as a usage error)."""
+class E2EUsageError(UsageError):
+    """Options of ``hybridpd e2e`` that do not go together."""
 
-    exit_code = 2
+
+_SERVER, _SMOKE, _BENCH = sc.ServerOptions(), sc.SmokeOptions(), sc.BenchOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +52,26 @@ class E2EOptions:
     stock_venv: Path | None = None
     stock_only: bool = False
     torch_spec: str | None = None
-    block_size: int = 128
-    max_model_len: int = 4096
-    decode_prefix_caching: bool = True
-    prompt_tokens: int = 1400
-    shared_tokens: int = 1300
-    max_tokens: int = 16
-    baseline_tokens: int = 4
-    prefix_len: int = 1024
-    suffix_len: int = 128
-    num_prefixes: int = 2
-    output_len: int = 16
-    num_prompts: int = 16
-    concurrency: int = 4
+    # The scenarios' own defaults, so the two never drift apart.
+    block_size: int = _SERVER.block_size
+    max_model_len: int = _SERVER.max_model_len
+    decode_prefix_caching: bool = _SERVER.decode_prefix_caching
+    prompt_tokens: int = _SMOKE.prompt_tokens
+    shared_tokens: int = _SMOKE.shared_tokens
+    max_tokens: int = _SMOKE.max_tokens
+    baseline_tokens: int = _SMOKE.baseline_tokens
+    prefix_len: int = _BENCH.prefix_len
+    suffix_len: int = _BENCH.suffix_len
+    num_prefixes: int = _BENCH.num_prefixes
+    output_len: int = _BENCH.output_len
+    num_prompts: int = _BENCH.num_prompts
+    concurrency: int = _BENCH.concurrency
     decode_num_blocks: int | None = None
-    gpus: str = "0,1"
-    gpu_memory_utilization: float = 0.85
+    gpus: str = ",".join(_SERVER.gpus)
+    gpu_memory_utilization: float = _SERVER.gpu_memory_utilization
     server_args: tuple[str, ...] = ()
-    ready_timeout: float = 900
-    seed: int = 0
+    ready_timeout: float = _SERVER.ready_timeout
+    seed: int = _BENCH.seed
     expect_patched_hit: bool = False
 
     def to_json(self) -> dict:

@@ -87,7 +87,7 @@ class ServerOptions:
     gpu_memory_utilization: float = 0.85
     cpu_kvcache_gib: int = 2
     extra_args: tuple[str, ...] = ()
-    ready_timeout: float = 900.0
+    ready_timeout: float = 900
     # The decode instance's KV pool in blocks (--num-gpu-blocks-override), to force
     # preemption; None: sized from memory.
     decode_num_blocks: int | None = None

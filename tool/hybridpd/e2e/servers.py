@@ -31,15 +31,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from hybridpd import proc as proc_mod
 from hybridpd.proc import group_members
 from hybridpd.proc import signal_group as _signal_group
 from hybridpd.errors import HybridpdError
-
-if TYPE_CHECKING:
-    import subprocess
 
 Progress = Callable[[str], None]
 
@@ -151,7 +148,7 @@ class Proc:
     name: str
     cmd: list[str]
     log: Path
-    popen: subprocess.Popen
+    popen: proc_mod.Child
     started: float = field(default_factory=time.monotonic)
     expect_running: bool = True
     _scanned: int = 0  # bytes of the log :meth:`fatal_line` has read

@@ -1,7 +1,7 @@
 """``hybridpd e2e``: real prefill/decode runs of a hybrid model, stock beside patched.
 
-The command parses its options into :class:`.run.E2EOptions`, runs them
-(:func:`.run.run`) and prints the ON/OFF table. Exit codes: 0 ok, 1 a run failed or
+The command parses its options into :class:`hybridpd.e2e.run.E2EOptions`, runs them
+(:func:`hybridpd.e2e.run.run`) and prints the ON/OFF table. Exit codes: 0 ok, 1 a run failed or
 a check failed, 2 usage, 130 interrupted.
 """
 
@@ -11,13 +11,16 @@ from pathlib import Path
 
 import click
 
-from hybridpd import jsonout
+from hybridpd.e2e import report as report_mod
+from hybridpd.e2e import run as run_mod
+from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e.tinymodel import ARCHITECTURES
 from hybridpd.errors import CheckFailed
 
-from . import report as report_mod
-from . import run as run_mod
-from . import scenarios as sc
-from .tinymodel import ARCHITECTURES
+from . import jsonout
+from .options import log
+
+_D = run_mod.E2EOptions(version="")  # the defaults
 
 DEVICES = ("cpu", "cuda")
 
@@ -58,19 +61,15 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
     return argv
 
 
-def _log(msg: str) -> None:
-    click.echo(msg, err=True)
-
-
 @click.command("e2e")
 @click.option("--pin", "version", required=True, metavar="VERSION", help="vLLM pin, e.g. 0.32.0.")
-@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default=_D.device, show_default=True)
 @click.option("--model", metavar="ID_OR_PATH", help="Model to serve (GPU: Qwen/Qwen3.5-35B-A3B).")
 @click.option("--tiny", is_flag=True, help="Write and serve a 4-layer random-weight Qwen3.5-architecture model.")
 @click.option(
     "--tiny-arch",
     type=click.Choice(["auto", *sorted(ARCHITECTURES)]),
-    default="auto",
+    default=_D.tiny_arch,
     show_default=True,
     help="auto: qwen3_5 where the venv imports vLLM's Qwen3.5 module, else its text-decoder "
     "twin qwen3_next (see hybridpd.e2e.tinymodel.ARCHITECTURES).",
@@ -82,9 +81,9 @@ def _log(msg: str) -> None:
     multiple=True,
     help="Decode instance's connector set; repeat to run several. [default: nixl]",
 )
-@click.option("--role", type=click.Choice(sc.ROLES), default="kv_both", show_default=True,
+@click.option("--role", type=click.Choice(sc.ROLES), default=_D.role, show_default=True,
               help="kv_both on both instances, or P kv_producer / D kv_consumer.")
-@click.option("--scenario", type=click.Choice(sc.SCENARIOS), default="smoke", show_default=True)
+@click.option("--scenario", type=click.Choice(sc.SCENARIOS), default=_D.scenario, show_default=True)
 @click.option("--compare", type=click.Choice(["stock"]), help="Also run the stock build (OFF column).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Output directory. [default: e2e-<pin>-<device>-<time>]")
@@ -94,31 +93,32 @@ def _log(msg: str) -> None:
               help="Use this venv as the stock build instead of checkout+build.")
 @click.option("--stock-only", is_flag=True, help="Run only the stock build (no patched run).")
 @click.option("--torch", "torch_spec", metavar="SPEC", help="torch requirement for builds.")
-@click.option("--block-size", type=int, default=128, show_default=True)
-@click.option("--max-model-len", type=int, default=4096, show_default=True)
-@click.option("--decode-prefix-caching/--no-decode-prefix-caching", default=True, show_default=True,
+@click.option("--block-size", type=int, default=_D.block_size, show_default=True)
+@click.option("--max-model-len", type=int, default=_D.max_model_len, show_default=True)
+@click.option("--decode-prefix-caching/--no-decode-prefix-caching",
+              default=_D.decode_prefix_caching, show_default=True,
               help="The seed's D toggle (P always caches).")
-@click.option("--prompt-tokens", type=int, default=1400, show_default=True, help="smoke: prompt A length.")
-@click.option("--shared-tokens", type=int, default=1300, show_default=True,
+@click.option("--prompt-tokens", type=int, default=_D.prompt_tokens, show_default=True, help="smoke: prompt A length.")
+@click.option("--shared-tokens", type=int, default=_D.shared_tokens, show_default=True,
               help="smoke: tokens prompt B shares with A.")
-@click.option("--max-tokens", type=int, default=16, show_default=True, help="smoke: tokens generated.")
-@click.option("--baseline-tokens", type=int, default=4, show_default=True,
+@click.option("--max-tokens", type=int, default=_D.max_tokens, show_default=True, help="smoke: tokens generated.")
+@click.option("--baseline-tokens", type=int, default=_D.baseline_tokens, show_default=True,
               help="smoke: leading tokens that must equal a single-instance run.")
-@click.option("--prefix-len", type=int, default=1024, show_default=True, help="prefix-repetition.")
-@click.option("--suffix-len", type=int, default=128, show_default=True, help="prefix-repetition.")
-@click.option("--num-prefixes", type=int, default=2, show_default=True, help="prefix-repetition.")
-@click.option("--output-len", type=int, default=16, show_default=True, help="prefix-repetition.")
-@click.option("--num-prompts", type=int, default=16, show_default=True, help="prefix-repetition.")
-@click.option("--concurrency", type=int, default=4, show_default=True, help="prefix-repetition.")
+@click.option("--prefix-len", type=int, default=_D.prefix_len, show_default=True, help="prefix-repetition.")
+@click.option("--suffix-len", type=int, default=_D.suffix_len, show_default=True, help="prefix-repetition.")
+@click.option("--num-prefixes", type=int, default=_D.num_prefixes, show_default=True, help="prefix-repetition.")
+@click.option("--output-len", type=int, default=_D.output_len, show_default=True, help="prefix-repetition.")
+@click.option("--num-prompts", type=int, default=_D.num_prompts, show_default=True, help="prefix-repetition.")
+@click.option("--concurrency", type=int, default=_D.concurrency, show_default=True, help="prefix-repetition.")
 @click.option("--decode-num-blocks", type=int, metavar="N",
               help="The decode instance's KV pool in blocks (--num-gpu-blocks-override); "
               "correctness: small enough to preempt. [default: correctness 16, else from memory]")
-@click.option("--gpus", default="0,1", show_default=True, help="cuda: GPU of P, GPU of D.")
-@click.option("--gpu-memory-utilization", type=float, default=0.85, show_default=True)
+@click.option("--gpus", default=_D.gpus, show_default=True, help="cuda: GPU of P, GPU of D.")
+@click.option("--gpu-memory-utilization", type=float, default=_D.gpu_memory_utilization, show_default=True)
 @click.option("--server-arg", "server_args", multiple=True, metavar="ARG",
               help="Extra argument for both servers (repeatable).")
-@click.option("--ready-timeout", type=float, default=900, show_default=True, help="Seconds.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ready-timeout", type=float, default=_D.ready_timeout, show_default=True, help="Seconds.")
+@click.option("--seed", type=int, default=_D.seed, show_default=True)
 @click.option("--expect-patched-hit", is_flag=True,
               help="Exit 1 unless every patched run gives the decode instance a local hit "
               "on the shared-prefix request and all outputs match (the CI gate).")
@@ -137,12 +137,8 @@ def e2e_command(state, as_json, **params):
       hybridpd e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \\
         --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit
     """
-    ctx = click.get_current_context()
-    try:
-        options = run_mod.E2EOptions(**params)
-        result = run_mod.run(state.series, options, reproducing_argv(ctx), _log)
-    except run_mod.E2EUsageError as exc:
-        raise click.UsageError(exc.message) from None
+    options = run_mod.E2EOptions(**params)
+    result = run_mod.run(state.series, options, reproducing_argv(click.get_current_context()), log)
     if as_json:
         jsonout.emit(result.report)
     else:

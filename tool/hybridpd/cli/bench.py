@@ -11,16 +11,18 @@ from pathlib import Path
 
 import click
 
-from hybridpd import jsonout, progress
+from hybridpd import progress
 from hybridpd.bench import deployment, lookup, render
 from hybridpd.bench import replay as replay_mod
 from hybridpd.errors import CheckFailed
+
+from . import jsonout
 
 _W, _H = deployment.Workload(), deployment.Hardware()
 _POSITIVE = click.IntRange(min=1)
 
 
-@click.group("bench")
+@click.group("bench", cls=jsonout.UsageGroup)
 def bench_group() -> None:
     """Benchmarks of the decode side, stock against patched, without a GPU."""
 
@@ -83,22 +85,12 @@ def replay_command(state, version, connector, png, expect_hit, expect_gap, as_js
     Hits, pulls, blocks, running and waiting requests, preemptions and steps are
     counted from vLLM's objects; TTFT and throughput come from the printed cost model.
     """
-    workload = deployment.Workload(**{k: p.pop(k) for k in (
-        "prefix_len", "suffix_len", "num_prefixes", "num_prompts", "output_len",
-        "concurrency", "seed")})
-    hardware = deployment.Hardware(
-        hbm_gib=p.pop("hbm_gib"), gpu_memory_utilization=p.pop("gpu_memory_utilization"),
-        activation_reserve_gib=p.pop("activation_gib"), hbm_tbps=p.pop("hbm_tbps"),
-        bandwidth_efficiency=p.pop("bandwidth_efficiency"), bf16_tflops=p.pop("tflops"),
-        mfu=p.pop("mfu"), step_overhead_ms=p.pop("step_overhead_ms"), pull_gbps=p.pop("pull_gbps"))
-    options = replay_mod.ReplayOptions(version, workload, hardware, connector, **p)
+    options = _replay_options(version, connector, p)
     if png:
         render.require_matplotlib()
     status, done = _status_printer()
     try:
         report = replay_mod.run(state.series, options, log=progress.say, status=status)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
     finally:
         done()
     if png:
@@ -112,6 +104,19 @@ def replay_command(state, version, connector, png, expect_hit, expect_gap, as_js
     problems = render.gate_problems(report, expect_hit, expect_gap)
     if problems:
         raise CheckFailed("; ".join(problems))
+
+
+def _replay_options(version: str, connector: str, p: dict) -> replay_mod.ReplayOptions:
+    """The options of ``bench replay``: its workload, its hardware, the rest."""
+    workload = deployment.Workload(**{k: p.pop(k) for k in (
+        "prefix_len", "suffix_len", "num_prefixes", "num_prompts", "output_len",
+        "concurrency", "seed")})
+    hardware = deployment.Hardware(
+        hbm_gib=p.pop("hbm_gib"), gpu_memory_utilization=p.pop("gpu_memory_utilization"),
+        activation_reserve_gib=p.pop("activation_gib"), hbm_tbps=p.pop("hbm_tbps"),
+        bandwidth_efficiency=p.pop("bandwidth_efficiency"), bf16_tflops=p.pop("tflops"),
+        mfu=p.pop("mfu"), step_overhead_ms=p.pop("step_overhead_ms"), pull_gbps=p.pop("pull_gbps"))
+    return replay_mod.ReplayOptions(version, workload, hardware, connector, **p)
 
 
 @bench_group.command("lookup")
@@ -132,10 +137,7 @@ def lookup_command(state, version, connector, prompt_len, block_size, calls, rep
     drift hits both alike. Reports the patched/stock ratio's median and spread.
     """
     options = lookup.LookupOptions(version, connector, prompt_len, block_size, calls, repeats)
-    try:
-        report = lookup.run(state.series, options, log=progress.say)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    report = lookup.run(state.series, options, log=progress.say)
     if as_json:
         jsonout.emit(report)
     else:

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from hybridpd.errors import HybridpdError, Interrupted, LocalFileError
+from hybridpd.errors import HybridpdError, Interrupted, LocalFileError, UsageError
 
 _META = "hybridpd.json"
 
@@ -61,11 +61,24 @@ class _Failed(click.ClickException):
         self.exit_code = exc.exit_code
 
 
-class JsonGroup(click.Group):
+class UsageGroup(click.Group):
+    """A group whose subcommands' :class:`~hybridpd.errors.UsageError` is click's own,
+    with the subcommand's usage line (a nested group such as ``bench`` is one too, so
+    that its subcommands' usage line is theirs, not the group's)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            raise click.UsageError(exc.message, _command_context(self, ctx)) from None
+
+
+class JsonGroup(UsageGroup):
     """The CLI's one error handler; its commands keep the ``--json`` contract on failure.
 
     A :class:`~hybridpd.errors.HybridpdError` is printed as ``Error: <message>`` with
-    its exit code; an ``OSError`` that reaches it is a local file system error (network
+    its exit code (a :class:`~hybridpd.errors.UsageError` as click prints its own, with
+    the command's usage line); an ``OSError`` that reaches it is a local file system error (network
     errors are :class:`~hybridpd.errors.PackageIndexError` by then), reported in one
     line like any other failure, not as a traceback; Ctrl-C or SIGTERM (which the CLI
     turns into KeyboardInterrupt) is :class:`~hybridpd.errors.Interrupted` (exit 130)
@@ -93,3 +106,9 @@ class JsonGroup(click.Group):
                 click.echo(json.dumps(doc))
             raise
 
+
+def _command_context(group: click.Group, ctx: click.Context) -> click.Context | None:
+    """A context of the subcommand that ran, for its usage line (its own is closed)."""
+    name = ctx.invoked_subcommand
+    command = group.get_command(ctx, name) if name else None
+    return None if command is None else click.Context(command, info_name=name, parent=ctx)

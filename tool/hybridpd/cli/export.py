@@ -1,0 +1,71 @@
+"""``hybridpd export`` and ``hybridpd check``: the checkout's commits as the pin's patch
+files, and the proof that the committed files are current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hybridpd.errors import CheckFailed
+from hybridpd.export import check as check_series
+from hybridpd.export import export as export_series
+
+from . import jsonout
+from .options import State, checkout_dir, json_flag, log
+
+
+@click.command()
+@checkout_dir
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="Also remove the files of patches series.toml carries on the pin that have "
+    "no commit in the checkout (without it, export refuses and writes nothing).",
+)
+@click.pass_obj
+def export(state: State, repo: Path, prune: bool) -> None:
+    """Write the checkout's patch commits to patches/<pin>/<id>.patch.
+
+    Output is byte-stable. Files of patches no longer in the checkout are removed,
+    except those series.toml carries on the pin (that needs --prune); series.toml is
+    never edited, but patches without a record are reported.
+    """
+    series = state.series
+    result = export_series(series, repo, prune=prune)
+    for label, ids in (("wrote", result.written), ("removed", result.removed)):
+        for patch_id in ids:
+            click.echo(f"{label:<9} {result.pin}/{patch_id}.patch")
+    click.echo(f"{len(result.unchanged)} unchanged, in {series.relative(series.dir / result.pin)}")
+    for patch_id in result.unrecorded:
+        log(f"warning: {patch_id} has no [[patches]] record in series.toml")
+    if result.dirty:
+        log(f"warning: {repo} has uncommitted changes; they were not exported")
+
+
+@click.command()
+@click.option(
+    "--no-apply",
+    is_flag=True,
+    help="Only compare records with files; skip the fresh checkout, apply and export.",
+)
+@json_flag
+@click.pass_obj
+def check(state: State, no_apply: bool, as_json: bool) -> None:
+    """Check that the patch files match series.toml and a fresh export.
+
+    Records and files must agree for every pin. For each pin with carried
+    patches, a fresh sdist checkout is patched and exported; the result must
+    equal the committed files byte for byte. Exits 1 and lists the problems
+    otherwise.
+    """
+    problems = check_series(state.series, round_trip=not no_apply)
+    if as_json:
+        jsonout.emit({"ok": not problems, "problems": problems})
+    else:
+        for problem in problems:
+            click.echo(problem)
+    if problems:
+        raise CheckFailed(f"{len(problems)} problem(s) found")
+    if not as_json:
+        click.echo("ok")

@@ -1,0 +1,68 @@
+"""``hybridpd export-pr``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hybridpd import exportpr
+from hybridpd.errors import CheckFailed, UsageError
+
+from . import jsonout
+from .options import State, json_flag, log
+
+
+@click.command(name="export-pr")
+@click.argument("patch_id", required=False)
+@click.option("--all", "all_patches", is_flag=True, help="Every patch carried on the pin.")
+@click.option("--pin", "version", metavar="VERSION", help="Pin (default: the newest pin).")
+@click.option(
+    "--to",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Directory to write <id>/ directories into.",
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Prove each directory on a stock checkout: the added tests fail, then pass "
+    "after git am (verify.json; needs the pin's CPU test environment).",
+)
+@json_flag
+@click.pass_obj
+def export_pr(
+    state: State,
+    patch_id: str | None,
+    all_patches: bool,
+    version: str | None,
+    out_dir: Path,
+    verify: bool,
+    as_json: bool,
+) -> None:
+    """Export carried patches as upstream pull requests.
+
+    For each patch, DIR/<id>/ gets git format-patch files that `git am` applies to a
+    stock checkout of the pin (the patch without its Hybridpd-Patch trailer, with
+    its upstream-style unit test; earlier patches it needs come first) and PR.md,
+    the PR body with the latest measured numbers. Exits 1 when a --verify fails.
+    """
+    if bool(patch_id) == all_patches:
+        raise UsageError("give exactly one of PATCH_ID and --all")
+    result = exportpr.run(state.series, version, patch_id, out_dir, verify, log=log)
+    if as_json:
+        jsonout.emit(result.to_json())
+    else:
+        _echo_exports(result)
+    if result.failed:
+        raise CheckFailed(f"verification failed for {', '.join(result.failed)}")
+
+
+def _echo_exports(result: exportpr.ExportPrResult) -> None:
+    for export in result.exports:
+        click.echo(f"{export.dir}: {', '.join(export.to_json()['files'])}")
+        if export.prerequisites:
+            click.echo(f"  depends on {', '.join(export.prerequisites)} (included first)")
+        if export.verification:
+            click.echo("  " + exportpr.format_verification(export.verification))

@@ -1,0 +1,131 @@
+"""``hybridpd install`` and ``hybridpd build``: a patched vLLM in a virtualenv."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from hybridpd import build as build_mod
+from hybridpd import install as install_mod
+from hybridpd.apply import checkout_pin
+from hybridpd.checkout import SOURCES, Source
+
+from . import jsonout
+from .options import State, checkout_dir, dir_option, json_flag, log, torch_option, variant_option
+
+
+@click.command()
+@click.option(
+    "--pin",
+    "version",
+    metavar="VERSION",
+    help="Pin (default: the default pin; for a CPU build, the newest pin whose CPU "
+    "build serves here).",
+)
+@dir_option(help="Checkout to create or reuse. [default: vllm-<pin>]")
+@click.option(
+    "--venv",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Virtualenv to create or update. [default: venv-<pin>]",
+)
+@variant_option
+@click.option(
+    "--source",
+    type=click.Choice(SOURCES),
+    default="sdist",
+    show_default=True,
+    help="Where the release source comes from (see `hybridpd checkout`).",
+)
+@torch_option
+@json_flag
+@click.pass_obj
+def install(
+    state: State,
+    version: str | None,
+    repo: Path | None,
+    venv: Path | None,
+    variant: str,
+    source: Source,
+    torch_spec: str | None,
+    as_json: bool,
+) -> None:
+    """Check out a pin, apply its series and build a patched vLLM, in one step.
+
+    Runs `checkout`, `apply` and `build`; an existing checkout of the same pin is
+    reused. Prints how to use the result.
+    """
+    result = install_mod.install(
+        state.series, version, repo, venv, variant=variant, source=source, torch=torch_spec,
+        log=log,
+    )
+    if as_json:
+        jsonout.emit(result.to_json())
+        return
+    pin = result.build.version
+    click.echo(f"checkout {result.checkout}: {pin} with the series applied")
+    _echo_build(result.build, result.venv)
+    if result.cannot_serve is None:
+        click.echo(f"  {_pd_pair_command(pin, result.build.variant, result.venv)}")
+    else:
+        click.echo(
+            f"  this venv cannot serve a PD pair here: {result.cannot_serve} (hybridpd doctor)"
+        )
+
+
+def _pd_pair_command(version: str, variant: str, venv: Path) -> str:
+    """The command that starts a PD pair from ``venv``, with this hybridpd's path (the
+    venv activated above has no hybridpd)."""
+    entry = Path(sys.argv[0])
+    hpd = str(entry.absolute()) if entry.name == "hybridpd" else "hybridpd"
+    device = "cpu" if variant == "cpu" else "cuda --gpus 0,1"
+    return (f"{shlex.quote(hpd)} e2e --pin {version} --device {device} --tiny --patched-venv "
+            f"{shlex.quote(str(venv.absolute()))}   # a PD pair (1 prefill + 1 decode "
+            "instance), tiny model")
+
+
+def _echo_build(result: build_mod.BuildResult, venv: Path) -> None:
+    for line in result.warnings:
+        log(f"warning: {line}")
+    click.echo(f"built {result.distribution} {result.version} ({result.variant}) in {venv}")
+    click.echo(f"  overlaid {len(result.overlaid)} patched file(s) from {result.head[:12]}")
+    for line in result.usage:
+        click.echo(f"  {line}")
+
+
+@click.command()
+@checkout_dir
+@click.option(
+    "--venv",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Virtualenv to create or update.",
+)
+@variant_option
+@torch_option
+@json_flag
+@click.pass_obj
+def build(
+    state: State,
+    repo: Path,
+    venv: Path,
+    variant: str,
+    torch_spec: str | None,
+    as_json: bool,
+) -> None:
+    """Install the patched checkout into a virtualenv.
+
+    The compiled binaries come from the same release's published wheel, whose
+    Python files are first proven identical to the stock sdist; then the files the
+    patch commits change are written over it. Prints how to use the result.
+    """
+    pin = checkout_pin(state.series, repo)
+    result = build_mod.build(
+        repo, venv, pin.version, pin.tag, install_mod.resolve_variant(variant), torch=torch_spec
+    )
+    if as_json:
+        jsonout.emit(result.to_json())
+    else:
+        _echo_build(result, venv)

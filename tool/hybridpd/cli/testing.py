@@ -1,0 +1,70 @@
+"""``hybridpd test``."""
+
+from __future__ import annotations
+
+import click
+
+from hybridpd import testrun
+from hybridpd.errors import CheckFailed
+
+from . import jsonout
+from .options import State, json_flag, log
+
+
+@click.command()
+@click.option("--pin", "version", metavar="VERSION", help="Pin to test (default: the default pin).")
+@click.option(
+    "--suite",
+    type=click.Choice(testrun.SUITES),
+    default="all",
+    show_default=True,
+    help="patches: the red->green patch tests; upstream: vLLM's own tests of the "
+    "touched modules, stock vs patched; all: both.",
+)
+@click.option(
+    "--full-upstream",
+    is_flag=True,
+    help="Run vLLM's whole upstream selection instead of the reduced one.",
+)
+@click.option(
+    "--stock-baseline",
+    is_flag=True,
+    help="Compare the patched upstream run with the committed stock baseline "
+    "instead of running stock again.",
+)
+@click.option("--torch", "torch_spec", metavar="SPEC", help="torch requirement for the test env.")
+@json_flag
+@click.pass_obj
+def test(
+    state: State,
+    version: str | None,
+    suite: str,
+    full_upstream: bool,
+    stock_baseline: bool,
+    torch_spec: str | None,
+    as_json: bool,
+) -> None:
+    """Prove the series on real vLLM code, stock beside patched.
+
+    Prepares (or reuses) the pin's CPU test environment, checks out the stock
+    release and the patched one, and runs the suites on both. Every carried patch
+    needs a test that fails on stock and without the patch, and passes patched;
+    the patched tree must pass every upstream test the stock tree passes. Exits 1
+    otherwise.
+    """
+    series = state.series
+    report = testrun.run(
+        series,
+        version or series.default_pin,
+        suite,
+        full_upstream=full_upstream,
+        stock_baseline=stock_baseline,
+        torch_spec=torch_spec,
+        log=log,
+    )
+    if as_json:
+        jsonout.emit(report.to_json())
+    else:
+        click.echo(testrun.format_table(report))
+    if not report.ok:
+        raise CheckFailed(f"{len(report.problems)} problem(s) found")
