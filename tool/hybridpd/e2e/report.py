@@ -36,6 +36,12 @@ def _num(value, digits: int = 0) -> str:
     return f"{int(round(value)):,}".replace(",", " ")
 
 
+def _off_on(off: dict, on: dict, key: str, digits: int = 0, delta: bool = True) -> str:
+    """The cells ``| OFF | ON | Δ `` of one figure (without Δ: ``| OFF | ON ``)."""
+    cells = f"| {_num(off.get(key), digits)} | {_num(on.get(key), digits)} "
+    return cells + (f"| {_pct(off.get(key), on.get(key))} " if delta else "")
+
+
 def _runs_by(report: dict, build: str) -> dict[str, dict]:
     return {r["connector"]: r for r in report["runs"] if r["build"] == build}
 
@@ -61,11 +67,10 @@ def smoke_table(report: dict) -> list[str]:
             )
             lines.append(
                 f"| {connector} | {label} | {_num((rn or ro).get('prompt_tokens'))} "
-                f"| {_num(ro.get('decode_local_hit_tokens'))} | {_num(rn.get('decode_local_hit_tokens'))} "
-                f"| {_num(ro.get('kv_bytes_transferred'))} | {_num(rn.get('kv_bytes_transferred'))} "
-                f"| {_pct(ro.get('kv_bytes_transferred'), rn.get('kv_bytes_transferred'))} "
-                f"| {_num(ro.get('ttft_ms'))} | {_num(rn.get('ttft_ms'))} "
-                f"| {_pct(ro.get('ttft_ms'), rn.get('ttft_ms'))} | {ok if i == n - 1 else ''} |"
+                + _off_on(ro, rn, "decode_local_hit_tokens", delta=False)
+                + _off_on(ro, rn, "kv_bytes_transferred")
+                + _off_on(ro, rn, "ttft_ms")
+                + f"| {ok if i == n - 1 else ''} |"
             )
     return lines
 
@@ -92,11 +97,9 @@ def bench_table(report: dict) -> list[str]:
         lines.append(
             f"| {connector} | {w.get('prefix_len')} | {w.get('suffix_len')} | {w.get('num_prefixes')} "
             f"| {w.get('num_prompts')} | {w.get('concurrency')} "
-            f"| {_num(bo.get('mean_ttft_ms'))} | {_num(bn.get('mean_ttft_ms'))} "
-            f"| {_pct(bo.get('mean_ttft_ms'), bn.get('mean_ttft_ms'))} "
-            f"| {_num(bo.get('output_throughput'), 1)} | {_num(bn.get('output_throughput'), 1)} "
-            f"| {_pct(bo.get('output_throughput'), bn.get('output_throughput'))} "
-            f"| {hits(off)} | {hits(on)} |"
+            + _off_on(bo, bn, "mean_ttft_ms")
+            + _off_on(bo, bn, "output_throughput", digits=1)
+            + f"| {hits(off)} | {hits(on)} |"
         )
     return lines
 
