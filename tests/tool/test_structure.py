@@ -81,3 +81,52 @@ def test_every_command_is_thin(command: click.Command) -> None:
         callback = callback.__wrapped__
     assert Path(callback.__code__.co_filename).parent == CLI
     assert _length(callback) <= MAX_COMMAND_LINES, f"{command.name}: parse, call, render"
+
+
+def _is_log_alias(node: ast.AST) -> bool:
+    """``X = Callable[[str], None]``: a private spelling of ``progress.Log``."""
+    return (
+        isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Subscript)
+        and ast.unparse(node.value) in ("Callable[[str], None]", "typing.Callable[[str], None]")
+    )
+
+
+def _is_silent_log(node: ast.AST) -> bool:
+    """A function of one argument whose body only passes: a private ``progress.quiet``."""
+    return (
+        isinstance(node, ast.FunctionDef)
+        and len(node.args.args) == 1
+        and all(isinstance(stmt, ast.Pass) for stmt in node.body)
+    )
+
+
+def test_progress_has_one_log_type_and_one_silent_default() -> None:
+    found = [
+        f"{path.relative_to(TOOL)}:{node.lineno}"
+        for path in _modules()
+        if path != TOOL / "progress.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if _is_log_alias(node) or _is_silent_log(node)
+    ]
+    annotated = [
+        f"{path.relative_to(TOOL)}:{node.lineno}"
+        for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.arg)
+        and node.arg in ("log", "status")
+        and node.annotation is not None
+        and ast.unparse(node.annotation) == "Callable[[str], None]"
+    ]
+    assert (found, annotated) == ([], [])
+
+
+def test_only_the_store_and_guard_take_locks() -> None:
+    """Cache entries lock through ``cache.lock``, repositories and destinations through
+    ``guard``: no third lock implementation."""
+    found = [
+        str(path.relative_to(TOOL))
+        for path in _modules()
+        if path not in (TOOL / "cache.py", TOOL / "guard.py") and "fcntl" in _imported(path)
+    ]
+    assert found == []

@@ -28,13 +28,15 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 
-from . import gitops, guard, kernels
+from . import gitops, kernels
 from .errors import HybridpdError
 from . import proc as proc_mod
 from .cache import cache_dir
+from .cache import lock as cache_lock
+from .progress import Log, say
 from . import wheel_overlay as wo
 
 PACKAGE = "vllm"
@@ -77,12 +79,6 @@ def cpu_platform():
 
 # Changes here alter the compiled extensions, which an overlay cannot rebuild.
 NATIVE_PATHS = ("csrc", "cmake", "CMakeLists.txt")
-
-Log = Callable[[str], None]
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class BuildError(HybridpdError):
@@ -204,7 +200,7 @@ def download_wheel(py: Path, distribution: str, version: str, dest: Path, log: L
     """The release wheel in ``dest``, downloaded with the venv's pip unless cached."""
     dest.mkdir(parents=True, exist_ok=True)
     # pip writes the wheel in place: one downloader at a time, the others then reuse it.
-    with guard.entry(dest / f"{distribution}-{version}", log):
+    with cache_lock(dest / f"{distribution}-{version}", log):
         return _download_wheel_locked(py, distribution, version, dest, log)
 
 
@@ -528,7 +524,7 @@ def build(
     version: str,
     stock_ref: str,
     variant: str = "cuda",
-    log: Log = _stderr,
+    log: Log = say,
     python: str | None = None,
     *,
     torch: str | None = None,

@@ -42,6 +42,7 @@ from hybridpd import gitops
 from hybridpd.apply import TRAILER
 from hybridpd.checkout import checkout
 from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log, quiet
 from hybridpd.pytestrun import FINISHED, Counts
 from hybridpd.series import Patch, Pin, Series
 
@@ -51,12 +52,6 @@ ALTERNATIVES_FILE = "alternatives.md"
 #: Directories of the project searched for e2e / benchmark ``report.json`` files.
 REPORT_DIRS = ("reports", "benchmarks")
 VERIFY_FILE = "verify.json"
-
-Log = Callable[[str], None]
-
-
-def _noop(_: str) -> None:
-    pass
 
 
 class ExportPrError(HybridpdError):
@@ -380,7 +375,7 @@ def _git_date(project: Path, rel: str) -> datetime | None:
     return datetime.fromisoformat(out) if out else None
 
 
-def find_reports(project: Path, log: Log = _noop) -> list[Report]:
+def find_reports(project: Path, log: Log = quiet) -> list[Report]:
     """The committed e2e / benchmark reports of the project, newest first."""
     reports = []
     for directory in REPORT_DIRS:
@@ -624,7 +619,7 @@ def export_prs(
     patch_ids: Sequence[str],
     stock: Path,
     out_dir: Path,
-    log: Log = _noop,
+    log: Log = quiet,
     tests_root: Path | None = None,
 ) -> list[PrExport]:
     """Write one PR directory per patch of ``patch_ids`` into ``out_dir``.
@@ -684,7 +679,7 @@ def export_prs(
 
 
 def pr_evidence(
-    series: Series, pin: Pin, export: PrExport, log: Log = _noop
+    series: Series, pin: Pin, export: PrExport, log: Log = quiet
 ) -> tuple[list[Report], list[str]]:
     """The reports ``export``'s PR.md shows, and the warnings about their age."""
     project = series.dir.parent
@@ -751,7 +746,7 @@ def verify(
     runner: Runner,
     series: Series,
     pin: Pin,
-    log: Log = _noop,
+    log: Log = quiet,
 ) -> dict[str, Any]:
     """Prove ``export``'s directory on a stock tree; write and return ``verify.json``.
 
@@ -864,7 +859,7 @@ def format_verification(report: dict[str, Any]) -> str:
     return f"verify ({report.get('seconds')} s): {', '.join(parts)} -> {verdict}"
 
 
-def pytest_runner(pin: Pin, stock: Path, work: Path, log: Log = _noop) -> Runner:
+def pytest_runner(pin: Pin, stock: Path, work: Path, log: Log = quiet) -> Runner:
     """A :data:`Runner` on the pin's CPU test environment (built or reused)."""
     from hybridpd import cache, hfsnap, pytestrun, testenv
 
@@ -904,7 +899,7 @@ def run(
     patch_id: str | None,
     out_dir: Path,
     verify_them: bool = False,
-    log: Log = _noop,
+    log: Log = quiet,
 ) -> ExportPrResult:
     """Export ``patch_id`` (None: every patch carried on the pin) of ``version`` (None:
     the newest pin) into ``out_dir``, from a fresh stock checkout, and with

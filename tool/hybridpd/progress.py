@@ -16,6 +16,15 @@ from typing import Callable, Iterator, TextIO
 
 CLEAR = "\r\033[K"
 
+Log = Callable[[str], None]
+"""How the library reports progress: one call per line. The library never prints on
+its own; its functions take a ``log`` that defaults to :func:`quiet`, and the CLI passes
+:func:`say` (or nothing, with ``--json``)."""
+
+
+def quiet(_message: str) -> None:
+    """The :data:`Log` that says nothing: the library's default."""
+
 
 def say(message: str) -> None:
     """A line for the user on stderr (the library's messages; results go to stdout)."""

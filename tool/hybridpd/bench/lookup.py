@@ -13,12 +13,13 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hybridpd import proc
 from hybridpd.bench.env import BUILDS, BenchEnv, BenchError, prepared
 from hybridpd.bench.replay import CONNECTORS
 from hybridpd.errors import UsageError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Series
 
 WORKER = Path(__file__).with_name("lookup_worker.py")
@@ -94,7 +95,7 @@ def _spread(values: list[float]) -> dict[str, float]:
             "q3": round(q[2], 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
-def run(series: Series, options: LookupOptions, log: Callable[[str], None] = lambda _: None) -> dict:
+def run(series: Series, options: LookupOptions, log: Log = quiet) -> dict:
     if options.connector not in CONNECTORS:
         raise UsageError(f"unknown connector set {options.connector}")
     if options.repeats < 1 or options.calls < 1:

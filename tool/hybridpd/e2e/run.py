@@ -12,10 +12,10 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Callable
 
 from hybridpd import cache, proc, progress
 from hybridpd.errors import Interrupted, UsageError
+from hybridpd.progress import Log
 from hybridpd.series import Series
 
 from . import report as report_mod
@@ -23,8 +23,6 @@ from . import scenarios as sc
 from .envs import Env, given, preflight, prepare, probe
 from .servers import E2EError, Processes
 from .tinymodel import spec_id
-
-Log = Callable[[str], None]
 
 
 class E2EUsageError(UsageError):
