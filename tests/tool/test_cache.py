@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -50,27 +49,47 @@ def test_an_owned_directory_another_process_filled_is_refused(tmp_path: Path) ->
     assert (dest / "theirs").read_text() == "x"
 
 
-def test_an_entry_lock_waits_for_its_holder_and_says_so_once(tmp_path: Path) -> None:
-    entry = tmp_path / "entry"
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # the holder: takes the lock, signals, holds it a moment
-        try:
-            with cache.lock(entry, lambda _m: None):
-                os.write(write, b"held")
-                os.close(write)
-                entry.write_text("theirs")
-                import time
+_HOLDER = """
+import select, sys
+from pathlib import Path
+from hybridpd import cache
 
-                time.sleep(0.5)
-        finally:
-            os._exit(0)
-    os.close(write)
-    assert os.read(read, 4) == b"held"
-    said: list[str] = []
-    with cache.lock(entry, said.append):
-        # The holder finished writing before we got in.
-        assert entry.read_text() == "theirs"
-    os.waitpid(child, 0)
+entry = Path(sys.argv[1])
+with cache.lock(entry, lambda _m: None):
+    print("held", flush=True)
+    # Hold the lock until the waiter says it waits (at most 60 s, then fail).
+    ready, _, _ = select.select([sys.stdin], [], [], 60)
+    if not ready or sys.stdin.readline().strip() != "waiting":
+        sys.exit(3)
+    entry.write_text("theirs")
+"""
+
+
+def test_an_entry_lock_waits_for_its_holder_and_says_so_once(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    entry = tmp_path / "entry"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(entry)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        said: list[str] = []
+
+        def log(message: str) -> None:  # called once we block: let the holder finish
+            said.append(message)
+            holder.stdin.write("waiting\n")
+            holder.stdin.flush()
+
+        with cache.lock(entry, log):
+            # The holder finished writing before we got in.
+            assert entry.read_text() == "theirs"
+        assert holder.wait(timeout=60) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
     assert said == [f"waiting for another hybridpd process that is writing {entry}"]
     assert not (tmp_path / ".entry.lock").exists()

@@ -208,3 +208,19 @@ def _raise_build_error(py, checkout, log):
     from hybridpd.build import BuildError
 
     raise BuildError("no nixl")
+
+
+def test_an_environment_that_requires_nixl_raises_its_failure(
+    tmp_path: Path, built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridpd.build import BuildError
+
+    _, series = standard_project(tmp_path)
+    monkeypatch.setattr(install_mod.pdextras, "install_nixl", _raise_build_error)
+    said: list[str] = []
+    with pytest.raises(BuildError):
+        install_mod.environment(
+            series.pin("1.0"), tmp_path / "tree", tmp_path / "venv", variant="cpu",
+            require_nixl=True, log=said.append,
+        )
+    assert not any(line.startswith("warning:") for line in said)

@@ -594,8 +594,10 @@ class _Build:
     log: Log
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    wheel_sha: str = ""
+    wheel_sha: str = ""  # set by verified_wheel, read by install_wheel and the result
     started: float = field(default_factory=time.monotonic)
+    distribution: str = field(init=False)
+    _last: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.distribution = DISTRIBUTIONS[self.variant]

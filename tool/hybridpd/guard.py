@@ -21,8 +21,6 @@ Invariants:
 * :func:`directory` holds an exclusive ``flock`` on a directory being created (a
   checkout or a port's new tree), so two hybridpd processes never write one
   directory at once: the second fails with one line and touches nothing.
-* :func:`hybridpd.cache.lock` serialises writers of one cache entry (a download): a second caller
-  waits, saying so once, and then finds the first one's result.
 * :func:`fault` is the deterministic hook of the fault-injection tests:
   ``HYBRIDPD_FAULT=<point>`` (or ``<point>:TERM``) makes the process kill itself with
   SIGKILL (SIGTERM) when it reaches ``<point>``.

@@ -171,11 +171,14 @@ def environment(
     *,
     variant: str = "auto",
     torch: str | None = None,
+    require_nixl: bool = False,
     log: Log = quiet,
 ) -> InstallResult:
     """Build ``venv`` from ``tree``, a checkout of ``pin`` as the caller made it (patched
-    or stock), with NixlConnector's NIXL. The one way hybridpd makes a serving
-    environment: :func:`install` and the e2e environments both call it.
+    or stock), with NixlConnector's NIXL: the venvs of :func:`install` and of the e2e.
+
+    A NIXL that does not install is a warning (the venv still runs the tests), or with
+    ``require_nixl`` the :class:`~hybridpd.build.BuildError` it raised.
     """
     variant = resolve_variant(variant)
     log(f"building {venv} ({variant})")
@@ -185,6 +188,8 @@ def environment(
     try:
         nixl = pdextras.install_nixl(built.python, tree, log)
     except build_mod.BuildError as exc:
+        if require_nixl:
+            raise
         log(f"warning: {exc}; {venv} is built and runs the tests, but NixlConnector will not load")
         return InstallResult(tree, venv, None, built, None, str(exc))
     return InstallResult(tree, venv, None, built, nixl)

@@ -391,8 +391,20 @@ def next_steps(report: PortReport, series_option: Path | None = None) -> list[st
     ]
 
 
-def abort(dest: Path) -> PortState:
-    """Stop the port in ``dest`` and put it back at V2 stock; return its last state.
+@dataclass(frozen=True)
+class Aborted:
+    """What ``port --abort`` left: ``dir`` back at ``to_version``'s release commit."""
+
+    dir: Path
+    to_version: str
+    stock: str
+
+    def to_json(self) -> dict:
+        return {"to": self.to_version, "dir": str(self.dir), "stock": self.stock}
+
+
+def abort(dest: Path) -> Aborted:
+    """Stop the port in ``dest`` and put it back at V2 stock.
 
     Aborts ``git am``, resets branch, index and work tree to the V2 release commit,
     removes untracked files (not ignored ones), the V1 commit's ref and the state
@@ -406,7 +418,7 @@ def abort(dest: Path) -> PortState:
         gitops.clean(dest)
         _drop_base(dest)
         PortState.path(dest).unlink()
-    return state
+    return Aborted(dest, state.to_version, state.stock)
 
 
 # The replay -------------------------------------------------------------------

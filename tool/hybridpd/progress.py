@@ -17,9 +17,10 @@ from typing import Callable, Iterator, TextIO
 CLEAR = "\r\033[K"
 
 Log = Callable[[str], None]
-"""How the library reports progress: one call per line. The library never prints on
-its own; its functions take a ``log`` that defaults to :func:`quiet`, and the CLI passes
-:func:`say` (or nothing, with ``--json``)."""
+"""How a library function reports its progress: one call per line. Functions take a
+``log`` (most default to :func:`quiet`; ``build.build`` to :func:`say`), and the CLI
+passes its stderr echo, or :func:`quiet` with ``--json``. A few one-off notices (a
+re-download, a git fallback) go straight to :func:`say`."""
 
 
 def quiet(_message: str) -> None:
