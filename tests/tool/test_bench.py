@@ -268,12 +268,13 @@ def test_lookup_alternates_builds_and_reports_the_ratio_spread(tmp_path, monkeyp
     """)
     _fake_lookup_env(tmp_path, monkeypatch, worker)
     report = lookup.run(None, lookup.LookupOptions("0.0.0", repeats=4, calls=1))
-    ratio = report["ratio_patched_over_stock"]
+    ratio = report.ratio_patched_over_stock
     assert ratio["decode"]["median"] == pytest.approx(1.02)
     assert ratio["plain"]["min"] == pytest.approx(1.02)
-    assert report["hit_tokens"]["patched"] == {"decode": 7, "plain": 3}
+    assert report.hit_tokens["patched"] == {"decode": 7, "plain": 3}
     assert "1.020 [1.020, 1.020]" in lookup.table(report)
-    assert report["stock_build"] == "v0.0.0 + scheduler-mamba-external-kv"
+    assert report.stock_build == "v0.0.0 + scheduler-mamba-external-kv"
+    assert report.to_json()["ratio_patched_over_stock"] == ratio
     order = (tmp_path / "order").read_text().split()
     assert order == ["stock", "patched", "patched", "stock"] * 2
 

@@ -25,7 +25,9 @@ def test_cases_cover_each_fallback_on_an_exact_block_aligned_prefix() -> None:
     assert sc.correctness_cases(1000, OPTS) == cases  # seeded
 
 
-def _run(build: str, equal: bool = True, preemptions: int = 2, hit: int = 512) -> dict:
+def _run(
+    build: str, equal: bool = True, preemptions: int = 2, hit: int = 512
+) -> report_mod.RunResult:
     rows = [
         {"label": label, "via": "pd", "prompt_tokens": 600, "output_token_ids": [3] * 16,
          "reference_token_ids": [3] * 16 if equal or i else [4] * 16, "equal": equal or i > 0,
@@ -34,10 +36,10 @@ def _run(build: str, equal: bool = True, preemptions: int = 2, hit: int = 512) -
          "decode_local_hit_tokens": hit if i == 1 else 0}
         for i, label in enumerate(["A", "B", "C", "D"])
     ]
-    return {"build": build, "connector": "nixl", "requests": rows,
+    return report_mod.RunResult.from_json({"build": build, "connector": "nixl", "requests": rows,
             "decode_preemptions": preemptions,
             "checks": {"outputs_equal_reference": equal,
-                       "decode_local_hit": hit > 0, "preemption_forced": preemptions > 0}}
+                       "decode_local_hit": hit > 0, "preemption_forced": preemptions > 0}})
 
 
 def test_every_differing_output_fails_the_run() -> None:
@@ -62,8 +64,8 @@ def test_the_gate_flag_also_asks_for_the_decode_hit() -> None:
 
 
 def test_table_lists_every_request_and_the_preemptions() -> None:
-    report = {"scenario": "correctness", "runs": [_run("patched", equal=False)]}
-    lines = report_mod.table(report)
+    report = {"scenario": "correctness", "runs": [_run("patched", equal=False).to_json()]}
+    lines = report_mod.table(report_mod.E2EReport.from_json(report))
     assert "| patched | nixl | A | 0 | NO | 0/16 |" in lines
     assert "| patched | nixl | B | 512 | yes | 16/16 |" in lines
     assert lines[-1] == "| patched | nixl | preemptions on D | 2 | | |"

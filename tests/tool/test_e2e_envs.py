@@ -45,3 +45,80 @@ def test_kept_stock_checkout_is_put_back_at_the_tag(tmp_path: Path) -> None:
     head = source(series, pin, "stock", src, print)
     assert head == gitops.resolve(src, "v1.0")
     assert _patches(src) == []
+
+
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> _Calls:
+    """``install.environment`` (tested in test_install.py) and pip, recorded."""
+    from types import SimpleNamespace
+
+    from hybridpd import build as build_mod
+    from hybridpd import install, proc
+    from hybridpd.e2e import envs
+
+    def environment(pin, tree, venv, *, variant, torch, require_nixl, log):
+        calls.append(("environment", pin.version, tree, venv, variant, require_nixl))
+        if calls.nixl_error and require_nixl:
+            raise build_mod.BuildError(calls.nixl_error)
+        built = SimpleNamespace(python=venv / "bin" / "python", timings={"total": 1.5})
+        built.python.parent.mkdir(parents=True, exist_ok=True)
+        built.python.touch()
+        return install.InstallResult(tree, venv, None, built, "1.0")
+
+    def run(cmd, **_kwargs):
+        calls.append(("pip", *map(str, cmd[2:])))
+        return SimpleNamespace(ok=True)
+
+    calls = _Calls()
+    monkeypatch.setattr(install, "environment", environment)
+    monkeypatch.setattr(proc, "run", run)
+    monkeypatch.setattr(envs.pdextras, "requirement", lambda src, name: f"{name}==1.0")
+    return calls
+
+
+class _Calls(list):
+    nixl_error: str | None = None
+
+
+def test_e2e_environments_are_made_by_install_and_reused_by_their_marker(
+    tmp_path: Path, made
+) -> None:
+    import json
+
+    from hybridpd import cache
+    from hybridpd.e2e.envs import MARKER, prepare
+
+    _, series = standard_project(tmp_path)
+    root = tmp_path / "e2e" / "1.0-cpu-patched"
+    env = prepare(series, "1.0", "patched", "cpu", print, root=root)
+    assert made == [
+        ("environment", "1.0", root / "src", root / "venv", "cpu", True),
+        ("pip", "pip", "install", "-q", "matplotlib"),
+    ]
+    marker = cache.Marker(root / MARKER).read()
+    assert marker["want"]["head"] == env.head == gitops.head(root / "src")
+    assert marker["timings_s"]["build"] == 1.5
+
+    # Same inputs: reused, nothing built, also from a marker an older hybridpd wrote
+    # (unsorted keys). Another torch: built again.
+    (root / MARKER).write_text(json.dumps({"want": marker["want"], "timings_s": {}}, indent=2))
+    made.clear()
+    assert prepare(series, "1.0", "patched", "cpu", print, root=root).python == env.python
+    assert made == []
+    prepare(series, "1.0", "patched", "cpu", print, torch="torch==9", root=root)
+    assert made[0][0] == "environment"
+
+
+def test_an_e2e_environment_without_nixl_is_an_error_and_never_marked_complete(
+    tmp_path: Path, made
+) -> None:
+    from hybridpd import cache
+    from hybridpd.e2e.envs import MARKER, prepare
+    from hybridpd.e2e.servers import E2EError
+
+    _, series = standard_project(tmp_path)
+    root = tmp_path / "e2e" / "1.0-cpu-stock"
+    made.nixl_error = "pip could not install nixl-cu12==1.0"
+    with pytest.raises(E2EError, match=r"^\[stock\] pip could not install nixl-cu12==1.0$"):
+        prepare(series, "1.0", "stock", "cpu", print, root=root)
+    assert cache.Marker(root / MARKER).read() is None

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from hybridpd.e2e.report import RunResult
 from hybridpd.e2e.run import _failures
 
 
-def _run(build: str, connector: str, hit: bool) -> dict:
-    return {"build": build, "connector": connector, "checks": {"decode_local_hit": hit}}
+def _run(build: str, connector: str, hit: bool) -> RunResult:
+    return RunResult(build, connector, "logs", checks={"decode_local_hit": hit})
 
 
 def test_gate_passes_when_only_the_gated_connector_set_is_red_on_stock() -> None:

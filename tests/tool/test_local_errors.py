@@ -246,7 +246,7 @@ def test_a_second_download_of_one_cache_entry_waits_for_the_first(
     entry = cache.cache_dir() / "sdists" / release.filename
     waiting = f"waiting for another hybridpd process that is writing {entry}"
     lines: list[str] = []
-    with guard.entry(entry, lambda _m: None):
+    with cache.lock(entry, lambda _m: None):
         proc = cli(project.series_path, "checkout", "1.0", "--dir", str(tmp_path / "a"),
                    "--source", "sdist")
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)

@@ -81,3 +81,66 @@ def test_every_command_is_thin(command: click.Command) -> None:
         callback = callback.__wrapped__
     assert Path(callback.__code__.co_filename).parent == CLI
     assert _length(callback) <= MAX_COMMAND_LINES, f"{command.name}: parse, call, render"
+
+
+_LOG_TYPE = ("Callable[[str], None]", "typing.Callable[[str], None]")
+
+
+def _is_log_alias(node: ast.AST) -> bool:
+    """``X = Callable[[str], None]`` (or ``X: TypeAlias = ...``): a private ``progress.Log``."""
+    value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+    return value is not None and ast.unparse(value) in _LOG_TYPE
+
+
+def _is_silent(node: ast.AST) -> bool:
+    """A module-level function of one argument, or a lambda, that does nothing: a
+    private ``progress.quiet``."""
+    if isinstance(node, ast.Lambda):
+        return len(node.args.args) == 1 and isinstance(node.body, ast.Constant) \
+            and node.body.value is None
+    if not isinstance(node, ast.FunctionDef) or len(node.args.args) != 1:
+        return False
+    body = [s for s in node.body if not (isinstance(s, ast.Expr)
+                                         and isinstance(s.value, ast.Constant))]
+    return all(isinstance(s, ast.Pass) for s in body)
+
+
+def _log_problems(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = [node for node in tree.body if _is_log_alias(node) or _is_silent(node)]
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+            pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            for arg, default in pairs:
+                if arg.arg == "log" and _is_silent(default):
+                    found.append(default)
+                if arg.arg in ("log", "status") and arg.annotation is not None \
+                        and ast.unparse(arg.annotation) in _LOG_TYPE:
+                    found.append(arg)
+        if isinstance(node, ast.keyword) and node.arg == "log":
+            value = node.value
+            if isinstance(value, ast.IfExp):
+                value = value.body if _is_silent(value.body) else value.orelse
+            if _is_silent(value):
+                found.append(value)
+    return [f"{path.relative_to(TOOL)}:{node.lineno}" for node in found]
+
+
+def test_progress_has_one_log_type_and_one_silent_default() -> None:
+    """``progress.Log`` is the type of every ``log``, ``progress.quiet`` the one silence."""
+    found = [p for path in _modules() if path != TOOL / "progress.py" for p in _log_problems(path)]
+    assert found == []
+
+
+def test_only_the_store_and_guard_take_locks() -> None:
+    """Cache entries lock through ``cache.lock``, repositories and destinations through
+    ``guard``: no third lock implementation."""
+    found = [
+        str(path.relative_to(TOOL))
+        for path in _modules()
+        if path not in (TOOL / "cache.py", TOOL / "guard.py") and "fcntl" in _imported(path)
+    ]
+    assert found == []

@@ -154,7 +154,7 @@ def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) 
     import time
 
     from builders import standard_project
-    from hybridpd import cache, guard, testrun
+    from hybridpd import cache, testrun
 
     _, series = standard_project(tmp_path)
     monkeypatch.setattr(testrun, "_run_locked", lambda *args: "ran")
@@ -162,7 +162,7 @@ def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) 
     root.parent.mkdir(parents=True, exist_ok=True)
     logs: list[str] = []
     results: list[str] = []
-    with guard.entry(root, print):  # a first `hybridpd test --pin 1.0` is running
+    with cache.lock(root, print):  # a first `hybridpd test --pin 1.0` is running
         second = threading.Thread(target=lambda: results.append(
             testrun.run(series, "1.0", log=logs.append)))
         second.start()

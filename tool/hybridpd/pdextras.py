@@ -11,13 +11,13 @@ its dependencies. The result is proven by importing ``nixl._api`` in the venv.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
 from hybridpd import proc
 from hybridpd.build import BuildError
+from hybridpd.progress import Log, quiet
 
 _CUDA_MAJOR = "import torch; print((torch.version.cuda or '').split('.')[0])"
 _IMPORT = "import nixl._api"
@@ -55,7 +55,7 @@ def requirement(checkout: Path, name: str) -> str:
     return name
 
 
-def install_nixl(py: Path, checkout: Path, log: Callable[[str], None] = lambda _: None) -> str:
+def install_nixl(py: Path, checkout: Path, log: Log = quiet) -> str:
     """Install NIXL into the venv of ``py`` as the release at ``checkout`` pins it and
     prove ``nixl._api`` imports; return the installed version. BuildError on failure."""
     name = backend(py)

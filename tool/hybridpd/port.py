@@ -50,7 +50,6 @@ import json
 import shlex
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -58,8 +57,9 @@ from typing import Any, Literal
 from hybridpd import cache, gitops, guard, seriesedit
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
-from hybridpd.errors import HybridpdError, UsageError
+from hybridpd.errors import CheckoutError, HybridpdError, UsageError
 from hybridpd.export import export
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
 
 STATE_FILE = guard.PORT_STATE
@@ -213,19 +213,12 @@ def default_dir(version: str) -> Path:
 # Entry points -----------------------------------------------------------------
 
 
-Log = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    pass
-
-
 def start(
     series: Series,
     from_version: str,
     to_version: str,
     dest: Path | None = None,
-    log: Log = _quiet,
+    log: Log = quiet,
 ) -> PortReport:
     """Start porting ``from_version``'s series to ``to_version`` in ``dest``.
 
@@ -253,7 +246,7 @@ def start(
     if missing:
         raise PortError(f"missing patch file(s) of {v1.version}: {', '.join(missing)}")
     with contextlib.ExitStack() as held:
-        with checkout_mod.owned_directory(dest):
+        with cache.owned(dest, CheckoutError):
             log(f"checking out {v2.version} (sdist) into {dest}")
             checkout_mod.checkout(series, v2.version, dest, source="sdist")
             # The port's lock from the moment the repository exists until the run
@@ -278,7 +271,7 @@ def resume(
     dest: Path,
     action: Literal["continue", "skip"],
     upstream: str | None = None,
-    log: Log = _quiet,
+    log: Log = quiet,
 ) -> PortReport:
     """Go on with the port in ``dest`` after it stopped on a conflict.
 
@@ -375,7 +368,7 @@ class PortRequest:
         return cls(action, repo, from_version, to_version, upstream)
 
 
-def run(series: Series, request: PortRequest, log: Log = _quiet) -> PortReport:
+def run(series: Series, request: PortRequest, log: Log = quiet) -> PortReport:
     """Start or resume the port ``request`` names (not ``abort``: see :func:`abort`)."""
     if request.action == "start":
         assert request.from_version and request.to_version
@@ -398,8 +391,20 @@ def next_steps(report: PortReport, series_option: Path | None = None) -> list[st
     ]
 
 
-def abort(dest: Path) -> PortState:
-    """Stop the port in ``dest`` and put it back at V2 stock; return its last state.
+@dataclass(frozen=True)
+class Aborted:
+    """What ``port --abort`` left: ``dir`` back at ``to_version``'s release commit."""
+
+    dir: Path
+    to_version: str
+    stock: str
+
+    def to_json(self) -> dict:
+        return {"to": self.to_version, "dir": str(self.dir), "stock": self.stock}
+
+
+def abort(dest: Path) -> Aborted:
+    """Stop the port in ``dest`` and put it back at V2 stock.
 
     Aborts ``git am``, resets branch, index and work tree to the V2 release commit,
     removes untracked files (not ignored ones), the V1 commit's ref and the state
@@ -413,7 +418,7 @@ def abort(dest: Path) -> PortState:
         gitops.clean(dest)
         _drop_base(dest)
         PortState.path(dest).unlink()
-    return state
+    return Aborted(dest, state.to_version, state.stock)
 
 
 # The replay -------------------------------------------------------------------

@@ -16,6 +16,16 @@ from typing import Callable, Iterator, TextIO
 
 CLEAR = "\r\033[K"
 
+Log = Callable[[str], None]
+"""How a library function reports its progress: one call per line. Functions take a
+``log`` (most default to :func:`quiet`; ``build.build`` to :func:`say`), and the CLI
+passes its stderr echo, or :func:`quiet` with ``--json``. A few one-off notices (a
+re-download, a git fallback) go straight to :func:`say`."""
+
+
+def quiet(_message: str) -> None:
+    """The :data:`Log` that says nothing: the library's default."""
+
 
 def say(message: str) -> None:
     """A line for the user on stderr (the library's messages; results go to stdout)."""

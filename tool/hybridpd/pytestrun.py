@@ -42,10 +42,11 @@ import re
 import shutil
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from hybridpd import proc, progress
+from hybridpd.progress import Log, quiet
 
 #: pytest exit codes (``pytest.ExitCode``), spelled out so we need not import pytest.
 EXIT_OK, EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO_TESTS = range(6)
@@ -267,10 +268,6 @@ def has_plugin(venv: Path, module: str) -> bool:
     return proc.run([py, "-c", f"import {module}"]).ok
 
 
-def _noop(_: str) -> None:
-    pass
-
-
 def run_pytest(
     venv: Path,
     tree: Path,
@@ -285,7 +282,7 @@ def run_pytest(
     env_overrides: Mapping[str, str] | None = None,
     nice: int | None = 10,
     layers: Sequence[Path] = (),
-    log: Callable[[str], None] = _noop,
+    log: Log = quiet,
 ) -> SuiteResult:
     """Run ``files`` (paths relative to ``tree``) in one pytest process.
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Callable
 
 from hybridpd import gitops, guard
 from hybridpd.apply import apply
 from hybridpd.checkout import checkout
+from hybridpd.progress import Log
 from hybridpd.series import Pin, Series
 
 
 def prepare(
-    series: Series, pin: Pin, src: Path, *, patched: bool, log: Callable[[str], None]
+    series: Series, pin: Pin, src: Path, *, patched: bool, log: Log
 ) -> str:
     """Make ``src`` the release of ``pin`` (plus its series when ``patched``); its head.
 

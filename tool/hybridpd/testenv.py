@@ -26,7 +26,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -34,14 +33,15 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
-from hybridpd import guard, proc, progress
+from hybridpd import cache, proc, progress
 from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log, quiet
 
 #: Bump when the way an environment is built changes, so old environments are rebuilt.
 ENV_SCHEMA = 1
@@ -251,13 +251,10 @@ def env_inputs(
 
 def read_marker(venv: Path) -> dict | None:
     """The marker of a complete environment, or None."""
-    try:
-        return json.loads((venv / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return None
+    return cache.Marker(venv / MARKER_NAME).read()
 
 
-def _run(cmd: Sequence[str], log_file: Path, log: Callable[[str], None], what: str) -> None:
+def _run(cmd: Sequence[str], log_file: Path, log: Log, what: str) -> None:
     log(f"testenv: {what}")
     with progress.ticker(f"testenv: {what}"):
         done = proc.run(cmd, capture=False, log_file=log_file)
@@ -265,16 +262,12 @@ def _run(cmd: Sequence[str], log_file: Path, log: Callable[[str], None], what: s
         raise TestEnvError(f"{what} failed (exit {done.returncode}); see {log_file}")
 
 
-def _noop(_: str) -> None:
-    pass
-
-
 def ensure_test_env(
     version: str,
     source_tree: Path,
     cache_dir: Path,
     torch_spec: str | None = None,
-    log: Callable[[str], None] = _noop,
+    log: Log = quiet,
     *,
     extra_requirements: Sequence[str] = (),
     python: str | None = None,
@@ -295,9 +288,7 @@ def ensure_test_env(
     inputs = env_inputs(version, source_tree, torch_spec, extra_requirements, python)
     venv = env_dir(cache_dir, version)
     venv.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = venv.parent / f"{venv.name}.lock"
-    with lock_path.open("w") as lock_fh:
-        fcntl.flock(lock_fh, fcntl.LOCK_EX)
+    with cache.lock(venv, log):
         marker = read_marker(venv)
         if marker and marker.get("hash") == inputs["hash"] and venv_python(venv).exists():
             log(f"testenv: reusing {venv} (inputs {inputs['hash']})")
@@ -310,7 +301,7 @@ def ensure_test_env(
         return venv
 
 
-def _build(venv: Path, inputs: dict, python: str, log: Callable[[str], None]) -> None:
+def _build(venv: Path, inputs: dict, python: str, log: Log) -> None:
     start = time.monotonic()
     log_file = venv.parent / f"{venv.name}.build.log"
     log_file.write_text(f"hybridpd test env build {datetime.now(timezone.utc).isoformat()}\n")
@@ -351,7 +342,7 @@ def _build(venv: Path, inputs: dict, python: str, log: Callable[[str], None]) ->
         built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         build_seconds=round(time.monotonic() - start, 1),
     )
-    guard.write_atomic(venv / MARKER_NAME, json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    cache.Marker(venv / MARKER_NAME).write(marker)
     log(f"testenv: done in {marker['build_seconds']} s: {venv}")
 
 
@@ -374,7 +365,7 @@ def layer_dir(venv: Path, layer: Layer) -> Path:
 
 
 def ensure_layers(
-    venv: Path, version: str, log: Callable[[str], None] = _noop
+    venv: Path, version: str, log: Log = quiet
 ) -> list[Path]:
     """The layers of ``version``'s patch tests, built beside ``venv`` if needed.
 
@@ -384,26 +375,21 @@ def ensure_layers(
     """
     py = venv_python(venv)
     paths = []
-    with (venv.parent / f"{venv.name}.lock").open("w") as lock_fh:
-        fcntl.flock(lock_fh, fcntl.LOCK_EX)
+    with cache.lock(venv, log):
         python = (read_marker(venv) or {}).get("python")
         for layer in LAYERS:
             if not SpecifierSet(layer.releases).contains(version, prereleases=True):
                 continue
             target = layer_dir(venv, layer)
             want = {"requirements": list(layer.requirements), "python": python}
-            try:
-                have = json.loads((target / LAYER_MARKER).read_text())
-            except (OSError, ValueError):
-                have = None
-            if have != want:
+            if cache.Marker(target / LAYER_MARKER).read() != want:
                 log_file = venv.parent / f"{venv.name}.build.log"
                 tmp = target.with_name(target.name + ".tmp")
                 shutil.rmtree(tmp, ignore_errors=True)
                 _run([py, "-m", "pip", "install", "--progress-bar", "off", "--no-deps",
                       "--target", tmp, *layer.requirements],
                      log_file, log, f"install layer {layer.name}: {' '.join(layer.requirements)}")
-                (tmp / LAYER_MARKER).write_text(json.dumps(want, indent=2) + "\n")
+                cache.Marker(tmp / LAYER_MARKER).write(want)
                 shutil.rmtree(target, ignore_errors=True)
                 tmp.rename(target)
             paths.append(target)

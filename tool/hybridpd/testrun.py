@@ -30,13 +30,14 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from hybridpd import cache, gitops, guard, hfsnap, testenv, upstream
+from hybridpd import cache, gitops, hfsnap, testenv, upstream
 from hybridpd.apply import apply, patch_commits
 from hybridpd.checkout import checkout
 from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log, quiet
 from hybridpd.pytestrun import Counts, SuiteResult, parse_junit, run_pytest
 from hybridpd.series import Pin, Series
 
@@ -141,7 +142,7 @@ def patch_tests_dir(series: Series) -> Path:
     return series.dir.parent / "tests" / "patches"
 
 
-def prepare_trees(series: Series, pin: Pin, root: Path, log: Callable[[str], None]) -> dict:
+def prepare_trees(series: Series, pin: Pin, root: Path, log: Log) -> dict:
     """Fresh ``stock`` and ``patched`` trees of ``pin`` under ``root``, plus one tree
     per carried patch without it. Returns ``{"stock", "patched", "without": {id: path}}``."""
     if root.exists():
@@ -204,7 +205,7 @@ def run_patch_suite(
     trees: dict,
     out_dir: Path,
     hf_home: Path,
-    log: Callable[[str], None],
+    log: Log,
     layers: Sequence[Path] = (),
 ) -> tuple[list[PatchRow], list[str]]:
     """Run ``tests/patches`` on every tree and build the red/green table (with the
@@ -305,7 +306,7 @@ def run(
     full_upstream: bool = False,
     stock_baseline: bool = False,
     torch_spec: str | None = None,
-    log: Callable[[str], None] = lambda _: None,
+    log: Log = quiet,
 ) -> TestReport:
     """Prepare trees and the test environment of ``version`` and run ``suite``.
 
@@ -320,14 +321,14 @@ def run(
     root.parent.mkdir(parents=True, exist_ok=True)
     # The trees and the run's outputs are rebuilt from scratch: one run per pin at a
     # time (a second waits for the first instead of deleting its trees under it).
-    with guard.entry(root, log):
+    with cache.lock(root, log):
         return _run_locked(series, pin, suite, root, full_upstream, stock_baseline,
                            torch_spec, log)
 
 
 def _run_locked(
     series: Series, pin: Pin, suite: str, root: Path, full_upstream: bool,
-    stock_baseline: bool, torch_spec: str | None, log: Callable[[str], None],
+    stock_baseline: bool, torch_spec: str | None, log: Log,
 ) -> TestReport:
     out_dir = cache.cache_dir() / "runs" / pin.version
     if out_dir.exists():

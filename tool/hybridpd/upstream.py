@@ -36,6 +36,7 @@ from pathlib import Path
 
 from . import hfsnap
 from .pytestrun import SuiteResult, run_pytest
+from hybridpd.progress import Log, quiet
 
 BASELINE_DIR = Path(__file__).parent / "data" / "upstream"
 BASELINE_SCHEMA = 1
@@ -281,10 +282,6 @@ class UpstreamReport:
         return self.comparison.ok and self.patched.finished
 
 
-def _noop(_: str) -> None:
-    pass
-
-
 def run_upstream(
     venv: Path,
     stock_tree: Path | None,
@@ -297,7 +294,7 @@ def run_upstream(
     baseline: Path | None = None,
     test_timeout: int | None = 600,
     session_timeout: float | None = None,
-    log: Callable[[str], None] = _noop,
+    log: Log = quiet,
 ) -> UpstreamReport:
     """Run ``files`` on the patched tree and compare with stock.
 

@@ -19,11 +19,12 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from hybridpd import cache, gitops, guard, proc, pytestrun, releasetree, testenv
+from hybridpd import cache, gitops, proc, pytestrun, releasetree, testenv
 from hybridpd.apply import patch_commits
 from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Series
 
 BUILDS = ("stock", "patched")
@@ -56,12 +57,12 @@ class BenchEnv:
 
 
 @contextlib.contextmanager
-def prepared(series: Series, version: str, log: Callable[[str], None]) -> Iterator[BenchEnv]:
+def prepared(series: Series, version: str, log: Log) -> Iterator[BenchEnv]:
     """The bench environment of ``version``, held (one bench per pin at a time)."""
     pin = series.pin(version)
     root = cache.cache_dir() / "bench" / pin.version
     root.mkdir(parents=True, exist_ok=True)
-    with guard.entry(root, log):
+    with cache.lock(root, log):
         trees = {}
         for build in BUILDS:
             trees[build] = root / build
@@ -93,7 +94,7 @@ def run_script(
     build: str,
     script: Path,
     spec: dict[str, Any],
-    status: Callable[[str], None] = lambda _: None,
+    status: Log = quiet,
 ) -> dict[str, Any]:
     """Run ``script SPEC.json`` under ``build``'s tree; it writes its result to
     ``spec["out"]``. Its stderr lines (JSON progress) go to ``status``; its output is
@@ -121,7 +122,7 @@ def run_script(
     return json.loads(out_path.read_text())
 
 
-def _follow(log_path: Path, seen: int, status: Callable[[str], None]) -> int:
+def _follow(log_path: Path, seen: int, status: Log) -> int:
     """Pass the progress lines written since byte ``seen`` to ``status``."""
     try:
         with log_path.open("rb") as fh:

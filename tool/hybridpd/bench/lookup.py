@@ -8,17 +8,19 @@ patched/stock per path; the report gives their median, quartiles and range.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hybridpd import proc
 from hybridpd.bench.env import BUILDS, BenchEnv, BenchError, prepared
 from hybridpd.bench.replay import CONNECTORS
 from hybridpd.errors import UsageError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Series
 
 WORKER = Path(__file__).with_name("lookup_worker.py")
@@ -94,7 +96,28 @@ def _spread(values: list[float]) -> dict[str, float]:
             "q3": round(q[2], 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
-def run(series: Series, options: LookupOptions, log: Callable[[str], None] = lambda _: None) -> dict:
+@dataclass(frozen=True)
+class LookupReport:
+    """``hybridpd bench lookup``: per build, the lookup's median ns per call and the hit
+    it found on each path; per path, the patched/stock ratio's spread."""
+
+    pin: str
+    connector: str
+    stock_build: str
+    prompt_len: int
+    block_size: int
+    calls_per_sample: int
+    repeats: int
+    timed: dict[str, str]  # build -> the function timed
+    hit_tokens: dict[str, dict[str, int]]  # build -> path -> tokens
+    ns_per_call: dict[str, dict[str, float]]  # build -> path -> median
+    ratio_patched_over_stock: dict[str, dict[str, float]]  # path -> median, q1, q3, min, max
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def run(series: Series, options: LookupOptions, log: Log = quiet) -> LookupReport:
     if options.connector not in CONNECTORS:
         raise UsageError(f"unknown connector set {options.connector}")
     if options.repeats < 1 or options.calls < 1:
@@ -129,39 +152,39 @@ def run(series: Series, options: LookupOptions, log: Callable[[str], None] = lam
         path: [p[path] / s[path] for s, p in zip(samples["stock"], samples["patched"])]
         for path in PATHS
     }
-    return {
-        "pin": options.version,
-        "connector": options.connector,
-        "stock_build": stock_build,
-        "prompt_len": options.prompt_len,
-        "block_size": options.block_size,
-        "calls_per_sample": options.calls,
-        "repeats": options.repeats,
-        "timed": {b: ready[b]["timed"] for b in BUILDS},
-        "hit_tokens": {b: ready[b]["hits"] for b in BUILDS},
-        "ns_per_call": {
+    return LookupReport(
+        pin=options.version,
+        connector=options.connector,
+        stock_build=stock_build,
+        prompt_len=options.prompt_len,
+        block_size=options.block_size,
+        calls_per_sample=options.calls,
+        repeats=options.repeats,
+        timed={b: ready[b]["timed"] for b in BUILDS},
+        hit_tokens={b: ready[b]["hits"] for b in BUILDS},
+        ns_per_call={
             b: {path: round(statistics.median(s[path] for s in samples[b]), 1) for path in PATHS}
             for b in BUILDS
         },
-        "ratio_patched_over_stock": {path: _spread(ratios[path]) for path in PATHS},
-    }
+        ratio_patched_over_stock={path: _spread(ratios[path]) for path in PATHS},
+    )
 
 
-def table(report: dict) -> str:
+def table(report: LookupReport) -> str:
     lines = [
-        f"{report['pin']}, {report['connector']}: {report['timed']['patched']} on a "
-        f"{report['prompt_len']}-token prompt, blocks of {report['block_size']}, "
-        f"{report['repeats']} x {report['calls_per_sample']} calls per build; "
-        f"stock: {report['stock_build']}",
+        f"{report.pin}, {report.connector}: {report.timed['patched']} on a "
+        f"{report.prompt_len}-token prompt, blocks of {report.block_size}, "
+        f"{report.repeats} x {report.calls_per_sample} calls per build; "
+        f"stock: {report.stock_build}",
         f"{'path':8} {'stock ns':>10} {'patched ns':>11} {'stock hit':>10} {'patched hit':>12} "
         f"{'ratio (median [q1, q3], range)':>34}",
     ]
     for path in PATHS:
-        r = report["ratio_patched_over_stock"][path]
+        r = report.ratio_patched_over_stock[path]
         lines.append(
-            f"{path:8} {report['ns_per_call']['stock'][path]:>10,.0f} "
-            f"{report['ns_per_call']['patched'][path]:>11,.0f} "
-            f"{report['hit_tokens']['stock'][path]:>10,} {report['hit_tokens']['patched'][path]:>12,} "
+            f"{path:8} {report.ns_per_call['stock'][path]:>10,.0f} "
+            f"{report.ns_per_call['patched'][path]:>11,.0f} "
+            f"{report.hit_tokens['stock'][path]:>10,} {report.hit_tokens['patched'][path]:>12,} "
             f"{r['median']:>8.3f} [{r['q1']:.3f}, {r['q3']:.3f}], {r['min']:.3f}-{r['max']:.3f}"
         )
     return "\n".join(lines)

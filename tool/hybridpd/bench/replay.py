@@ -17,6 +17,7 @@ from typing import Any, Callable
 from hybridpd.bench import deployment
 from hybridpd.bench.env import BUILDS, BenchEnv, prepared, run_script
 from hybridpd.errors import UsageError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Series
 
 DRIVER = Path(__file__).with_name("decode_replay.py")
@@ -106,7 +107,7 @@ def spec(options: ReplayOptions, plan: deployment.Plan, env: BenchEnv, build: st
 def run(
     series: Series,
     options: ReplayOptions,
-    log: Callable[[str], None] = lambda _: None,
+    log: Log = quiet,
     status: Callable[[dict], None] = lambda _: None,
 ) -> ReplayReport:
     if options.connector not in CONNECTORS:

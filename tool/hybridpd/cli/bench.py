@@ -139,6 +139,6 @@ def lookup_command(state, version, connector, prompt_len, block_size, calls, rep
     options = lookup.LookupOptions(version, connector, prompt_len, block_size, calls, repeats)
     report = lookup.run(state.series, options, log=progress.say)
     if as_json:
-        jsonout.emit(report)
+        jsonout.emit(report.to_json())
     else:
         click.echo(lookup.table(report))

@@ -140,7 +140,7 @@ def e2e_command(state, as_json, **params):
     options = run_mod.E2EOptions(**params)
     result = run_mod.run(state.series, options, reproducing_argv(click.get_current_context()), log)
     if as_json:
-        jsonout.emit(result.report)
+        jsonout.emit(result.report.to_json())
     else:
         click.echo("\n".join(report_mod.table(result.report)))
         click.echo("")

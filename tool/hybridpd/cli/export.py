@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from hybridpd.errors import CheckFailed
+from hybridpd.export import CheckResult
 from hybridpd.export import check as check_series
 from hybridpd.export import export as export_series
 
@@ -59,13 +60,13 @@ def check(state: State, no_apply: bool, as_json: bool) -> None:
     equal the committed files byte for byte. Exits 1 and lists the problems
     otherwise.
     """
-    problems = check_series(state.series, round_trip=not no_apply)
+    result = CheckResult(check_series(state.series, round_trip=not no_apply))
     if as_json:
-        jsonout.emit({"ok": not problems, "problems": problems})
+        jsonout.emit(result.to_json())
     else:
-        for problem in problems:
+        for problem in result.problems:
             click.echo(problem)
-    if problems:
-        raise CheckFailed(f"{len(problems)} problem(s) found")
+    if not result.ok:
+        raise CheckFailed(f"{len(result.problems)} problem(s) found")
     if not as_json:
         click.echo("ok")

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from hybridpd import port as port_mod
+from hybridpd.progress import quiet
 
 from . import jsonout
 from .options import State, dir_option, json_flag, log
@@ -55,7 +56,7 @@ def port(
     if request.action == "abort":
         _echo_aborted(port_mod.abort(request.dir), request.dir, as_json)
         return
-    report = port_mod.run(state.series, request, log=(lambda _: None) if as_json else log)
+    report = port_mod.run(state.series, request, log=quiet if as_json else log)
     steps = port_mod.next_steps(report, state.series_arg)
     if as_json:
         data = report.to_json()
@@ -68,9 +69,9 @@ def port(
         ctx.exit(1)
 
 
-def _echo_aborted(stopped: port_mod.PortState, repo: Path, as_json: bool) -> None:
+def _echo_aborted(stopped: port_mod.Aborted, repo: Path, as_json: bool) -> None:
     if as_json:
-        jsonout.emit({"to": stopped.to_version, "dir": str(repo.absolute()), "stock": stopped.stock})
+        jsonout.emit(stopped.to_json())
     else:
         click.echo(f"aborted: {repo} is {stopped.to_version} stock ({stopped.stock[:12]})")
 

@@ -2,31 +2,31 @@
 checkout + build, each plus what only the e2e needs.
 
 Each environment lives in ``<cache>/e2e/<pin>-<device>-<build>/`` (``src/`` the git
-checkout, ``venv/`` the virtualenv) and is reused while ``e2e-env.json`` records the
-same checkout head, variant and extras. ``--patched-venv`` / ``--stock-venv`` use a
-prepared venv instead (recorded in the report as such).
+checkout, ``venv/`` the virtualenv) and is reused while its marker (``e2e-env.json``, a
+:class:`hybridpd.cache.Marker`) records the same checkout head, variant and extras.
+``--patched-venv`` / ``--stock-venv`` use a prepared venv instead (recorded in the report
+as such).
 
-The e2e extras, on top of :func:`hybridpd.build.build`:
-
-- NIXL for NixlConnector (:func:`hybridpd.pdextras.install_nixl`, which
-  ``hybridpd install`` runs too);
-- ``matplotlib`` for the report's plot (drawn by the venv's Python).
+The checkout is :func:`hybridpd.releasetree.prepare` (a kept one goes back to the tag
+first); the venv is :func:`hybridpd.install.environment`, as ``hybridpd install`` makes
+it (the build, then NixlConnector's NIXL, which here must install). The e2e adds
+``matplotlib`` for the report's plot (drawn by the venv's Python).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from hybridpd import build as build_mod
-from hybridpd import cache, guard, kernels, pdextras, proc
+from hybridpd import cache, install, kernels, pdextras, proc
+from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log
 from hybridpd.series import Pin, Series
 
 from .servers import E2EError
 
-Log = Callable[[str], None]
 
 BUILDS = ("patched", "stock")
 E2E_REQUIREMENTS = ("nixl-cu12", "matplotlib")
@@ -135,7 +135,7 @@ def prepare(
     root = root or env_root(pin.version, device, build)
     root.parent.mkdir(parents=True, exist_ok=True)
     # One writer per environment: a second e2e waits, then reuses the first one's.
-    with guard.entry(root, log):
+    with cache.lock(root, log):
         return _prepare_locked(series, pin, build, device, log, torch, root)
 
 
@@ -158,28 +158,33 @@ def _prepare_locked(
             "torch": torch}
     marker = root / MARKER
     py = venv / "bin" / "python"
-    if py.exists() and marker.exists() and json.loads(marker.read_text()).get("want") == want:
+    if py.exists() and (cache.Marker(marker).read() or {}).get("want") == want:
         log(f"[{build}] reusing {venv}")
         return Env(build, py, venv, src, head, True, timings)
 
     t1 = time.monotonic()
-    log(f"[{build}] building {venv} ({variant})")
     try:
-        result = build_mod.build(src, venv, pin.version, pin.tag, variant, log=log, torch=torch)
-    except build_mod.BuildError as exc:
-        raise E2EError(f"[{build}] build failed: {exc}") from None
-    timings["build"] = round(time.monotonic() - t1, 1)
-    t2 = time.monotonic()
-    install_extras(result.python, src, log)
-    timings["extras"] = round(time.monotonic() - t2, 1)
-    guard.write_atomic(marker, json.dumps({"want": want, "timings_s": timings}, indent=2) + "\n")
-    return Env(build, result.python, venv, src, head, True, timings)
+        # A PD pair needs NixlConnector: a NIXL that does not install is an error here.
+        made = install.environment(
+            pin, src, venv, variant=variant, torch=torch, require_nixl=True,
+            log=lambda line: log(f"[{build}] {line}"),
+        )
+    except build_mod.BuildError as exc:  # one line: the build's, or NIXL's
+        raise E2EError(f"[{build}] {exc.message}") from None
+    # As before: "build" is the build itself, "extras" what the e2e adds (NIXL, matplotlib).
+    timings["build"] = made.build.timings["total"]
+    log(f"[{build}] installing matplotlib (the report's plot)")
+    if not proc.run([made.build.python, "-m", "pip", "install", "-q", "matplotlib"],
+                    capture=False).ok:
+        raise E2EError(f"pip could not install matplotlib into {made.build.python}")
+    timings["extras"] = round(time.monotonic() - t1 - timings["build"], 1)
+    cache.Marker(marker).write({"want": want, "timings_s": timings})
+    return Env(build, made.build.python, venv, src, head, True, timings)
 
 
 def source(series: Series, pin: Pin, build: str, src: Path, log: Log) -> str:
     """Make ``src`` the ``build`` of ``pin`` (:func:`hybridpd.releasetree.prepare`)."""
     from hybridpd import releasetree
-    from hybridpd.errors import HybridpdError
 
     if build == "patched":
         log(f"[{build}] applying the series")
@@ -189,16 +194,6 @@ def source(series: Series, pin: Pin, build: str, src: Path, log: Log) -> str:
         )
     except HybridpdError as exc:  # ApplyError, DirtyTreeError, ...: one line for the user
         raise E2EError(f"cannot make the {build} {pin.version} build: {exc.message}") from None
-
-
-def install_extras(py: Path, checkout: Path, log: Log) -> None:
-    log("installing matplotlib (the report's plot)")
-    if not proc.run([py, "-m", "pip", "install", "-q", "matplotlib"], capture=False).ok:
-        raise E2EError(f"pip could not install matplotlib into {py}")
-    try:
-        pdextras.install_nixl(py, checkout, log)
-    except build_mod.BuildError as exc:
-        raise E2EError(str(exc)) from None
 
 
 _PROBE = r"""

@@ -7,6 +7,10 @@ decode_local_hit_tokens, kv_bytes_transferred, ttft_ms, output_token_ids``, ...)
 ``decode_prefix_cache_hits``, ``decode_prefix_cache_queries``,
 ``outputs_match_baseline``.
 
+In the library a report is an :class:`E2EReport` of :class:`RunResult` runs (a finished
+run and a failed one have the same type); ``to_json``/``from_json`` are the file's
+shape, and ``from_json`` reads reports older than a field.
+
 ``report.md`` uses the seed's ON/OFF table layout with stock (upstream's behaviour)
 as OFF and patched as ON. The plot is drawn by ``plot.py`` under the e2e venv's
 Python, which has matplotlib; hybridpd itself does not need it.
@@ -14,10 +18,99 @@ Python, which has matplotlib; hybridpd itself does not need it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hybridpd import proc
+
+#: The fields every run has, finished or failed (the contract above), in their order.
+RUN_FIELDS = ("requests", "decode_prefix_cache_hits", "decode_prefix_cache_queries",
+              "outputs_match_baseline")
+
+
+@dataclass
+class RunResult:
+    """One pair's run. A finished run has the scenario's figures; a failed one has its
+    ``error``. Both have the contract's fields, so a reader need not tell them apart."""
+
+    build: str  # "stock" | "patched"
+    connector: str
+    logs: str
+    requests: list[dict] = field(default_factory=list)
+    decode_prefix_cache_hits: int | None = None
+    decode_prefix_cache_queries: int | None = None
+    outputs_match_baseline: bool | None = None
+    checks: dict[str, bool] | None = None  # smoke and correctness: name -> passed
+    error: str | None = None
+    #: The scenario's own figures (``workload``, ``bench``, ``cold_decode``,
+    #: ``decode_preemptions``, ...) and the run's timings and server commands.
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def failed(cls, build: str, connector: str, error: str, logs: Path) -> RunResult:
+        return cls(build, connector, str(logs), error=error)
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunResult:
+        data = dict(data)
+        known = {name: data.pop(name) for name in (*RUN_FIELDS, "checks", "error") if name in data}
+        return cls(data.pop("build"), data.pop("connector"), str(data.pop("logs", "")),
+                   **known, figures=data)
+
+    @property
+    def where(self) -> str:
+        return f"{self.build} / {self.connector}"
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"build": self.build, "connector": self.connector}
+        if self.error is not None:
+            out["error"] = self.error
+        out.update({name: getattr(self, name) for name in RUN_FIELDS})
+        if self.checks is not None:
+            out["checks"] = self.checks
+        return {**out, **self.figures, "logs": self.logs}
+
+
+@dataclass
+class E2EReport:
+    """``report.json`` as the library reads and writes it. Reports older than a field
+    read it as empty (``command``: the report does not say what produced it)."""
+
+    pin: str
+    device: str
+    model: str
+    scenario: str
+    role: str = "kv_both"
+    command: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    environments: dict[str, dict] = field(default_factory=dict)
+    capabilities: dict[str, dict] = field(default_factory=dict)
+    server_options: dict[str, Any] = field(default_factory=dict)
+    runs: list[RunResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict) -> E2EReport:
+        """Raises KeyError, TypeError or ValueError where ``data`` is not a report; a
+        report without one of the four headline fields reads it as ``?``."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"runs"}
+        known = {k: v for k, v in data.items() if k in names}
+        for name in ("pin", "device", "model", "scenario"):
+            known[name] = str(known.get(name, "?"))
+        return cls(**known, runs=[RunResult.from_json(r) for r in data["runs"]])
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["runs"] = [run.to_json() for run in self.runs]
+        return out
+
+    def runs_by(self, build: str) -> dict[str, RunResult]:
+        return {r.connector: r for r in self.runs if r.build == build}
+
 
 SMOKE_COLUMNS = ("decode local hit (tokens)", "KV bytes moved", "TTFT (ms)")
 
@@ -36,13 +129,15 @@ def _num(value, digits: int = 0) -> str:
     return f"{int(round(value)):,}".replace(",", " ")
 
 
-def _runs_by(report: dict, build: str) -> dict[str, dict]:
-    return {r["connector"]: r for r in report["runs"] if r["build"] == build}
+def _off_on(off: dict, on: dict, key: str, digits: int = 0, delta: bool = True) -> str:
+    """The cells ``| OFF | ON | Δ `` of one figure (without Δ: ``| OFF | ON ``)."""
+    cells = f"| {_num(off.get(key), digits)} | {_num(on.get(key), digits)} "
+    return cells + (f"| {_pct(off.get(key), on.get(key))} " if delta else "")
 
 
-def smoke_table(report: dict) -> list[str]:
+def smoke_table(report: E2EReport) -> list[str]:
     """Per connector and request: stock (OFF) | patched (ON) | Δ, for hit, bytes, TTFT."""
-    stock, patched = _runs_by(report, "stock"), _runs_by(report, "patched")
+    stock, patched = report.runs_by("stock"), report.runs_by("patched")
     lines = [
         "| connector | request | prompt tokens | OFF hit | ON hit | OFF KV bytes | ON KV bytes "
         "| ΔKV bytes | OFF TTFT (ms) | ON TTFT (ms) | ΔTTFT | outputs OK (OFF/ON) |",
@@ -50,29 +145,28 @@ def smoke_table(report: dict) -> list[str]:
     ]
     for connector in dict.fromkeys([*patched, *stock]):
         off, on = stock.get(connector), patched.get(connector)
-        n = max(len((off or {}).get("requests", [])), len((on or {}).get("requests", [])))
+        n = max(len(off.requests if off else []), len(on.requests if on else []))
         for i in range(n):
-            ro = off["requests"][i] if off and i < len(off["requests"]) else {}
-            rn = on["requests"][i] if on and i < len(on["requests"]) else {}
+            ro = off.requests[i] if off and i < len(off.requests) else {}
+            rn = on.requests[i] if on and i < len(on.requests) else {}
             label = (rn or ro).get("label", f"r{i + 1}")
             ok = "/".join(
-                "—" if r is None else ("yes" if r.get("outputs_match_baseline") else "NO")
+                "—" if r is None else ("yes" if r.outputs_match_baseline else "NO")
                 for r in (off, on)
             )
             lines.append(
                 f"| {connector} | {label} | {_num((rn or ro).get('prompt_tokens'))} "
-                f"| {_num(ro.get('decode_local_hit_tokens'))} | {_num(rn.get('decode_local_hit_tokens'))} "
-                f"| {_num(ro.get('kv_bytes_transferred'))} | {_num(rn.get('kv_bytes_transferred'))} "
-                f"| {_pct(ro.get('kv_bytes_transferred'), rn.get('kv_bytes_transferred'))} "
-                f"| {_num(ro.get('ttft_ms'))} | {_num(rn.get('ttft_ms'))} "
-                f"| {_pct(ro.get('ttft_ms'), rn.get('ttft_ms'))} | {ok if i == n - 1 else ''} |"
+                + _off_on(ro, rn, "decode_local_hit_tokens", delta=False)
+                + _off_on(ro, rn, "kv_bytes_transferred")
+                + _off_on(ro, rn, "ttft_ms")
+                + f"| {ok if i == n - 1 else ''} |"
             )
     return lines
 
 
-def bench_table(report: dict) -> list[str]:
+def bench_table(report: E2EReport) -> list[str]:
     """The seed's table: workload | OFF/ON TTFT | ΔTTFT | OFF/ON output TPS | ΔTPS."""
-    stock, patched = _runs_by(report, "stock"), _runs_by(report, "patched")
+    stock, patched = report.runs_by("stock"), report.runs_by("patched")
     lines = [
         "| connector | prefix_len | suffix_len | num_prefix | num_prompts | concurrency "
         "| OFF TTFT (ms) | ON TTFT (ms) | ΔTTFT | OFF Output TPS | ON Output TPS | ΔTPS "
@@ -80,58 +174,57 @@ def bench_table(report: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for connector in dict.fromkeys([*patched, *stock]):
-        off, on = stock.get(connector) or {}, patched.get(connector) or {}
-        w = (on or off).get("workload", {})
-        bo, bn = off.get("bench", {}), on.get("bench", {})
+        off, on = stock.get(connector), patched.get(connector)
+        w = (on or off).figures.get("workload", {})
+        bo = off.figures.get("bench", {}) if off else {}
+        bn = on.figures.get("bench", {}) if on else {}
 
-        def hits(r: dict) -> str:
-            if not r:
+        def hits(r: RunResult | None) -> str:
+            if r is None:
                 return "—"
-            return f"{_num(r.get('decode_prefix_cache_hits'))}/{_num(r.get('decode_prefix_cache_queries'))}"
+            return f"{_num(r.decode_prefix_cache_hits)}/{_num(r.decode_prefix_cache_queries)}"
 
         lines.append(
             f"| {connector} | {w.get('prefix_len')} | {w.get('suffix_len')} | {w.get('num_prefixes')} "
             f"| {w.get('num_prompts')} | {w.get('concurrency')} "
-            f"| {_num(bo.get('mean_ttft_ms'))} | {_num(bn.get('mean_ttft_ms'))} "
-            f"| {_pct(bo.get('mean_ttft_ms'), bn.get('mean_ttft_ms'))} "
-            f"| {_num(bo.get('output_throughput'), 1)} | {_num(bn.get('output_throughput'), 1)} "
-            f"| {_pct(bo.get('output_throughput'), bn.get('output_throughput'))} "
-            f"| {hits(off)} | {hits(on)} |"
+            + _off_on(bo, bn, "mean_ttft_ms")
+            + _off_on(bo, bn, "output_throughput", digits=1)
+            + f"| {hits(off)} | {hits(on)} |"
         )
     return lines
 
 
-def correctness_table(report: dict) -> list[str]:
+def correctness_table(report: E2EReport) -> list[str]:
     lines = [
         "| build | connector | request | decode hit | every token agrees (teacher-forced) "
         "| common prefix with the free-running reference |",
         "|---|---|---|---|---|---|",
     ]
-    for run in report["runs"]:
-        for r in run.get("requests", []):
+    for run in report.runs:
+        for r in run.requests:
             hit = r.get("decode_local_hit_tokens")
             lines.append(
-                f"| {run['build']} | {run['connector']} | {r['label']} | "
+                f"| {run.build} | {run.connector} | {r['label']} | "
                 f"{'' if hit is None else hit} | {'yes' if r['equal'] else 'NO'} | "
                 f"{r['common_prefix_tokens']}/{len(r['reference_token_ids'])} |"
             )
-        if "decode_preemptions" in run:
-            lines.append(f"| {run['build']} | {run['connector']} | preemptions on D | "
-                         f"{run['decode_preemptions']} | | |")
+        if "decode_preemptions" in run.figures:
+            lines.append(f"| {run.build} | {run.connector} | preemptions on D | "
+                         f"{run.figures['decode_preemptions']} | | |")
     return lines
 
 
-def table(report: dict) -> list[str]:
-    if report["scenario"] == "correctness":
+def table(report: E2EReport) -> list[str]:
+    if report.scenario == "correctness":
         return correctness_table(report)
-    return bench_table(report) if report["scenario"] == "prefix-repetition" else smoke_table(report)
+    return bench_table(report) if report.scenario == "prefix-repetition" else smoke_table(report)
 
 
-def markdown(report: dict) -> str:
+def markdown(report: E2EReport) -> str:
     lines = [
-        f"# hybridpd e2e: {report['scenario']} on vLLM {report['pin']} ({report['device']})",
+        f"# hybridpd e2e: {report.scenario} on vLLM {report.pin} ({report.device})",
         "",
-        f"Model: `{report['model']}`. OFF = stock vLLM {report['pin']}, ON = patched. "
+        f"Model: `{report.model}`. OFF = stock vLLM {report.pin}, ON = patched. "
         "hit = tokens the decode instance took from its own prefix cache "
         "(Δ `vllm:prefix_cache_hits`); KV bytes = Δ `vllm:nixl_bytes_transferred_sum` "
         "on the decode instance; TTFT measured at the client through the proxy.",
@@ -139,31 +232,28 @@ def markdown(report: dict) -> str:
         *table(report),
         "",
     ]
-    for run in report["runs"]:
-        checks = run.get("checks") or {}
-        if checks:
-            failed = [k for k, v in checks.items() if not v]
+    for run in report.runs:
+        if run.checks:
+            failed = [k for k, v in run.checks.items() if not v]
             lines.append(
-                f"- {run['build']} / {run['connector']}: "
+                f"- {run.where}: "
                 + ("all checks pass" if not failed else "failed: " + ", ".join(failed))
             )
-    ops = {
-        b: c["kernels"] for b, c in (report.get("capabilities") or {}).items() if c.get("kernels")
-    }
+    ops = {b: c["kernels"] for b, c in report.capabilities.items() if c.get("kernels")}
     if ops:
         lines += ["", "Compiled ops vLLM loaded: " + "; ".join(
             f"{b} `{k['module']}` ({k['status']})" for b, k in ops.items()
         ) + "."]
-    if report.get("notes"):
-        lines += ["", *[f"- {n}" for n in report["notes"]]]
+    if report.notes:
+        lines += ["", *[f"- {n}" for n in report.notes]]
     return "\n".join(lines) + "\n"
 
 
-def write(report: dict, out: Path, plot_python: Path | None) -> dict[str, Path]:
+def write(report: E2EReport, out: Path, plot_python: Path | None) -> dict[str, Path]:
     """Write report.json, report.md and (with a Python that has matplotlib) report.png."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md"}
-    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["json"].write_text(json.dumps(report.to_json(), indent=2) + "\n")
     paths["md"].write_text(markdown(report))
     if plot_python is not None:
         png = out / "report.png"

@@ -12,10 +12,10 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Callable
 
 from hybridpd import cache, proc, progress
 from hybridpd.errors import Interrupted, UsageError
+from hybridpd.progress import Log
 from hybridpd.series import Series
 
 from . import report as report_mod
@@ -23,8 +23,6 @@ from . import scenarios as sc
 from .envs import Env, given, preflight, prepare, probe
 from .servers import E2EError, Processes
 from .tinymodel import spec_id
-
-Log = Callable[[str], None]
 
 
 class E2EUsageError(UsageError):
@@ -83,7 +81,7 @@ class E2EOptions:
 
 @dataclasses.dataclass
 class E2EResult:
-    report: dict
+    report: report_mod.E2EReport
     paths: dict[str, Path]
     failures: list[str]
 
@@ -191,24 +189,17 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     elif scenario in ("smoke", "correctness"):
         vocab = _vocab_size(model)
 
-    report = {
-        "command": list(command),
-        "options": options.to_json(),
-        "pin": pin.version,
-        "device": device,
-        "model": model,
-        "scenario": scenario,
-        "role": role,
-        "environments": {b: e.to_json() for b, e in envs.items()},
-        "capabilities": caps,
-        "server_options": {
+    report = report_mod.E2EReport(
+        pin=pin.version, device=device, model=model, scenario=scenario, role=role,
+        command=list(command), options=options.to_json(),
+        environments={b: e.to_json() for b, e in envs.items()},
+        capabilities=caps,
+        server_options={
             "block_size": block_size, "max_model_len": max_model_len,
             "decode_prefix_caching": decode_prefix_caching, "extra_args": list(server_args),
         },
-        "runs": [],
-        "notes": notes,
-        "timings_s": {},
-    }
+        notes=notes,
+    )
     failures: list[str] = []
     show, done = progress.printer()
     for build in builds:
@@ -256,22 +247,20 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
                     raise E2EError(f"processes left running after the run: {left}")
             except (E2EError, KeyboardInterrupt) as exc:
                 done()
-                report["runs"].append({"build": build, "connector": connector, "error": str(exc),
-                                       "logs": str(run_dir), "requests": [],
-                                       "decode_prefix_cache_hits": None,
-                                       "decode_prefix_cache_queries": None,
-                                       "outputs_match_baseline": None})
+                report.runs.append(report_mod.RunResult.failed(build, connector, str(exc), run_dir))
                 report_mod.write(report, out_dir, None)
                 if isinstance(exc, KeyboardInterrupt):
                     raise Interrupted(f"interrupted; logs kept in {run_dir}") from None
                 raise E2EError(f"{build} / {connector}: {exc}") from None
-            run = {"build": build, "connector": connector, **result,
-                   "ready_s": pair.ready_s, "scenario_s": round(t2 - t1, 1),
-                   "total_s": round(time.monotonic() - t0, 1), "logs": str(run_dir),
-                   "server_commands": pair.commands}
-            report["runs"].append(run)
+            run = report_mod.RunResult.from_json({
+                "build": build, "connector": connector, **result,
+                "ready_s": pair.ready_s, "scenario_s": round(t2 - t1, 1),
+                "total_s": round(time.monotonic() - t0, 1), "logs": str(run_dir),
+                "server_commands": pair.commands,
+            })
+            report.runs.append(run)
             failures += _failures(run, scenario, expect_patched_hit, version)
-    report["timings_s"]["total"] = round(time.monotonic() - t_start, 1)
+    report.timings_s["total"] = round(time.monotonic() - t_start, 1)
     paths = report_mod.write(report, out_dir, first.python)
     return E2EResult(report, paths, failures)
 
@@ -308,17 +297,19 @@ def _has_upstream_gate(pin: str) -> bool:
     return (major, minor) >= (0, 24)
 
 
-def _failures(run: dict, scenario: str, expect_patched_hit: bool, pin: str) -> list[str]:
+def _failures(
+    run: report_mod.RunResult, scenario: str, expect_patched_hit: bool, pin: str
+) -> list[str]:
     """Checks that fail the command: outputs always; the hit only with the gate flag
     (patched must hit; on pins with upstream's capability gate (v0.24+), stock must
     hit exactly for the connector sets upstream handles)."""
-    where = f"{run['build']} / {run['connector']}"
+    where = run.where
     if scenario == "correctness":
         return _correctness_failures(run, where, expect_patched_hit)
     if scenario != "smoke":
         return []
     out = []
-    checks = run.get("checks", {})
+    checks = run.checks or {}
     if not checks.get("warm_equals_cold_decode", True):
         out.append(f"{where}: the decode output with a local prefix hit differs from a cold decode instance's")
     if not checks.get("first_tokens_equal_single_instance", True):
@@ -328,13 +319,13 @@ def _failures(run: dict, scenario: str, expect_patched_hit: bool, pin: str) -> l
     if not expect_patched_hit:
         return out
     hit = checks.get("decode_local_hit")
-    if run["build"] == "patched" and not hit:
+    if run.build == "patched" and not hit:
         out.append(f"{where}: the decode instance took no local prefix hit for the shared-prefix request")
-    if run["build"] == "stock" and _has_upstream_gate(pin):
+    if run.build == "stock" and _has_upstream_gate(pin):
         # Upstream keeps the hit exactly when every connector declares
         # supports_divergent_local_hybrid_hits (NIXL alone does): stock must
         # show that, or the gate proves nothing.
-        capable = run["connector"] in UPSTREAM_CAPABLE_CONNECTORS
+        capable = run.connector in UPSTREAM_CAPABLE_CONNECTORS
         if capable and not hit:
             out.append(f"{where}: stock lost the decode-side hit that upstream keeps for this connector")
         if not capable and hit:
@@ -342,15 +333,17 @@ def _failures(run: dict, scenario: str, expect_patched_hit: bool, pin: str) -> l
     return out
 
 
-def _correctness_failures(run: dict, where: str, expect_patched_hit: bool) -> list[str]:
-    checks = run.get("checks", {})
+def _correctness_failures(
+    run: report_mod.RunResult, where: str, expect_patched_hit: bool
+) -> list[str]:
+    checks = run.checks or {}
     out = [
         f"{where}: {r['label']} differs from the single-instance reference: {r['note']}"
-        for r in run.get("requests", []) if not r["equal"]
+        for r in run.requests if not r["equal"]
     ]
     if not checks.get("preemption_forced", True):
         out.append(f"{where}: no preemption on the decode instance (the pool is too large)")
-    if expect_patched_hit and run["build"] == "patched" and not checks.get("decode_local_hit"):
+    if expect_patched_hit and run.build == "patched" and not checks.get("decode_local_hit"):
         out.append(f"{where}: the decode instance took no local prefix hit for request B")
     return out
 

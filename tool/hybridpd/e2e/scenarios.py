@@ -42,13 +42,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from . import metrics
 from .envs import Env
 from .servers import E2EError, Processes, ProcessFailed, StartupFailed, free_port
+from hybridpd.progress import Log
 
-Log = Callable[[str], None]
 
 SCENARIOS = ("smoke", "prefix-repetition", "correctness")
 ROLES = ("kv_both", "kv_producer/kv_consumer")

@@ -31,14 +31,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from hybridpd import proc as proc_mod
 from hybridpd.proc import group_members
 from hybridpd.proc import signal_group as _signal_group
 from hybridpd.errors import HybridpdError
-
-Progress = Callable[[str], None]
+from hybridpd.progress import Log
 
 #: The log line of a server whose port was taken between our pick and its bind.
 ADDRESS_IN_USE = "Address already in use"
@@ -326,7 +325,7 @@ class Processes:
         self,
         urls: Mapping[str, str],
         timeout: float,
-        progress: Progress | None = None,
+        progress: Log | None = None,
         fatal: Sequence[str] = (ADDRESS_IN_USE,),
     ) -> dict[str, float]:
         """Poll each ``name -> url`` until it answers 200; seconds each took.
