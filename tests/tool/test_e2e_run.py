@@ -94,6 +94,12 @@ def test_each_build_serves_each_connector_and_the_report_records_it(
         ("stock", "nixl"), ("stock", "nixl+decodebench"),
     ]
     run = data["runs"][0]
+    # In the order report.json always had: who, the scenario's result, timings, logs.
+    assert list(run) == [
+        "build", "connector", "requests", "decode_prefix_cache_hits",
+        "decode_prefix_cache_queries", "outputs_match_baseline", "checks",
+        "ready_s", "scenario_s", "total_s", "logs", "server_commands",
+    ]
     assert run["decode_prefix_cache_hits"] == 128 and run["ready_s"] == {"decode": 1.0}
     assert run["logs"] == str(tmp_path / "out" / "patched-nixl")
     assert data["capabilities"]["patched"]["kernels"]["module"] == "vllm._C_AVX2"
