@@ -275,6 +275,10 @@ def test_lookup_alternates_builds_and_reports_the_ratio_spread(tmp_path, monkeyp
     assert "1.020 [1.020, 1.020]" in lookup.table(report)
     assert report.stock_build == "v0.0.0 + scheduler-mamba-external-kv"
     assert report.to_json()["ratio_patched_over_stock"] == ratio
+    assert list(report.to_json()) == [  # the --json keys, in their order
+        "pin", "connector", "stock_build", "prompt_len", "block_size", "calls_per_sample",
+        "repeats", "timed", "hit_tokens", "ns_per_call", "ratio_patched_over_stock",
+    ]
     order = (tmp_path / "order").read_text().split()
     assert order == ["stock", "patched", "patched", "stock"] * 2
 

@@ -285,6 +285,18 @@ def test_abort_restores_the_release(stopped: tuple[Series, Path, Result]) -> Non
     assert again.exit_code == 1 and "no port in progress" in again.output
 
 
+def test_abort_json_names_the_release_it_left(stopped: tuple[Series, Path, Result]) -> None:
+    import json
+
+    series, dest, _ = stopped
+    stock = port_mod.PortState.load(dest).stock
+    result = cli(series, "--abort", "--dir", str(dest), "--json")
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(result.stdout).items()) == [
+        ("to", "2.0"), ("dir", str(dest.absolute())), ("stock", stock)
+    ]
+
+
 def test_json_report_shape(tmp_path: Path) -> None:
     _, series = port_project(tmp_path, FIX_ADD)
     dest = tmp_path / "port"

@@ -42,7 +42,6 @@ from hybridpd import gitops
 from hybridpd.apply import TRAILER
 from hybridpd.checkout import checkout
 from hybridpd.e2e import report as e2e_report
-from hybridpd.e2e.report import E2EReport
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
 from hybridpd.pytestrun import FINISHED, Counts
@@ -353,7 +352,7 @@ class Report:
 
     path: str  # relative to the project root
     date: datetime
-    e2e: E2EReport
+    e2e: e2e_report.E2EReport
 
     @property
     def pin(self) -> str:
@@ -395,7 +394,7 @@ def find_reports(project: Path, log: Log = quiet) -> list[Report]:
             if not (isinstance(data, dict) and isinstance(data.get("runs"), list)):
                 continue
             try:
-                reports.append(Report(rel, date, E2EReport.from_json(data)))
+                reports.append(Report(rel, date, e2e_report.E2EReport.from_json(data)))
             except (KeyError, TypeError, ValueError) as exc:
                 log(f"export-pr: {rel} is not an e2e report ({exc!r}); not used")
     return sorted(reports, key=lambda r: r.date, reverse=True)

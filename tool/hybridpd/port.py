@@ -393,14 +393,14 @@ def next_steps(report: PortReport, series_option: Path | None = None) -> list[st
 
 @dataclass(frozen=True)
 class Aborted:
-    """What ``port --abort`` left: ``dir`` back at ``to_version``'s release commit."""
+    """What ``port --abort`` left: ``repo`` back at ``to_version``'s release commit."""
 
-    dir: Path
+    repo: Path
     to_version: str
     stock: str
 
     def to_json(self) -> dict:
-        return {"to": self.to_version, "dir": str(self.dir), "stock": self.stock}
+        return {"to": self.to_version, "dir": str(self.repo), "stock": self.stock}
 
 
 def abort(dest: Path) -> Aborted:

@@ -177,7 +177,7 @@ def _prepare_locked(
     if not proc.run([made.build.python, "-m", "pip", "install", "-q", "matplotlib"],
                     capture=False).ok:
         raise E2EError(f"pip could not install matplotlib into {made.build.python}")
-    timings["extras"] = round(time.monotonic() - t1 - timings["build"], 1)
+    timings["extras"] = round(max(0.0, time.monotonic() - t1 - timings["build"]), 1)
     cache.Marker(marker).write({"want": want, "timings_s": timings})
     return Env(build, made.build.python, venv, src, head, True, timings)
 

@@ -18,7 +18,6 @@ Python, which has matplotlib; hybridpd itself does not need it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,30 +47,42 @@ class RunResult:
     #: The scenario's own figures (``workload``, ``bench``, ``cold_decode``,
     #: ``decode_preemptions``, ...) and the run's timings and server commands.
     figures: dict[str, Any] = field(default_factory=dict)
+    #: The keys of the JSON this run was read from, in order: written back as read.
+    keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def failed(cls, build: str, connector: str, error: str, logs: Path) -> RunResult:
-        return cls(build, connector, str(logs), error=error)
+        return cls(build, connector, str(logs), error=error, keys=(
+            "build", "connector", "error", "logs", *RUN_FIELDS))
 
     @classmethod
     def from_json(cls, data: dict) -> RunResult:
-        data = dict(data)
-        known = {name: data.pop(name) for name in (*RUN_FIELDS, "checks", "error") if name in data}
-        return cls(data.pop("build"), data.pop("connector"), str(data.pop("logs", "")),
-                   **known, figures=data)
+        """A run of any report; a field it lacks reads as empty (``""`` for the names)."""
+        rest = dict(data)
+        known = {name: rest.pop(name) for name in (*RUN_FIELDS, "checks", "error")
+                 if name in rest}
+        return cls(str(rest.pop("build", "")), str(rest.pop("connector", "")),
+                   str(rest.pop("logs", "")), **known, figures=rest, keys=tuple(data))
 
     @property
     def where(self) -> str:
         return f"{self.build} / {self.connector}"
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"build": self.build, "connector": self.connector}
-        if self.error is not None:
-            out["error"] = self.error
-        out.update({name: getattr(self, name) for name in RUN_FIELDS})
-        if self.checks is not None:
-            out["checks"] = self.checks
-        return {**out, **self.figures, "logs": self.logs}
+        fields = {"build": self.build, "connector": self.connector, "error": self.error,
+                  **{name: getattr(self, name) for name in RUN_FIELDS},
+                  "checks": self.checks, "logs": self.logs}
+        # A run made here has every contract field; optional ones only when set.
+        order = self.keys or ("build", "connector", *(("error",) if self.error else ()),
+                              *RUN_FIELDS, *(("checks",) if self.checks is not None else ()),
+                              *self.figures, "logs")
+        out = {k: fields[k] if k in fields else self.figures[k] for k in order}
+        return {**out, **{k: v for k, v in self.figures.items() if k not in out}}
+
+
+#: report.json's top level in the order hybridpd writes it.
+_TOP = ("command", "options", "pin", "device", "model", "scenario", "role", "environments",
+        "capabilities", "server_options", "runs", "notes", "timings_s")
 
 
 @dataclass
@@ -92,21 +103,25 @@ class E2EReport:
     runs: list[RunResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)
+    #: Top-level fields this version does not know, kept as read.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> E2EReport:
         """Raises KeyError, TypeError or ValueError where ``data`` is not a report; a
         report without one of the four headline fields reads it as ``?``."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"runs"}
-        known = {k: v for k, v in data.items() if k in names}
+        known = {k: v for k, v in data.items() if k in _TOP and k != "runs" and v is not None}
         for name in ("pin", "device", "model", "scenario"):
             known[name] = str(known.get(name, "?"))
-        return cls(**known, runs=[RunResult.from_json(r) for r in data["runs"]])
+        return cls(**known, runs=[RunResult.from_json(r) for r in data["runs"]],
+                   extra={k: v for k, v in data.items() if k not in _TOP})
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {k: getattr(self, k) for k in _TOP}
         out["runs"] = [run.to_json() for run in self.runs]
-        return out
+        if not self.command:  # a report older than the recorded command
+            del out["command"], out["options"]
+        return {**out, **self.extra}
 
     def runs_by(self, build: str) -> dict[str, RunResult]:
         return {r.connector: r for r in self.runs if r.build == build}

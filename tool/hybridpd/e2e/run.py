@@ -89,69 +89,106 @@ class E2EResult:
 def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2EResult:
     """Run the pairs ``options`` asks for; ``command`` is recorded in the report as the
     command line that reproduces it. Raises E2EUsageError, E2EError or Interrupted."""
-    # The body below predates E2EOptions and reads the options by their CLI names.
-    version, device, model, tiny = options.version, options.device, options.model, options.tiny
-    tiny_arch, connectors, role = options.tiny_arch, options.connectors, options.role
-    scenario, compare, out_dir = options.scenario, options.compare, options.out_dir
-    patched_venv, stock_venv = options.patched_venv, options.stock_venv
-    stock_only, torch_spec, block_size = options.stock_only, options.torch_spec, options.block_size
-    max_model_len, decode_prefix_caching = options.max_model_len, options.decode_prefix_caching
-    prompt_tokens, shared_tokens = options.prompt_tokens, options.shared_tokens
-    max_tokens, baseline_tokens = options.max_tokens, options.baseline_tokens
-    prefix_len, suffix_len = options.prefix_len, options.suffix_len
-    num_prefixes, output_len = options.num_prefixes, options.output_len
-    num_prompts, concurrency = options.num_prompts, options.concurrency
-    decode_num_blocks, gpus = options.decode_num_blocks, options.gpus
-    gpu_memory_utilization, server_args = options.gpu_memory_utilization, options.server_args
-    ready_timeout, seed = options.ready_timeout, options.seed
-    expect_patched_hit = options.expect_patched_hit
-    if bool(model) == bool(tiny):
-        raise E2EUsageError("give exactly one of --model and --tiny")
-    if device == "cpu" and not tiny and not Path(model).exists():
-        log("warning: on CPU a model hub is usually unreachable; --model should be a local path")
-    connectors = list(connectors) or ["nixl"]
-    if device == "cpu":
-        bad = [c for c in connectors if c in sc.GPU_ONLY_CONNECTORS]
-        if bad:
-            raise E2EUsageError(
-                f"{', '.join(bad)} do not start on a CPU engine; on CPU use nixl+decodebench"
-            )
-    gpu_pair = tuple(g.strip() for g in gpus.split(","))
-    if len(gpu_pair) != 2:
-        raise E2EUsageError("--gpus takes two GPU ids: P,D")
-    builds = ["stock"] if stock_only else (["patched", "stock"] if compare else ["patched"])
-
-    pin = series.pin(version)
+    o = options
+    plan = _Plan.of(o, log)
+    pin = series.pin(o.version)
     # Before any checkout, build or output: can this host run it at all?
-    builds_here = any((patched_venv if b == "patched" else stock_venv) is None for b in builds)
     preflight(
-        pin.version, device, gpu_pair, needs_wheel=builds_here,
+        pin.version, o.device, plan.gpus,
+        needs_wheel=any(plan.venv(o, b) is None for b in plan.builds),
         sdist=lambda: cache.sdist(series.package, pin.sdist, pin.sha256),
     )
-    out_dir = out_dir or Path(f"e2e-{pin.version}-{device}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = o.out_dir or Path(f"e2e-{pin.version}-{o.device}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()
     t_start = time.monotonic()
 
     # Environments first: a build failure should not cost a server start.
-    envs: dict[str, Env] = {}
-    for build in builds:
-        override = patched_venv if build == "patched" else stock_venv
-        envs[build] = given(override, build) if override else prepare(
-            series, pin.version, build, device, log, torch=torch_spec
+    envs = {
+        b: given(venv, b) if (venv := plan.venv(o, b)) else prepare(
+            series, pin.version, b, o.device, log, torch=o.torch_spec
         )
-    opts = sc.ServerOptions(
-        device=device, block_size=block_size, max_model_len=max_model_len,
-        decode_prefix_caching=decode_prefix_caching, gpus=gpu_pair,
-        gpu_memory_utilization=gpu_memory_utilization, extra_args=tuple(server_args),
-        ready_timeout=ready_timeout,
+        for b in plan.builds
+    }
+    opts = _server_options(o, plan.gpus)
+    first = envs[plan.builds[0]]
+    process_env = sc.server_env(opts, "P", 0)
+    caps = _capabilities(envs, process_env, o.device, log)
+    model, vocab, notes = _model(o, first, caps, process_env, log)
+    report = report_mod.E2EReport(
+        pin=pin.version, device=o.device, model=model, scenario=o.scenario, role=o.role,
+        command=list(command), options=o.to_json(),
+        environments={b: e.to_json() for b, e in envs.items()},
+        capabilities=caps,
+        server_options={
+            "block_size": o.block_size, "max_model_len": o.max_model_len,
+            "decode_prefix_caching": o.decode_prefix_caching, "extra_args": list(o.server_args),
+        },
+        notes=notes,
+    )
+    failures: list[str] = []
+    for build in plan.builds:
+        for connector in plan.connectors:
+            pair = _PairRun(o, envs[build], build, connector, model, vocab, opts,
+                            out_dir / f"{build}-{connector}")
+            report.runs.append(pair.run(report, out_dir, log))
+            failures += _failures(report.runs[-1], o.scenario, o.expect_patched_hit, o.version)
+    report.timings_s["total"] = round(time.monotonic() - t_start, 1)
+    paths = report_mod.write(report, out_dir, first.python)
+    return E2EResult(report, paths, failures)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What the options ask for, checked before anything is done."""
+
+    connectors: tuple[str, ...]
+    gpus: tuple[str, ...]
+    builds: tuple[str, ...]
+
+    @classmethod
+    def of(cls, o: E2EOptions, log: Log) -> _Plan:
+        if bool(o.model) == bool(o.tiny):
+            raise E2EUsageError("give exactly one of --model and --tiny")
+        if o.device == "cpu" and not o.tiny and not Path(o.model).exists():
+            log("warning: on CPU a model hub is usually unreachable; "
+                "--model should be a local path")
+        connectors = tuple(o.connectors) or ("nixl",)
+        if o.device == "cpu":
+            bad = [c for c in connectors if c in sc.GPU_ONLY_CONNECTORS]
+            if bad:
+                raise E2EUsageError(
+                    f"{', '.join(bad)} do not start on a CPU engine; on CPU use nixl+decodebench"
+                )
+        gpus = tuple(g.strip() for g in o.gpus.split(","))
+        if len(gpus) != 2:
+            raise E2EUsageError("--gpus takes two GPU ids: P,D")
+        builds = (
+            ("stock",) if o.stock_only else ("patched", "stock") if o.compare else ("patched",)
+        )
+        return cls(connectors, gpus, builds)
+
+    @staticmethod
+    def venv(o: E2EOptions, build: str) -> Path | None:
+        """The venv the user gave for ``build``; None: hybridpd prepares one."""
+        return o.patched_venv if build == "patched" else o.stock_venv
+
+
+def _server_options(o: E2EOptions, gpus: tuple[str, ...]) -> sc.ServerOptions:
+    return sc.ServerOptions(
+        device=o.device, block_size=o.block_size, max_model_len=o.max_model_len,
+        decode_prefix_caching=o.decode_prefix_caching, gpus=gpus,
+        gpu_memory_utilization=o.gpu_memory_utilization, extra_args=tuple(o.server_args),
+        ready_timeout=o.ready_timeout,
         decode_num_blocks=(
-            decode_num_blocks if decode_num_blocks is not None
-            else (16 if scenario == "correctness" else None)
+            o.decode_num_blocks if o.decode_num_blocks is not None
+            else (16 if o.scenario == "correctness" else None)
         ),
     )
-    first = envs[builds[0]]
-    process_env = sc.server_env(opts, "P", 0)
+
+
+def _capabilities(envs: dict[str, Env], process_env: dict, device: str, log: Log) -> dict:
+    """What each venv can do (:func:`.envs.probe`); an error where it cannot serve."""
     caps = {b: probe(e, process_env, device) for b, e in envs.items()}
     for b, c in caps.items():
         log(f"[{b}] compiled ops: {c['kernels']['module']} ({c['kernels']['status']})")
@@ -162,107 +199,114 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
             )
         if c["nixl"] != "ok":
             raise E2EError(f"[{b}] NixlConnector cannot load nixl in {envs[b].venv}: {c['nixl']}")
+    return caps
+
+
+def _model(
+    o: E2EOptions, first: Env, caps: dict, process_env: dict, log: Log
+) -> tuple[str, int | None, list[str]]:
+    """The model to serve (``--model``, or the tiny one written here), its vocabulary
+    size where the scenario makes prompts of token ids, and notes for the report."""
+    if not o.tiny:
+        vocab = _vocab_size(o.model) if o.scenario in ("smoke", "correctness") else None
+        return o.model, vocab, []
     notes = []
-    vocab = None
-    if tiny:
-        arch = tiny_arch
-        if arch == "auto":
-            arch = "qwen3_5" if all(c["qwen3_5"] == "ok" for c in caps.values()) else "qwen3_next"
-            if arch != "qwen3_5":
-                why = next(c["qwen3_5"] for c in caps.values() if c["qwen3_5"] != "ok")
-                notes.append(
-                    "tiny model: Qwen3NextForCausalLM stands in for Qwen3_5ForCausalLM "
-                    f"(same Gated-DeltaNet + gated attention decoder layers) because vLLM's "
-                    f"Qwen3.5 module does not import in this venv: {why}"
-                )
-                log(f"note: {notes[-1]}")
-        from hybridpd.cache import cache_dir
+    arch = o.tiny_arch
+    if arch == "auto":
+        arch = "qwen3_5" if all(c["qwen3_5"] == "ok" for c in caps.values()) else "qwen3_next"
+        if arch != "qwen3_5":
+            why = next(c["qwen3_5"] for c in caps.values() if c["qwen3_5"] != "ok")
+            notes.append(
+                "tiny model: Qwen3NextForCausalLM stands in for Qwen3_5ForCausalLM "
+                f"(same Gated-DeltaNet + gated attention decoder layers) because vLLM's "
+                f"Qwen3.5 module does not import in this venv: {why}"
+            )
+            log(f"note: {notes[-1]}")
+    # correctness compares outputs: its model's tokens must depend on the Mamba state.
+    variant = "state-sensitive" if o.scenario == "correctness" else "default"
+    path = tiny_model(first, arch, o.seed, cache.cache_dir() / "e2e" / "models", process_env,
+                      variant)
+    manifest = json.loads((path / "hybridpd-tiny.json").read_text())
+    log(f"tiny model {manifest['architectures'][0]} ({manifest['parameters']:,} parameters) "
+        f"at {path}")
+    return str(path), manifest["vocab_size"], notes
 
-        # correctness compares outputs: its model's tokens must depend on the Mamba state.
-        variant = "state-sensitive" if scenario == "correctness" else "default"
-        model_path = tiny_model(first, arch, seed, cache_dir() / "e2e" / "models", process_env,
-                                variant)
-        manifest = json.loads((model_path / "hybridpd-tiny.json").read_text())
-        vocab = manifest["vocab_size"]
-        model = str(model_path)
-        log(f"tiny model {manifest['architectures'][0]} ({manifest['parameters']:,} parameters) at {model}")
-    elif scenario in ("smoke", "correctness"):
-        vocab = _vocab_size(model)
 
-    report = report_mod.E2EReport(
-        pin=pin.version, device=device, model=model, scenario=scenario, role=role,
-        command=list(command), options=options.to_json(),
-        environments={b: e.to_json() for b, e in envs.items()},
-        capabilities=caps,
-        server_options={
-            "block_size": block_size, "max_model_len": max_model_len,
-            "decode_prefix_caching": decode_prefix_caching, "extra_args": list(server_args),
-        },
-        notes=notes,
-    )
-    failures: list[str] = []
-    show, done = progress.printer()
-    for build in builds:
-        env = envs[build]
-        for connector in connectors:
-            tag = f"{build}-{connector}"
-            run_dir = out_dir / tag
-            log(f"== {build} / {connector}: starting prefill, decode and proxy (logs: {run_dir})")
-            t0 = time.monotonic()
-            try:
-                with Processes(run_dir) as procs:
-                    try:
-                        pair = sc.start_pair(procs, env, model, connector, role, opts, show)
-                        done()
-                        log(f"   ready: {pair.ready_s}")
-                        t1 = time.monotonic()
-                        if scenario == "smoke":
-                            result = sc.run_smoke(
-                                pair, procs, vocab,
-                                sc.SmokeOptions(prompt_tokens, shared_tokens, max_tokens,
-                                                baseline_tokens, seed),
-                                log,
-                            )
-                        elif scenario == "correctness":
-                            result = sc.run_correctness(
-                                pair, procs, vocab,
-                                sc.CorrectnessOptions(block_size=block_size,
-                                                      max_tokens=max_tokens, seed=seed),
-                                log,
-                            )
-                        else:
-                            result = sc.run_prefix_repetition(
-                                pair, procs, env, model,
-                                sc.BenchOptions(prefix_len, suffix_len, num_prefixes, output_len,
-                                                num_prompts, concurrency, seed),
-                                run_dir, log,
-                            )
-                        t2 = time.monotonic()
-                    except E2EError:
-                        # Whatever broke, a server that died is the explanation to report.
-                        procs.check_soon()
-                        raise
-                left = procs.leftovers()
-                if left:
-                    raise E2EError(f"processes left running after the run: {left}")
-            except (E2EError, KeyboardInterrupt) as exc:
-                done()
-                report.runs.append(report_mod.RunResult.failed(build, connector, str(exc), run_dir))
-                report_mod.write(report, out_dir, None)
-                if isinstance(exc, KeyboardInterrupt):
-                    raise Interrupted(f"interrupted; logs kept in {run_dir}") from None
-                raise E2EError(f"{build} / {connector}: {exc}") from None
-            run = report_mod.RunResult.from_json({
-                "build": build, "connector": connector, **result,
-                "ready_s": pair.ready_s, "scenario_s": round(t2 - t1, 1),
-                "total_s": round(time.monotonic() - t0, 1), "logs": str(run_dir),
-                "server_commands": pair.commands,
-            })
-            report.runs.append(run)
-            failures += _failures(run, scenario, expect_patched_hit, version)
-    report.timings_s["total"] = round(time.monotonic() - t_start, 1)
-    paths = report_mod.write(report, out_dir, first.python)
-    return E2EResult(report, paths, failures)
+@dataclasses.dataclass(frozen=True)
+class _PairRun:
+    """One (build, connector): a fresh prefill, decode and proxy, the scenario, and the
+    servers reaped; logs in ``run_dir``."""
+
+    o: E2EOptions
+    env: Env
+    build: str
+    connector: str
+    model: str
+    vocab: int | None
+    opts: sc.ServerOptions
+    run_dir: Path
+
+    def run(self, report: report_mod.E2EReport, out_dir: Path, log: Log) -> report_mod.RunResult:
+        """The finished run. A failed one is written to the report (with what ran
+        before it) and raised as E2EError, or Interrupted on Ctrl-C."""
+        log(f"== {self.build} / {self.connector}: starting prefill, decode and proxy "
+            f"(logs: {self.run_dir})")
+        show, done = progress.printer()
+        t0 = time.monotonic()
+        try:
+            with Processes(self.run_dir) as procs:
+                try:
+                    pair = sc.start_pair(procs, self.env, self.model, self.connector, self.o.role,
+                                         self.opts, show)
+                    done()
+                    log(f"   ready: {pair.ready_s}")
+                    t1 = time.monotonic()
+                    result = self._scenario(pair, procs, log)
+                    t2 = time.monotonic()
+                except E2EError:
+                    # Whatever broke, a server that died is the explanation to report.
+                    procs.check_soon()
+                    raise
+            left = procs.leftovers()
+            if left:
+                raise E2EError(f"processes left running after the run: {left}")
+        except (E2EError, KeyboardInterrupt) as exc:
+            done()
+            report.runs.append(report_mod.RunResult.failed(
+                self.build, self.connector, str(exc), self.run_dir))
+            report_mod.write(report, out_dir, None)
+            if isinstance(exc, KeyboardInterrupt):
+                raise Interrupted(f"interrupted; logs kept in {self.run_dir}") from None
+            raise E2EError(f"{self.build} / {self.connector}: {exc}") from None
+        return report_mod.RunResult.from_json({
+            "build": self.build, "connector": self.connector, **result,
+            "ready_s": pair.ready_s, "scenario_s": round(t2 - t1, 1),
+            "total_s": round(time.monotonic() - t0, 1), "logs": str(self.run_dir),
+            "server_commands": pair.commands,
+        })
+
+    def _scenario(self, pair: sc.Pair, procs: Processes, log: Log) -> dict:
+        o = self.o
+        if o.scenario == "smoke":
+            return sc.run_smoke(
+                pair, procs, self.vocab,
+                sc.SmokeOptions(o.prompt_tokens, o.shared_tokens, o.max_tokens,
+                                o.baseline_tokens, o.seed),
+                log,
+            )
+        if o.scenario == "correctness":
+            return sc.run_correctness(
+                pair, procs, self.vocab,
+                sc.CorrectnessOptions(block_size=o.block_size, max_tokens=o.max_tokens,
+                                      seed=o.seed),
+                log,
+            )
+        return sc.run_prefix_repetition(
+            pair, procs, self.env, self.model,
+            sc.BenchOptions(o.prefix_len, o.suffix_len, o.num_prefixes, o.output_len,
+                            o.num_prompts, o.concurrency, o.seed),
+            self.run_dir, log,
+        )
 
 
 def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict,

@@ -1,0 +1,130 @@
+"""``e2e.run.run``'s orchestration with the servers and scenarios stood in: which pairs
+run, in which order, what the report records, and what a failed pair leaves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from builders import standard_project
+from hybridpd.e2e import run as run_mod
+from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e.envs import Env
+from hybridpd.e2e.servers import E2EError
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+
+@pytest.fixture
+def stood_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Calls:
+    """Environments, probes, the tiny model, the pair and the smoke scenario, recorded."""
+    calls = _Calls()
+
+    def prepare(series, version, build, device, log, torch=None):
+        calls.append(("prepare", build))
+        venv = tmp_path / f"venv-{build}"
+        return Env(build, venv / "bin" / "python", venv, None, "0" * 40, True, {})
+
+    def probe(env, process_env, device):
+        return {"nixl": "ok", "qwen3_5": "ok", "vllm": "1.0",
+                "kernels": {"module": "vllm._C_AVX2", "status": "ok"}}
+
+    def tiny_model(env, arch, seed, cache, process_env, variant="default"):
+        calls.append(("tiny", arch, variant))
+        path = tmp_path / "tiny"
+        path.mkdir(exist_ok=True)
+        (path / "hybridpd-tiny.json").write_text(json.dumps(
+            {"architectures": ["Qwen3_5ForCausalLM"], "parameters": 10, "vocab_size": 300}))
+        return path
+
+    def start_pair(procs, env, model, connector, role, opts, progress):
+        calls.append(("pair", env.build, connector, model, role))
+        if calls.fail == (env.build, connector):
+            raise E2EError("decode exited with code 1")
+        return sc.Pair("p", "d", "x", ready_s={"decode": 1.0}, commands={"decode": ["vllm"]})
+
+    def run_smoke(pair, procs, vocab, opts, log):
+        calls.append(("smoke", vocab, opts.prompt_tokens))
+        return {"requests": [{"label": "r1", "prompt_tokens": opts.prompt_tokens}],
+                "decode_prefix_cache_hits": 128, "decode_prefix_cache_queries": 256,
+                "outputs_match_baseline": True, "checks": {"decode_local_hit": True}}
+
+    monkeypatch.setattr(run_mod, "preflight", lambda *a, **k: None)
+    monkeypatch.setattr(run_mod, "prepare", prepare)
+    monkeypatch.setattr(run_mod, "probe", probe)
+    monkeypatch.setattr(run_mod, "tiny_model", tiny_model)
+    monkeypatch.setattr(sc, "start_pair", start_pair)
+    monkeypatch.setattr(sc, "run_smoke", run_smoke)
+    return calls
+
+
+class _Calls(list):
+    fail: tuple[str, str] | None = None  # the (build, connector) whose pair does not start
+
+
+def _options(tmp_path: Path, **kw) -> run_mod.E2EOptions:
+    return run_mod.E2EOptions(version="1.0", tiny=True, out_dir=tmp_path / "out", **kw)
+
+
+def test_each_build_serves_each_connector_and_the_report_records_it(
+    tmp_path: Path, stood_in: _Calls
+) -> None:
+    _, series = standard_project(tmp_path)
+    options = _options(tmp_path, connectors=("nixl", "nixl+decodebench"), compare="stock",
+                       prompt_tokens=300, expect_patched_hit=True)
+    result = run_mod.run(series, options, ["hybridpd", "e2e", "--pin", "1.0"], print)
+
+    assert stood_in == [
+        ("prepare", "patched"), ("prepare", "stock"),
+        ("tiny", "qwen3_5", "default"),
+        *[step for b in ("patched", "stock") for c in ("nixl", "nixl+decodebench")
+          for step in (("pair", b, c, str(tmp_path / "tiny"), "kv_both"), ("smoke", 300, 300))],
+    ]
+    # Every run is checked: here stock keeps the hit on a set upstream does not handle.
+    assert result.failures == [
+        "stock / nixl+decodebench: stock already keeps the decode-side hit, "
+        "so the gate proves nothing"
+    ]
+    data = json.loads(result.paths["json"].read_text())
+    assert data["command"] == ["hybridpd", "e2e", "--pin", "1.0"]
+    assert data["options"]["prompt_tokens"] == 300
+    assert [(r["build"], r["connector"]) for r in data["runs"]] == [
+        ("patched", "nixl"), ("patched", "nixl+decodebench"),
+        ("stock", "nixl"), ("stock", "nixl+decodebench"),
+    ]
+    run = data["runs"][0]
+    # In the order report.json always had: who, the scenario's result, timings, logs.
+    assert list(run) == [
+        "build", "connector", "requests", "decode_prefix_cache_hits",
+        "decode_prefix_cache_queries", "outputs_match_baseline", "checks",
+        "ready_s", "scenario_s", "total_s", "logs", "server_commands",
+    ]
+    assert run["decode_prefix_cache_hits"] == 128 and run["ready_s"] == {"decode": 1.0}
+    assert run["logs"] == str(tmp_path / "out" / "patched-nixl")
+    assert data["capabilities"]["patched"]["kernels"]["module"] == "vllm._C_AVX2"
+
+
+def test_a_pair_that_fails_is_in_the_report_with_the_runs_before_it(
+    tmp_path: Path, stood_in: _Calls
+) -> None:
+    _, series = standard_project(tmp_path)
+    stood_in.fail = ("stock", "nixl")
+    with pytest.raises(E2EError, match=r"^stock / nixl: decode exited with code 1$"):
+        run_mod.run(series, _options(tmp_path, compare="stock"), ["hybridpd"], print)
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(r["build"], r.get("error")) for r in data["runs"]] == [
+        ("patched", None), ("stock", "decode exited with code 1"),
+    ]
+    assert data["runs"][1]["requests"] == [] and data["runs"][1]["logs"].endswith("stock-nixl")
+
+
+def test_the_options_are_checked_before_anything_runs(
+    tmp_path: Path, stood_in: _Calls
+) -> None:
+    _, series = standard_project(tmp_path)
+    with pytest.raises(run_mod.E2EUsageError, match="--gpus takes two GPU ids"):
+        run_mod.run(series, _options(tmp_path, gpus="0"), [], print)
+    with pytest.raises(run_mod.E2EUsageError, match="exactly one of --model and --tiny"):
+        run_mod.run(series, run_mod.E2EOptions(version="1.0"), [], print)
+    assert stood_in == [] and not (tmp_path / "out").exists()
