@@ -5,16 +5,15 @@ the Mamba state at p is available:
 
 - a cached Mamba block at the end of its local hit, holding the state of this
   request's own prefix (its block hash is the request's hash at that block), or
-- a KV load for the request by a connector that restores the Mamba state at
-  the end of the loaded tokens (NIXL transfers the running state with the KV).
+- a KV load for the request that leaves the request's own Mamba state at the
+  resume point. What each connector leaves there is checked from what it
+  moves, never from its class alone (:data:`LOAD_STATE_CHECKS`): NIXL moves
+  the prefiller's running state, which belongs where the prefiller stopped
+  (the prompt less NIXL's back-off), so a NIXL load must end exactly there.
 
-A connector that does not restore the state at the end of a *divergent*
-local hit (DecodeBench, offloading, LMCache) may still load tokens on top of
-a local hit whose Mamba state is cached: what it loads is its own business.
-What it cannot do is complete a local hit that ran deeper than the Mamba
-groups. Breaking this is silent in a real engine: the linear-attention layers
-read a state that belongs to no prefix of the request and the request returns
-wrong tokens.
+Breaking this is silent in a real engine: the linear-attention layers read a
+state that belongs to no prefix of the request and the request returns wrong
+tokens.
 
 ``MambaStateChecker`` observes the scheduler from outside: it wraps the
 connector's ``get_num_new_matched_tokens`` (where the hit is decided: it
@@ -35,11 +34,7 @@ from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
-# Connectors whose load restores the Mamba state at the end of the loaded
-# tokens (what they transfer, not what they declare).
-STATE_RESTORING_CONNECTORS = frozenset(
-    {"NixlConnector", "NixlPullConnector", "NixlPushConnector"}
-)
+NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 
 
 @dataclasses.dataclass
@@ -49,6 +44,9 @@ class Admission:
     request_id: str
     external_tokens: int
     serving_connector: str | None  # class name of the connector that loads
+    # where the state a NIXL remote prefill transfers belongs (the tokens the
+    # prefiller computes), or None for a request that is not a remote prefill
+    prefiller_end: int | None = None
     # per Mamba group: block index -> hash of the cached block found for the
     # request's own prefix at that index when it was admitted (the state a
     # hit there reads; releases up to v0.2x hand that block to the request,
@@ -67,6 +65,47 @@ def _serving_connector(connector: Any, request_id: str) -> str | None:
         return type(connector).__name__
     chosen = connector._requests_to_connector.get(request_id)
     return None if chosen is None else type(children[chosen]).__name__
+
+
+def _prefiller_end(connector: Any, request: Any) -> int | None:
+    """Where the Mamba state of ``request``'s remote prefill belongs: the
+    prefiller computes the prompt less NIXL's back-off (one token on releases
+    without ``_prefill_backoff``) and transfers its running state there."""
+    params = request.kv_transfer_params
+    if not (params and params.get("do_remote_prefill")):
+        return None
+    nixl = next(
+        (c for c in getattr(connector, "_connectors", [connector])
+         if type(c).__name__ in NIXL_CONNECTORS),
+        None,
+    )
+    if nixl is None:
+        return None
+    backoff_fn = getattr(nixl.connector_scheduler, "_prefill_backoff", None)
+    backoff = backoff_fn() if backoff_fn is not None else 1
+    n = len(request.prompt_token_ids)
+    return n - backoff if backoff and n > backoff else n
+
+
+def _nixl_state_problem(adm: Admission) -> str | None:
+    if adm.prefiller_end is None:
+        return "NIXL loaded for a request that is not a remote prefill"
+    if adm.resume_point != adm.prefiller_end:
+        return (f"the transferred state belongs at {adm.prefiller_end}, "
+                f"not at the resume point")
+    return None
+
+
+# What the load of each connector leaves at the resume point, from what it
+# moves: a check returns why that is not the request's own state, or None.
+# DecodeBench writes every group it loads (the Mamba block at the resume point
+# included) with dummy values: it proves nothing about outputs, and its loads
+# are taken as restoring what it declares. A connector not listed here may
+# load only on top of a local hit whose own Mamba state is cached.
+LOAD_STATE_CHECKS = {
+    **{name: _nixl_state_problem for name in NIXL_CONNECTORS},
+    "DecodeBenchConnector": lambda adm: None,
+}
 
 
 class MambaStateChecker:
@@ -95,6 +134,7 @@ class MambaStateChecker:
         # free, and reuse, the local Mamba block the load makes redundant); a
         # local hit alone against what is cached after allocate_slots.
         self._at_match: dict[str, list[dict[int, Any]]] = {}
+        self._prefiller_end: dict[str, int | None] = {}
         connector = sched.connector
         if connector is not None:
             original_match = connector.get_num_new_matched_tokens
@@ -102,6 +142,9 @@ class MambaStateChecker:
 
             def get_num_new_matched_tokens(request, num_computed_tokens):
                 self._at_match[request.request_id] = self._cached_states(request)
+                self._prefiller_end[request.request_id] = _prefiller_end(
+                    connector, request
+                )
                 return original_match(request, num_computed_tokens)
 
             def update_state_after_alloc(request, blocks, num_external_tokens):
@@ -116,6 +159,7 @@ class MambaStateChecker:
                         if num_external_tokens > 0
                         else None
                     ),
+                    prefiller_end=self._prefiller_end.pop(request.request_id, None),
                     cached_states=cached,
                 )
                 return original(request, blocks, num_external_tokens)
@@ -177,15 +221,14 @@ class MambaStateChecker:
         assert adm.resume_point is not None
         if adm.resume_point == 0 or not self.mamba_group_ids:
             return
-        if (
-            adm.external_tokens > 0
-            and adm.serving_connector in STATE_RESTORING_CONNECTORS
-        ):
-            return  # the load restores the state at the resume point
         local = adm.resume_point - adm.external_tokens
-        if local == 0:
+        load_check = LOAD_STATE_CHECKS.get(adm.serving_connector or "")
+        if adm.external_tokens > 0 and load_check is not None:
+            problem = load_check(adm)
+        elif local == 0:
             return  # a load on top of no local hit brings its own state
-        problem = self.local_state_problem(req, local, adm)
+        else:
+            problem = self.local_state_problem(req, local, adm)
         if problem:
             raise MambaStateViolation(
                 f"{req.request_id} resumes at {adm.resume_point} (local hit {local}, "

@@ -1,7 +1,7 @@
 """Decode-side hits of hybrid models keep the Mamba-state invariant.
 
 Patches: coordinator-consumer-skips-mamba-hit and
-kv-manager-remote-prefill-skip-mamba. A decode instance that served a
+divergent-hybrid-hit-per-request. A decode instance that served a
 remote-prefill request holds the attention blocks of its prefix but no Mamba
 state inside it. A later request sharing the prefix may take the attention
 hit only if its KV load restores the Mamba state at the end (NIXL does);
@@ -14,6 +14,8 @@ real connectors, checks every admission with :class:`MambaStateChecker`
 """
 
 import pytest
+import vllm
+from packaging.version import Version
 
 from ..builders import (
     BLOCK_SIZE,
@@ -26,18 +28,30 @@ from ..builders import (
     vllm_config,
 )
 from ..mamba_state import (
-    STATE_RESTORING_CONNECTORS,
+    NIXL_CONNECTORS,
     MambaStateChecker,
     checked_step,
 )
 
 CONSUMER = "coordinator-consumer-skips-mamba-hit"
-PER_REQUEST = "kv-manager-remote-prefill-skip-mamba"
+PER_REQUEST = "divergent-hybrid-hit-per-request"
 PREFIX = prompt(4 * BLOCK_SIZE, seed=1)
 
 
 def _patches(fn):
     return pytest.mark.patch(CONSUMER)(pytest.mark.patch(PER_REQUEST)(fn))
+
+
+# v0.20.2 still carries the earlier design of the per-request patch (a yes/no
+# question before the lookup, another after the query, no resume point): the
+# len-1 corner recomputes there, and a child that matched first is trusted
+# only if it is NIXL. Known gaps, not the contract: strict, so they go red
+# once fixed.
+EARLIER_DESIGN = pytest.mark.xfail(
+    Version(vllm.__version__) < Version("0.28"),
+    strict=True,
+    reason="v0.20.2 carries the earlier per-request design (no resume point yet)",
+)
 
 
 def _serve(sched, checker, req):
@@ -83,7 +97,9 @@ def test_remote_prefill_keeps_attention_hit_and_loads_the_state(kind, kv_role):
     _serve(sched, checker, second)
     adm = _admission(checker, second)
     assert adm.resume_point - adm.external_tokens == len(PREFIX)
-    assert adm.serving_connector in STATE_RESTORING_CONNECTORS
+    assert adm.serving_connector in NIXL_CONNECTORS
+    # NIXL loads up to the prefiller's last computed token, where its state is.
+    assert adm.resume_point == second.num_prompt_tokens - 1
 
 
 @_patches
@@ -100,31 +116,41 @@ def test_plain_request_on_decode_instance_gets_no_stateless_hit(kind, kv_role):
 
 
 @_patches
+@EARLIER_DESIGN
 @pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
-def test_prompt_one_token_past_the_cached_prefix_falls_back(kind, kv_role):
-    # Local hit = prompt length - 1: NIXL has nothing left to load, so no
-    # Mamba state arrives at the resume point.
+def test_prompt_one_token_past_the_cached_prefix_pulls_the_last_block(kind, kv_role):
+    # The attention hit reaches NIXL's load target (prompt length - 1), so
+    # taken whole NIXL would load nothing and no Mamba state would arrive: the
+    # whole prompt would be recomputed on the decode instance (stock). The
+    # local hit stops at the block boundary below the target and NIXL pulls
+    # the last block with the prefiller's state.
     sched, checker = _decode_instance(kind, kv_role)
     req = request(PREFIX + [5], kv_transfer_params=remote_prefill_params(5))
     _serve(sched, checker, req)
     adm = _admission(checker, req)
-    assert adm.external_tokens == 0
-    assert adm.resume_point == 0
+    target = req.num_prompt_tokens - 1
+    assert adm.resume_point == target
+    assert adm.resume_point - adm.external_tokens == len(PREFIX) - BLOCK_SIZE
+    assert adm.external_tokens == BLOCK_SIZE
+    assert adm.serving_connector in NIXL_CONNECTORS
 
 
 @_patches
+@EARLIER_DESIGN
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
-def test_non_restoring_child_first_falls_back(kv_role):
-    # MultiConnector(DecodeBench, NIXL): DecodeBench matches first and serves
-    # the remote-prefill request, but restores no Mamba state, so the deeper
-    # attention hit is not taken.
+def test_first_child_serves_when_its_load_restores_the_groups(kv_role):
+    # MultiConnector(DecodeBench, NIXL): DecodeBench matches first (first-match
+    # priority) and its load writes every group it declares in
+    # get_loaded_kv_cache_group_ids, the Mamba block at the resume point
+    # included (dummy values), so the attention hit is kept under its load.
     sched, checker = _decode_instance("decodebench+nixl", kv_role)
     req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=5),
                   kv_transfer_params=remote_prefill_params(6))
     _serve(sched, checker, req)
     adm = _admission(checker, req)
-    assert adm.resume_point - adm.external_tokens == 0
+    assert adm.serving_connector == "DecodeBenchConnector"
+    assert adm.resume_point - adm.external_tokens == len(PREFIX)
 
 
 # On v0.20.2 DecodeBench does not support the hybrid allocator: MultiConnector
@@ -184,7 +210,61 @@ def test_failed_load_over_the_attention_hit_recomputes_from_zero(kind, kv_role):
             break
     first, retry = [a for a in checker.admissions if a.request_id == req.request_id]
     assert first.resume_point - first.external_tokens == len(PREFIX)
-    assert first.serving_connector in STATE_RESTORING_CONNECTORS
+    assert first.serving_connector in NIXL_CONNECTORS
     assert retry.resume_point - retry.external_tokens == 0
     assert retry.serving_connector in (None, "DecodeBenchConnector")
     assert req.num_computed_tokens >= req.num_prompt_tokens
+
+
+def _attention_only_load_connector():
+    """DecodeBench's connector declaring a load of the attention groups only:
+    what a connector that moves attention KV but no recurrent state answers to
+    ``get_loaded_kv_cache_group_ids``. No shipped connector answers so; the
+    scheduler must still never resume such a load on a divergent hit."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    class AttentionOnlyLoadConnector(DecodeBenchConnector):
+        def get_loaded_kv_cache_group_ids(self, request):
+            groups = self._kv_cache_config.kv_cache_groups
+            return tuple(
+                i for i in super().get_loaded_kv_cache_group_ids(request)
+                if not isinstance(groups[i].kv_cache_spec, MambaSpec)
+            )
+
+    return AttentionOnlyLoadConnector
+
+
+def __getattr__(name):
+    # vLLM's connector factory imports the class by module path.
+    if name == "AttentionOnlyLoadConnector":
+        return _attention_only_load_connector()
+    raise AttributeError(name)
+
+
+@_patches
+@pytest.mark.vllm_versions(">=0.32")
+@pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
+def test_load_that_does_not_restore_the_state_is_retried_on_the_agreed_hit(kv_role):
+    # MultiConnector(attention-only loader, NIXL): the first child matches the
+    # divergent hit, but its load leaves no Mamba state at the resume point.
+    # The request is not resumed there, and its load is not dropped: it is
+    # looked up again on the hit every group agrees on (0 here), where the
+    # first child loads from 0.
+    config = connectors("decodebench+nixl", kv_role)
+    first = config["kv_connector_extra_config"]["connectors"][0]
+    first.update(kv_connector="AttentionOnlyLoadConnector",
+                 kv_connector_module_path=__name__)
+    sched = scheduler(vllm_config(**config), hybrid_kv_cache_config())
+    checker = MambaStateChecker(sched)
+    _serve(sched, checker, request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
+                                   kv_transfer_params=remote_prefill_params(6)))
+    req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=7),
+                  kv_transfer_params=remote_prefill_params(6))
+    _serve(sched, checker, req)
+    adm = _admission(checker, req)
+    assert adm.serving_connector == "AttentionOnlyLoadConnector"
+    assert adm.resume_point - adm.external_tokens == 0
+    assert adm.external_tokens == req.num_prompt_tokens - 1

@@ -129,7 +129,7 @@ def _run(kind, wl):
 
 
 @pytest.mark.patch("coordinator-consumer-skips-mamba-hit")
-@pytest.mark.patch("kv-manager-remote-prefill-skip-mamba")
+@pytest.mark.patch("divergent-hybrid-hit-per-request")
 @pytest.mark.parametrize("kind,pools", KINDS)
 def test_no_request_resumes_without_its_mamba_state(kind, pools):
     @_seeded

@@ -1,6 +1,6 @@
 """On a kv_both instance the remote-prefill flag of a request decides.
 
-Patch: kv-manager-remote-prefill-skip-mamba. NIXL runs both PD instances
+Patch: divergent-hybrid-hit-per-request. NIXL runs both PD instances
 with kv_role="kv_both": requests that pull their KV from a producer
 (``do_remote_prefill``) take the attention prefix hit, every other request
 keeps Mamba-aligned hits.
@@ -24,7 +24,7 @@ from ..builders import (
     vllm_config,
 )
 
-PATCH = "kv-manager-remote-prefill-skip-mamba"
+PATCH = "divergent-hybrid-hit-per-request"
 PREFIX = prompt(8 * BLOCK_SIZE, seed=11)
 
 

@@ -1,0 +1,337 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Divergent local hybrid hits (full attention + Mamba "align") decided per
+request, behind a single connector and behind a MultiConnector.
+
+A decode instance caches every full-attention block of a prefix it received
+from a prefiller, but no Mamba state inside it. A later request sharing the
+prefix may start at the deeper full-attention hit only if the KV load that
+serves it restores the Mamba groups at its end. The scheduler asks the
+connector, before the lookup, where its load would resume the request
+(``get_divergent_hit_resume_point``) and, after the query, whether the load of
+the connector that matched restores the Mamba groups
+(``get_loaded_kv_cache_group_ids``).
+"""
+
+from unittest.mock import patch
+
+import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+    DecodeBenchConnector,
+)
+from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.request import Request, RequestStatus
+
+from .utils import (
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    make_kv_cache_config,
+)
+
+pytestmark = pytest.mark.cpu_test
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 100
+PREFIX_BLOCKS = 4
+PREFIX_TOKENS = PREFIX_BLOCKS * BLOCK_SIZE
+# A request that extends the cached prefix by two blocks.
+PROMPT_TOKENS = PREFIX_TOKENS + 2 * BLOCK_SIZE
+
+NIXL = "NixlConnector"
+DECODE_BENCH = "DecodeBenchConnector"
+ATTENTION_ONLY = "AttentionOnlyLoadConnector"
+CAPABLE = "DivergentHitCapableConnector"
+TEST_CONNECTORS = (ATTENTION_ONLY, CAPABLE)
+
+
+class AttentionOnlyLoadConnector(DecodeBenchConnector):
+    """A load that writes the attention groups only: it cannot complete a
+    divergent hybrid hit."""
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        groups = self._kv_cache_config.kv_cache_groups
+        return tuple(
+            group_id
+            for group_id in super().get_loaded_kv_cache_group_ids(request)
+            if not isinstance(groups[group_id].kv_cache_spec, MambaSpec)
+        )
+
+
+class DivergentHitCapableConnector(DecodeBenchConnector):
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return True
+
+
+def _connector_config(name: str) -> dict:
+    config = {"kv_connector": name, "kv_role": "kv_consumer"}
+    if name in TEST_CONNECTORS:
+        config["kv_connector_module_path"] = __name__
+    return config
+
+
+def create_hybrid_scheduler(connectors: list[str]) -> Scheduler:
+    """A decode instance of a full attention + Mamba ("align") model whose KV
+    connector is ``connectors[0]``, or a MultiConnector of ``connectors`` in
+    that order."""
+    if len(connectors) == 1:
+        kwargs = _connector_config(connectors[0])
+        vllm_config = create_vllm_config(
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=1024,
+            disable_hybrid_kv_cache_manager=False,
+            **kwargs,
+        )
+    else:
+        vllm_config = create_vllm_config(
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=1024,
+            disable_hybrid_kv_cache_manager=False,
+            kv_connector="MultiConnector",
+            kv_connector_extra_config={
+                "connectors": [_connector_config(name) for name in connectors]
+            },
+        )
+    vllm_config.cache_config.mamba_cache_mode = "align"
+    kv_cache_config = make_kv_cache_config(
+        block_size=BLOCK_SIZE,
+        mamba_enabled=True,
+        mamba_cache_mode="align",
+        num_blocks=NUM_BLOCKS,
+    )
+    return create_scheduler(
+        vllm_config, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config
+    )
+
+
+def seed_decode_side_prefix(scheduler: Scheduler) -> None:
+    """Cache the prefix as a decode instance holds it after a transfer: every
+    full-attention block, and no Mamba state inside the prefix."""
+    manager = scheduler.kv_cache_manager
+    fill = create_request(
+        num_tokens=PREFIX_TOKENS,
+        common_prefix_len=PREFIX_TOKENS,
+        block_size=BLOCK_SIZE,
+    )
+    computed_blocks, num_computed, _ = manager.get_computed_blocks(fill)
+    assert num_computed == 0
+    mamba_block_ids = []
+    for i in range(PREFIX_BLOCKS):
+        manager.allocate_slots(
+            fill, BLOCK_SIZE, new_computed_blocks=computed_blocks if i == 0 else None
+        )
+        fill.num_computed_tokens += BLOCK_SIZE
+        _, group_mamba_ids = manager.get_block_ids(fill.request_id)
+        mamba_block_ids.append(group_mamba_ids[i])
+    manager.free(fill)
+    manager.block_pool.evict_blocks(set(mamba_block_ids))
+
+
+def make_request(num_tokens: int, remote_prefill: bool) -> Request:
+    """A request whose prompt starts with the seeded prefix."""
+    return create_request(
+        num_tokens=num_tokens,
+        common_prefix_len=PREFIX_TOKENS,
+        do_remote_prefill=remote_prefill,
+        num_remote_blocks=-(-num_tokens // BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
+    )
+
+
+def admit(scheduler: Scheduler, request: Request) -> tuple[int, int]:
+    """Seed the prefix, schedule ``request`` and return what it starts with:
+    (local prefix-cache hit, tokens the connector loads)."""
+    seed_decode_side_prefix(scheduler)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    assert isinstance(coordinator, HybridKVCacheCoordinator)
+    _, per_group_hits = coordinator.find_longest_cache_hit_per_group(
+        request.block_hashes, request.num_tokens - 1
+    )
+    # The hit diverges: full attention holds the prefix, Mamba nothing in it.
+    assert per_group_hits == (PREFIX_TOKENS, 0)
+    scheduler.add_request(request)
+    return schedule_and_measure(scheduler, request)
+
+
+def schedule_and_measure(scheduler: Scheduler, request: Request) -> tuple[int, int]:
+    connector = scheduler.connector
+    assert connector is not None
+    with patch.object(
+        connector, "update_state_after_alloc", wraps=connector.update_state_after_alloc
+    ) as update_state_after_alloc:
+        output = scheduler.schedule()
+    update_state_after_alloc.assert_called_once()
+    _, _, num_external = update_state_after_alloc.call_args.args
+    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        num_computed = request.num_computed_tokens
+    else:
+        [new_req] = output.scheduled_new_reqs
+        num_computed = new_req.num_computed_tokens
+    return num_computed - num_external, num_external
+
+
+NIXL_SETS = pytest.mark.parametrize(
+    "connectors", [[NIXL], [NIXL, DECODE_BENCH]], ids=["nixl", "nixl+decodebench"]
+)
+
+
+@NIXL_SETS
+def test_remote_prefill_keeps_local_hit_and_loads_the_rest(connectors):
+    """The cached prefix comes from the local cache and NIXL loads the rest of
+    the prompt with the Mamba state at its end, also with a child that cannot
+    complete a divergent hit configured beside NIXL."""
+    scheduler = create_hybrid_scheduler(connectors)
+    request = make_request(PROMPT_TOKENS, remote_prefill=True)
+
+    num_local, num_external = admit(scheduler, request)
+
+    assert num_local == PREFIX_TOKENS
+    assert num_local + num_external == PROMPT_TOKENS - 1
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+@NIXL_SETS
+def test_plain_request_keeps_agreed_hit(connectors):
+    """NIXL loads nothing for a plain request, so no load restores a Mamba
+    state: it starts at the hit every group agrees on (none here), and from
+    there DecodeBench, when configured, loads all but the last token."""
+    scheduler = create_hybrid_scheduler(connectors)
+    request = make_request(PROMPT_TOKENS, remote_prefill=False)
+
+    num_local, num_external = admit(scheduler, request)
+
+    assert num_local == 0
+    assert num_external == (PROMPT_TOKENS - 1 if DECODE_BENCH in connectors else 0)
+    assert request.status == RequestStatus.RUNNING
+
+
+@NIXL_SETS
+def test_prompt_one_token_past_cached_prefix_loads_last_block(connectors):
+    """The full-attention hit reaches NIXL's load target (prompt - 1), where NIXL
+    would load nothing and no Mamba state. The local hit stops one block short
+    and NIXL loads that block with the state, instead of the decode instance
+    recomputing the whole prompt."""
+    scheduler = create_hybrid_scheduler(connectors)
+    request = make_request(PREFIX_TOKENS + 1, remote_prefill=True)
+
+    num_local, num_external = admit(scheduler, request)
+
+    assert num_local == PREFIX_TOKENS - BLOCK_SIZE
+    assert num_external == BLOCK_SIZE
+    assert num_local + num_external == request.num_tokens - 1
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_first_matching_child_that_restores_mamba_keeps_hit():
+    """MultiConnector(DecodeBench, NIXL): DecodeBench matches first and serves the
+    remote prefill. Its load writes the Mamba groups
+    (get_loaded_kv_cache_group_ids), so the local hit is kept under its load."""
+    scheduler = create_hybrid_scheduler([DECODE_BENCH, NIXL])
+    request = make_request(PROMPT_TOKENS, remote_prefill=True)
+
+    num_local, num_external = admit(scheduler, request)
+
+    assert num_local == PREFIX_TOKENS
+    assert num_local + num_external == PROMPT_TOKENS - 1
+    assert request.status == RequestStatus.RUNNING
+    connector = scheduler.connector
+    assert connector is not None
+    assert connector._requests_to_connector[request.request_id] == 0
+
+
+def test_load_not_restoring_mamba_resumes_from_agreed_hit_next_step():
+    """A child whose load writes the attention groups only matches a divergent
+    hit first. Its load is not dropped: the request waits one step and is then
+    looked up on the hit every group agrees on, with that child loading from
+    there."""
+    scheduler = create_hybrid_scheduler([ATTENTION_ONLY, NIXL])
+    connector = scheduler.connector
+    assert connector is not None
+    request = make_request(PROMPT_TOKENS, remote_prefill=True)
+    seed_decode_side_prefix(scheduler)
+    scheduler.add_request(request)
+
+    with patch.object(connector, "update_state_after_alloc") as update_state:
+        output = scheduler.schedule()
+    update_state.assert_not_called()
+    assert not output.scheduled_new_reqs
+    assert request.status == RequestStatus.WAITING
+    assert request.num_computed_tokens == 0
+
+    num_local, num_external = schedule_and_measure(scheduler, request)
+
+    assert num_local == 0
+    assert num_external == PROMPT_TOKENS - 1
+    assert request.status == RequestStatus.RUNNING
+    assert connector._requests_to_connector[request.request_id] == 0
+
+
+def _connector(connectors: list[str]) -> KVConnectorBase_V1:
+    connector = create_hybrid_scheduler(connectors).connector
+    assert connector is not None
+    return connector
+
+
+def test_nixl_resume_point():
+    nixl = _connector([NIXL])
+    remote = make_request(PROMPT_TOKENS, remote_prefill=True)
+    plain = make_request(PROMPT_TOKENS, remote_prefill=False)
+
+    assert nixl.get_divergent_hit_resume_point(remote) == PROMPT_TOKENS - 1
+    assert nixl.get_divergent_hit_resume_point(plain) is None
+
+
+@pytest.mark.parametrize(
+    "connectors,remote,plain",
+    [
+        ([NIXL, DECODE_BENCH], PROMPT_TOKENS - 1, None),
+        ([DECODE_BENCH, NIXL], PROMPT_TOKENS - 1, None),
+        ([NIXL, CAPABLE], PROMPT_TOKENS - 1, PROMPT_TOKENS),
+        ([CAPABLE, NIXL], PROMPT_TOKENS - 1, PROMPT_TOKENS),
+        ([DECODE_BENCH, CAPABLE], PROMPT_TOKENS, PROMPT_TOKENS),
+    ],
+)
+def test_multi_connector_resume_point_is_nearest_child_point(
+    connectors, remote, plain
+):
+    multi = _connector(connectors)
+
+    assert (
+        multi.get_divergent_hit_resume_point(
+            make_request(PROMPT_TOKENS, remote_prefill=True)
+        )
+        == remote
+    )
+    assert (
+        multi.get_divergent_hit_resume_point(
+            make_request(PROMPT_TOKENS, remote_prefill=False)
+        )
+        == plain
+    )
+
+
+@pytest.mark.parametrize(
+    "connectors,capable",
+    [
+        ([NIXL, DECODE_BENCH], False),
+        ([DECODE_BENCH, NIXL], False),
+        ([NIXL, CAPABLE], True),
+    ],
+)
+def test_multi_connector_capability_stays_all_children(connectors, capable):
+    assert _connector(connectors).supports_divergent_local_hybrid_hits is capable
+
+
+@pytest.mark.parametrize(
+    "name,expected", [(DECODE_BENCH, None), (CAPABLE, PROMPT_TOKENS)]
+)
+def test_default_resume_point_follows_capability(name, expected):
+    connector = _connector([name])
+    request = make_request(PROMPT_TOKENS, remote_prefill=True)
+
+    assert connector.get_divergent_hit_resume_point(request) == expected
