@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The e2e correctness gate must be able to fail: run it on a mutant of the patched
-# v0.32.0 build whose scheduler never reconciles a divergent hybrid hit, so a request
-# whose local attention hit has no Mamba state behind it (request C: a cached
-# block-aligned prefix + 1 token, nothing to load) resumes from a missing state.
+# v0.32.0 build whose scheduler neither caps a divergent hybrid hit below NIXL's load
+# target nor reconciles it when nothing is loaded, so a request whose local attention
+# hit has no Mamba state behind it (request C: a cached block-aligned prefix + 1 token;
+# patched, NIXL pulls the last block and the state) resumes from a missing state.
 # Passes only if the gate goes red on request C.
 #
 # Usage: ci/mutant-correctness.sh HYBRIDPD OUT_DIR (after the correctness step, which
@@ -22,9 +23,13 @@ mkdir -p "$(dirname "$mutant")"
 trap 'rm -rf "$(dirname "$mutant")"' EXIT
 cp -al "$patched" "$mutant"  # hard links: the edit below replaces one file only
 sched=$(echo "$mutant"/lib/python3.*/site-packages/vllm/v1/core/sched/scheduler.py)
-anchor='                        if hit_diverged and not ('
-grep -qxF "$anchor" "$sched" || { echo "mutant: reconciliation not found in $sched" >&2; exit 1; }
-sed -i "s/^$anchor\$/                        if False and hit_diverged and not (/" "$sched"
+mutate() {  # mutate WHAT LINE: prefix the condition of LINE (exact) with "False and"
+  local what="$1" line="$2"
+  grep -qxF "$line" "$sched" || { echo "mutant: $what not found in $sched" >&2; exit 1; }
+  sed -i "s/^$line\$/${line/if /if False and }/" "$sched"
+}
+mutate "the cap below the load target" '        if hit_diverged and num_local >= resume_point:'
+mutate "the reconciliation" '                        if hit_diverged and num_external_computed_tokens == 0:'
 
 set +e
 "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
