@@ -195,30 +195,39 @@ def test_a_signal_reaps_every_group_before_hybridpd_exits(tmp_path: Path, tag: s
             proc.signal_group(entry.pgid, signal.SIGKILL)
 
 
-def test_library_use_reaps_on_sighup(tmp_path: Path, tag: str) -> None:
+@pytest.mark.parametrize("signals", [(signal.SIGHUP,), (signal.SIGTERM, signal.SIGTERM)],
+                         ids=["SIGHUP", "SIGTERM-twice"])
+def test_library_use_reaps_on_a_signal(tmp_path: Path, signals) -> None:
     """Without the command line (whose handler turns SIGHUP into an interrupt), a run
-    still reaps its groups on SIGHUP."""
+    still reaps its groups on SIGHUP; a second SIGTERM while it waits for a worker that
+    ignores SIGTERM does not leave the groups after it running."""
     (tmp_path / "server.py").write_text(SERVER)
     script = tmp_path / "lib.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
         from hybridpd.e2e.servers import Processes
         with Processes({str(tmp_path / 'logs')!r}, grace=1, poll=0.1) as procs:
-            p = procs.start("decode", [sys.executable, {str(tmp_path / 'server.py')!r}, "", "x"])
-            print(p.pid, flush=True)
+            for name in ("decode", "proxy"):
+                p = procs.start(name, [sys.executable, {str(tmp_path / 'server.py')!r}, "",
+                                       "stubborn"])
+                print(p.pid, flush=True)
             time.sleep(600)
     """))
     child = subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True)
-    pgid = int(child.stdout.readline())
+    pgids = [int(child.stdout.readline()), int(child.stdout.readline())]
     try:
-        _wait("the grandchild", lambda: len(group_members(pgid)) == 3)
-        child.send_signal(signal.SIGHUP)
+        _wait("the grandchildren", lambda: all(len(group_members(g)) == 3 for g in pgids))
+        for sig in signals:
+            child.send_signal(sig)
+            time.sleep(0.3)
         child.wait(timeout=30)
-        _wait("the group to end", lambda: group_members(pgid) == [], timeout=10)
+        _wait("the groups to end", lambda: all(group_members(g) == [] for g in pgids),
+              timeout=10)
     finally:
         if child.poll() is None:
             child.kill()
-        proc.signal_group(pgid, signal.SIGKILL)
+        for pgid in pgids:
+            proc.signal_group(pgid, signal.SIGKILL)
 
 
 def test_a_pid_whose_start_time_differs_is_left_alone(tmp_path: Path, tag: str) -> None:

@@ -21,6 +21,10 @@ that has a record) ends them. Invariants:
   recorded pid belongs to another process now (its pid-named files may be that
   process's);
 - the record is deleted once every group in it is handled.
+
+A SIGKILL between a fork and the record's write would leave a group no record names;
+:meth:`~.servers.Processes.start` writes the record before it returns, so that window is
+one ``fork`` + one small write.
 """
 
 from __future__ import annotations

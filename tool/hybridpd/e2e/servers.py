@@ -199,7 +199,8 @@ class Processes:
         self.record = self.log_dir / reap_mod.RECORD
         self._entries: dict[str, reap_mod.Entry] = {}
         self._closing = False
-        self._held: int | None = None  # a stop signal that arrived while closing
+        self._holding = False  # in start(): between the fork and the record
+        self._held: int | None = None  # a stop signal that arrived meanwhile
         self.failure: ProcessFailed | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -240,7 +241,7 @@ class Processes:
         return False
 
     def _on_stop(self, signum, frame) -> None:
-        if self._closing:  # reaping already: finish it, then stop (see __exit__)
+        if self._closing or self._holding:  # finish reaping (or recording), then stop
             self._held = signum
             return
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -270,14 +271,22 @@ class Processes:
             raise E2EError(f"{name} is already running")
         log = self.log_dir / f"{name}.log"
         cmd = [str(c) for c in cmd]
-        popen = proc_mod.start(cmd, log, cwd=cwd, env=env)
-        proc = Proc(name, cmd, log, popen)
-        with self._lock:
-            self.procs[name] = proc
-            entry = reap_mod.Entry.of(name, popen.pid, tuple(shm))
-            if entry is not None:
-                self._entries[name] = entry
-                self._write_record()
+        # A stop signal between the fork and the record would leave a group that
+        # neither close() nor a later reap knows of: it waits until both are done.
+        self._holding = True
+        try:
+            popen = proc_mod.start(cmd, log, cwd=cwd, env=env)
+            proc = Proc(name, cmd, log, popen)
+            with self._lock:
+                self.procs[name] = proc
+                entry = reap_mod.Entry.of(name, popen.pid, tuple(shm))
+                if entry is not None:
+                    self._entries[name] = entry
+                    self._write_record()
+        finally:
+            self._holding = False
+        if self._held is not None and not self._closing:
+            raise KeyboardInterrupt(signal.Signals(self._held).name)
         return proc
 
     def _write_record(self) -> None:
