@@ -111,11 +111,13 @@ def _wait(what: str, until, timeout: float = 20.0):
 
 
 def _recorded(run_dir: Path) -> dict[str, reap.Entry] | None:
-    """The record once all three groups are in it with their grandchildren."""
+    """The record once all three groups are in it with their grandchildren (read as
+    it is: reap.read refuses a record whose writer still runs)."""
     try:
-        _, entries = reap.read(run_dir / reap.RECORD)
-    except Exception:
+        doc = json.loads((run_dir / reap.RECORD).read_text())
+    except (OSError, ValueError):
         return None
+    entries = [reap.Entry.from_json(e) for e in doc["processes"]]
     by_name = {e.name: e for e in entries}
     if set(by_name) == {"prefill", "decode", "proxy"} and all(
         len(e.members) == 2 for e in entries
@@ -150,6 +152,9 @@ def test_a_sigkilled_run_leaves_its_groups_and_reap_ends_them(tmp_path: Path, ta
         entries = _wait("the record", lambda: _recorded(run_dir) or child.poll() is not None)
         assert child.poll() is None, child.stdout.read()
         _wait("the shm files", lambda: len(list(Path("/dev/shm").glob(f"{tag}-*"))) == 2)
+        refused = CliRunner().invoke(main, ["e2e", "--reap", str(tmp_path / "out")])
+        assert refused.exit_code == 1 and "is still running; stop it" in refused.output
+        assert len(_alive(entries)) == 3
         child.kill()
         child.wait()
         # The servers live on in their own sessions: only a reap ends them.
@@ -164,6 +169,8 @@ def test_a_sigkilled_run_leaves_its_groups_and_reap_ends_them(tmp_path: Path, ta
         assert not (run_dir / reap.RECORD).exists()
         again = CliRunner().invoke(main, ["e2e", "--reap", str(tmp_path / "out")])
         assert again.exit_code == 0 and "nothing to reap" in again.output
+        doc = CliRunner().invoke(main, ["e2e", "--reap", str(tmp_path / "out"), "--json"])
+        assert json.loads(doc.stdout) == {"reaped": []}
     finally:
         if child.poll() is None:
             child.kill()
@@ -292,3 +299,8 @@ def test_a_closed_run_leaves_no_record(tmp_path: Path) -> None:
         assert doc["processes"][0]["start_time"] == proc.identity(p.pid).start_time
     assert not (tmp_path / "logs" / reap.RECORD).exists()
     assert os.listdir(tmp_path / "logs") == ["decode.log"]
+
+
+def test_e2e_needs_pin_unless_it_reaps(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["e2e", "--tiny"])
+    assert result.exit_code == 2 and "Missing option '--pin'" in result.output

@@ -20,6 +20,8 @@ that has a record) ends them. Invariants:
   and those the group's members map or hold open just before they end; never while a
   recorded pid belongs to another process now (its pid-named files may be that
   process's);
+- a record whose writer (the hybridpd process that started the groups, pid and start
+  time) still runs is refused with one line: that run is alive and reaps its own;
 - the record is deleted once every group in it is handled.
 
 A SIGKILL between a fork and the record's write would leave a group no record names;
@@ -38,12 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd import guard, proc
-from hybridpd.errors import LocalFileError
+from hybridpd.errors import HybridpdError, LocalFileError
 
 #: The record's name in a run directory.
 RECORD = "processes.json"
 #: Where shared-memory segments live; nothing outside it is ever removed.
 SHM = Path("/dev/shm")
+
+
+class StillRunning(HybridpdError):
+    """The run that recorded the groups is alive: it is not ours to reap."""
 
 
 @dataclasses.dataclass
@@ -104,26 +110,41 @@ class Entry:
         return {p for p in out if _under_shm(p)}
 
 
-def write(path: Path, entries: list[Entry]) -> None:
-    """Write the record of ``entries`` (delete it when there are none)."""
+def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None) -> None:
+    """Write the record of ``entries`` started by ``writer`` (delete it when there are
+    none)."""
     if not entries:
         path.unlink(missing_ok=True)
         return
-    doc = {"boot_id": proc.boot_id(), "processes": [e.to_json() for e in entries]}
+    doc = {
+        "boot_id": proc.boot_id(),
+        "writer": [writer.pid, writer.start_time] if writer else None,
+        "processes": [e.to_json() for e in entries],
+    }
     guard.write_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 
 def read(path: Path) -> tuple[str, list[Entry]]:
     """The boot id and entries of a record; a record that cannot be read is an error
-    that names it (never a reason to signal anything)."""
+    that names it (never a reason to signal anything), and so is one whose writer still
+    runs (:class:`StillRunning`)."""
     try:
         doc = json.loads(path.read_text())
-        return str(doc.get("boot_id", "")), [Entry.from_json(e) for e in doc["processes"]]
+        boot, entries = str(doc.get("boot_id", "")), [Entry.from_json(e) for e in doc["processes"]]
+        writer = doc.get("writer")
+        alive = (writer and boot == proc.boot_id()
+                 and (now := proc.identity(int(writer[0]))) is not None
+                 and now.start_time == int(writer[1]))
     except OSError as exc:
         raise LocalFileError.from_os_error(exc) from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise LocalFileError(f"{path}: not a record of processes ({exc}); "
                              "end them by hand and delete it") from None
+    if alive:
+        raise StillRunning(f"{path.parent}: the run that started these servers (pid "
+                           f"{writer[0]}) is still running; stop it (it reaps its own) "
+                           "or use another --out")
+    return boot, entries
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,6 +198,7 @@ class Processes:
         self.procs: dict[str, Proc] = {}
         self.record = self.log_dir / reap_mod.RECORD
         self._entries: dict[str, reap_mod.Entry] = {}
+        self._writer = proc_mod.identity(os.getpid())
         self._closing = False
         self._holding = False  # in start(): between the fork and the record
         self._held: int | None = None  # a stop signal that arrived meanwhile
@@ -291,7 +292,7 @@ class Processes:
 
     def _write_record(self) -> None:
         """Write processes.json (the caller holds the lock)."""
-        reap_mod.write(self.record, list(self._entries.values()))
+        reap_mod.write(self.record, list(self._entries.values()), self._writer)
 
     def _record_members(self) -> None:
         """Add the members each group gained (vLLM's engine core, its workers)."""
