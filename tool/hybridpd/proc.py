@@ -250,3 +250,59 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> int:
     while group_members(pgid) and time.monotonic() < settle:
         time.sleep(0.05)
     return code
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a pid is now: its process group and its start time (clock ticks after boot,
+    field 22 of ``/proc/<pid>/stat``). A pid is reused; pid and start time together are
+    not, within one boot."""
+
+    pid: int
+    pgid: int
+    start_time: int
+
+
+def identity(pid: int) -> Identity | None:
+    """``pid``'s :class:`Identity`; None when it is gone, a zombie, or /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # comm may hold spaces and parentheses
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return Identity(pid, int(fields[2]), int(fields[19]))
+
+
+def boot_id() -> str:
+    """This boot's id (a start time means nothing across a reboot); "" where unknown."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def shm_files(pid: int, shm: Path = Path("/dev/shm")) -> set[Path]:
+    """Files under ``shm`` that ``pid`` maps or holds open (read from /proc; empty when
+    it is gone)."""
+    found: set[str] = set()
+    prefix = f"{shm}/"
+    try:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                found.add(parts[5])
+    except OSError:
+        pass
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                found.add(target)
+    except OSError:
+        pass
+    return {Path(p) for p in found if not p.endswith(" (deleted)")}

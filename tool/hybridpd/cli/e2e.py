@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e import run as run_mod
 from hybridpd.e2e import scenarios as sc
@@ -28,7 +29,7 @@ DEVICES = ("cpu", "cuda")
 #: Options left out of a report's command: where output goes, and venvs given instead of
 #: builds (a local path, and re-running with it would measure the same old venv; the
 #: command rebuilds from the series instead). The report's ``options`` keeps them all.
-_NOT_REPRODUCED = ("out_dir", "as_json", "patched_venv", "stock_venv")
+_NOT_REPRODUCED = ("out_dir", "as_json", "patched_venv", "stock_venv", "reap_dir")
 
 
 def reproducing_argv(ctx: click.Context) -> list[str]:
@@ -62,7 +63,11 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 
 
 @click.command("e2e")
-@click.option("--pin", "version", required=True, metavar="VERSION", help="vLLM pin, e.g. 0.32.0.")
+@click.option("--pin", "version", metavar="VERSION", help="vLLM pin, e.g. 0.32.0 (required).")
+@click.option("--reap", "reap_dir", metavar="DIR",
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Only end the servers a killed run into DIR (its --out) left running, "
+              "and remove their shared-memory files.")
 @click.option("--device", type=click.Choice(DEVICES), default=_D.device, show_default=True)
 @click.option("--model", metavar="ID_OR_PATH", help="Model to serve (GPU: Qwen/Qwen3.5-35B-A3B).")
 @click.option("--tiny", is_flag=True, help="Write and serve a 4-layer random-weight Qwen3.5-architecture model.")
@@ -124,7 +129,7 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
               "on the shared-prefix request and all outputs match (the CI gate).")
 @jsonout.flag(help="Print report.json instead of the table.")
 @click.pass_obj
-def e2e_command(state, as_json, **params):
+def e2e_command(state, as_json, reap_dir, **params):
     """Serve a hybrid model with 1 prefill + 1 decode vLLM instance and measure the
     decode side's prefix cache, patched (ON) against stock (OFF).
 
@@ -136,7 +141,16 @@ def e2e_command(state, as_json, **params):
     CPU CI gate (red on stock, green on patched):
       hybridpd e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \\
         --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit
+
+    A run killed with SIGKILL leaves its servers running; the next run into the same
+    --out, or `hybridpd e2e --reap DIR`, ends them (by process group, after checking
+    each recorded process's start time).
     """
+    if reap_dir is not None:
+        _reap(reap_dir, as_json)
+        return
+    if params["version"] is None:
+        raise click.MissingParameter(param_hint="'--pin'", param_type="option")
     options = run_mod.E2EOptions(**params)
     result = run_mod.run(state.series, options, reproducing_argv(click.get_current_context()), log)
     if as_json:
@@ -150,3 +164,14 @@ def e2e_command(state, as_json, **params):
         for f in result.failures:
             click.echo(f"FAILED: {f}", err=True)
         raise CheckFailed(f"{len(result.failures)} check(s) failed; see {result.paths['md']}")
+
+
+def _reap(directory: Path, as_json: bool) -> None:
+    reaped = reap_mod.reap(directory)
+    if as_json:
+        jsonout.emit({"reaped": [r.to_json() for r in reaped]})
+        return
+    for r in reaped:
+        click.echo(r.line())
+    if not reaped:
+        click.echo(f"{directory}: nothing to reap (no record of running processes)")

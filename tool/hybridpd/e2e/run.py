@@ -18,6 +18,7 @@ from hybridpd.errors import Interrupted, UsageError
 from hybridpd.progress import Log
 from hybridpd.series import Series
 
+from . import reap as reap_mod
 from . import report as report_mod
 from . import scenarios as sc
 from .envs import Env, given, preflight, prepare, probe
@@ -101,6 +102,9 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     out_dir = o.out_dir or Path(f"e2e-{pin.version}-{o.device}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()
+    # A run killed here before (SIGKILL) left its servers: end them first.
+    for reaped in reap_mod.reap(out_dir):
+        log(f"left by an earlier run: {reaped.line()}")
     t_start = time.monotonic()
 
     # Environments first: a build failure should not cost a server start.

@@ -7,9 +7,15 @@ Invariants:
   and workers); stopping a process signals that group, by id, and nothing else;
 - every process writes stdout+stderr to ``<log_dir>/<name>.log``, which is kept
   whatever happens;
-- :meth:`Processes.close` (also on ``__exit__``, on Ctrl-C, on SIGTERM, and after a
-  failure) stops every group it started: SIGTERM, a grace period, then SIGKILL, and
-  waits for each direct child so none is left as a zombie;
+- the run directory's ``processes.json`` (:mod:`.reap`) records each group (pid,
+  process group id, start time, the members seen so far, the shared-memory files it
+  may leave) from its start until it is stopped, so that what a SIGKILLed run left can
+  be reaped later (:func:`.reap.reap`) without guessing;
+- :meth:`Processes.close` (also on ``__exit__``, on Ctrl-C, on SIGTERM or SIGHUP, and
+  after a failure) stops every group it started: SIGTERM, a grace period, then
+  SIGKILL, and waits for each direct child so none is left as a zombie; a signal that
+  arrives while it does so is held until it is done (then raised), never left to cut
+  the reaping short; it removes the shared-memory files the record names;
 - a process that exits while it is expected to run is a failure that names it: the
   watchdog thread wakes the main thread with a real signal (``SIGUSR1``, sent to that
   thread), whose handler raises there, so even a blocking call (a sleep, a request
@@ -39,11 +45,16 @@ from hybridpd.proc import signal_group as _signal_group
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log
 
+from . import reap as reap_mod
+
 #: The log line of a server whose port was taken between our pick and its bind.
 ADDRESS_IN_USE = "Address already in use"
 
 # The signal the watchdog sends to the main thread when a process died.
 _WAKE = signal.SIGUSR1
+#: Signals that end a run, reaping its processes first (one ignored, as under nohup,
+#: stays ignored).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Woken(BaseException):
@@ -185,6 +196,12 @@ class Processes:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.grace, self.poll = grace, poll
         self.procs: dict[str, Proc] = {}
+        self.record = self.log_dir / reap_mod.RECORD
+        self._entries: dict[str, reap_mod.Entry] = {}
+        self._writer = proc_mod.identity(os.getpid())
+        self._closing = False
+        self._holding = False  # in start(): between the fork and the record
+        self._held: int | None = None  # a stop signal that arrived meanwhile
         self.failure: ProcessFailed | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -198,14 +215,17 @@ class Processes:
     def __enter__(self) -> "Processes":
         if threading.current_thread() is threading.main_thread():
             self._main = threading.get_ident()
-            for sig, handler in ((signal.SIGTERM, self._on_sigterm), (_WAKE, self._on_wake)):
-                self._old_handlers[sig] = signal.signal(sig, handler)
+            self._old_handlers[_WAKE] = signal.signal(_WAKE, self._on_wake)
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old_handlers[sig] = signal.signal(sig, self._on_stop)
         self._armed = True
         self._watchdog = threading.Thread(target=self._watch, name="e2e-watchdog", daemon=True)
         self._watchdog.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._closing = True  # a stop signal from now on is held (see _on_stop)
         self._armed = False  # a wake-up that arrives from now on is ignored
         self.close()
         if self._watchdog is not None:
@@ -217,10 +237,15 @@ class Processes:
         # what died instead.
         if exc_type in (_Woken, KeyboardInterrupt) and self.failure is not None:
             raise self.failure from None
+        if exc_type is None and self._held is not None:
+            raise KeyboardInterrupt(signal.Signals(self._held).name)
         return False
 
-    def _on_sigterm(self, signum, frame) -> None:
-        raise KeyboardInterrupt("SIGTERM")
+    def _on_stop(self, signum, frame) -> None:
+        if self._closing or self._holding:  # finish reaping (or recording), then stop
+            self._held = signum
+            return
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def _on_wake(self, signum, frame) -> None:
         if self._armed:
@@ -238,30 +263,76 @@ class Processes:
         cmd: Sequence[str | os.PathLike],
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        shm: Sequence[str] = (),
     ) -> Proc:
+        """Start ``name`` in its own session and record it. ``shm``: globs of the
+        shared-memory files it may leave under /dev/shm (``{pid}``: any pid of its
+        group), removed when it is stopped or reaped."""
         if name in self.procs and self.procs[name].popen.poll() is None:
             raise E2EError(f"{name} is already running")
         log = self.log_dir / f"{name}.log"
         cmd = [str(c) for c in cmd]
-        popen = proc_mod.start(cmd, log, cwd=cwd, env=env)
-        proc = Proc(name, cmd, log, popen)
-        with self._lock:
-            self.procs[name] = proc
+        # A stop signal between the fork and the record would leave a group that
+        # neither close() nor a later reap knows of: it waits until both are done.
+        self._holding = True
+        try:
+            popen = proc_mod.start(cmd, log, cwd=cwd, env=env)
+            proc = Proc(name, cmd, log, popen)
+            with self._lock:
+                self.procs[name] = proc
+                entry = reap_mod.Entry.of(name, popen.pid, tuple(shm))
+                if entry is not None:
+                    self._entries[name] = entry
+                    self._write_record()
+        finally:
+            self._holding = False
+        if self._held is not None and not self._closing:
+            raise KeyboardInterrupt(signal.Signals(self._held).name)
         return proc
+
+    def _write_record(self) -> None:
+        """Write processes.json (the caller holds the lock)."""
+        reap_mod.write(self.record, list(self._entries.values()), self._writer)
+
+    def _record_members(self) -> None:
+        """Add the members each group gained (vLLM's engine core, its workers)."""
+        with self._lock:
+            if any([e.add_members(group_members(e.pgid)) for e in self._entries.values()]):
+                self._write_record()
 
     def stop(self, name: str) -> int | None:
         """Stop ``name``'s process group (expected: not a failure); its exit status."""
         proc = self.procs[name]
         proc.expect_running = False
-        return self._terminate([proc])[0]
+        owned = {name: reap_mod.owned_shm(proc.pid)}
+        code = self._terminate([proc])[0]
+        self._forget(owned)
+        return code
 
     def close(self) -> None:
+        self._closing = True
         self._stop.set()
         with self._lock:
             procs = list(self.procs.values())
             for p in procs:
                 p.expect_running = False
+        owned = {p.name: reap_mod.owned_shm(p.pid) for p in procs}
         self._terminate(procs)
+        self._forget(owned)
+
+    def _forget(self, owned: Mapping[str, set[Path]]) -> None:
+        """Drop stopped groups from the record and remove their shared-memory files
+        (the record's globs, and ``owned``: those their members had open before they
+        were stopped); a group with members left stays recorded (for a later reap)."""
+        with self._lock:
+            for name, files in owned.items():
+                entry = self._entries.get(name)
+                if entry is None or group_members(entry.pgid):
+                    continue
+                for path in entry.shm_paths() | files:
+                    path.unlink(missing_ok=True)
+                del self._entries[name]
+            self._write_record()
 
     def _terminate(self, procs: Sequence[Proc]) -> list[int | None]:
         for p in procs:
@@ -312,6 +383,7 @@ class Processes:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
+            self._record_members()
             with self._lock:
                 procs = list(self.procs.values())
             for p in procs:

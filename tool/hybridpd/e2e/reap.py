@@ -1,0 +1,248 @@
+"""The record of the process groups a run started, and the reaping of what a killed run
+left behind.
+
+:class:`~.servers.Processes` writes ``<run dir>/processes.json`` (atomically,
+:func:`hybridpd.guard.write_atomic`) when it starts a process and whenever a group gains
+a member: per process its name, pid, process group id, start time (from
+``/proc/<pid>/stat``), the members of its group seen so far (pid and start time each),
+and the shared-memory files it may leave (globs, ``{pid}`` standing for each recorded pid
+of the group, e.g. LMCache's ``/dev/shm/lmcache_kv_{pid}_*``). A closed run deletes it.
+
+A run killed with SIGKILL cannot clean up: its servers live on in their own sessions.
+:func:`reap` (``hybridpd e2e --reap DIR``, and every ``hybridpd e2e`` into an ``--out``
+that has a record) ends them. Invariants:
+
+- a group is signalled only when one of its recorded processes is still alive with the
+  recorded start time, in the recorded group, in the same boot: a pid the kernel gave to
+  another process since is never touched (pid and start time are not reused together),
+  and nothing is ever found by name;
+- shared-memory files are removed only under ``/dev/shm``: those the record's globs name
+  and those the group's members map or hold open just before they end; never while a
+  recorded pid belongs to another process now (its pid-named files may be that
+  process's);
+- a record whose writer (the hybridpd process that started the groups, pid and start
+  time) still runs is refused with one line: that run is alive and reaps its own;
+- the record is deleted once every group in it is handled.
+
+A SIGKILL between a fork and the record's write would leave a group no record names;
+:meth:`~.servers.Processes.start` writes the record before it returns, so that window is
+one ``fork`` + one small write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridpd import guard, proc
+from hybridpd.errors import HybridpdError, LocalFileError
+
+#: The record's name in a run directory.
+RECORD = "processes.json"
+#: Where shared-memory segments live; nothing outside it is ever removed.
+SHM = Path("/dev/shm")
+
+
+class StillRunning(HybridpdError):
+    """The run that recorded the groups is alive: it is not ours to reap."""
+
+
+@dataclasses.dataclass
+class Entry:
+    """One started process and what is known of its group."""
+
+    name: str
+    pid: int
+    pgid: int
+    start_time: int
+    members: dict[int, int] = dataclasses.field(default_factory=dict)  # pid -> start time
+    shm: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, name: str, pid: int, shm: tuple[str, ...] = ()) -> Entry | None:
+        """The entry of a process just started (None: it is already gone)."""
+        ident = proc.identity(pid)
+        if ident is None:
+            return None
+        return cls(name, pid, ident.pgid, ident.start_time, {}, tuple(shm))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "pid": self.pid, "pgid": self.pgid,
+            "start_time": self.start_time,
+            "members": [[p, s] for p, s in sorted(self.members.items())],
+            "shm": list(self.shm),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Entry:
+        return cls(str(data["name"]), int(data["pid"]), int(data["pgid"]),
+                   int(data["start_time"]), {int(p): int(s) for p, s in data.get("members", [])},
+                   tuple(str(g) for g in data.get("shm", [])))
+
+    def known(self) -> dict[int, int]:
+        """Every recorded pid of the group with its start time."""
+        return {self.pid: self.start_time, **self.members}
+
+    def add_members(self, pids: list[int]) -> bool:
+        """Record the group's members not yet recorded; whether any was new."""
+        new = False
+        for pid in pids:
+            if pid not in self.members and pid != self.pid:
+                ident = proc.identity(pid)
+                if ident is not None and ident.pgid == self.pgid:
+                    self.members[pid] = ident.start_time
+                    new = True
+        return new
+
+    def shm_paths(self) -> set[Path]:
+        """The files under /dev/shm the globs name now."""
+        out: set[Path] = set()
+        for pattern in self.shm:
+            for pid in self.known() if "{pid}" in pattern else (None,):
+                expanded = pattern.replace("{pid}", str(pid)) if pid is not None else pattern
+                out |= {Path(p) for p in glob.glob(expanded)}
+        return {p for p in out if _under_shm(p)}
+
+
+def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None) -> None:
+    """Write the record of ``entries`` started by ``writer`` (delete it when there are
+    none)."""
+    if not entries:
+        path.unlink(missing_ok=True)
+        return
+    doc = {
+        "boot_id": proc.boot_id(),
+        "writer": [writer.pid, writer.start_time] if writer else None,
+        "processes": [e.to_json() for e in entries],
+    }
+    guard.write_atomic(path, json.dumps(doc, indent=2) + "\n")
+
+
+def read(path: Path) -> tuple[str, list[Entry]]:
+    """The boot id and entries of a record; a record that cannot be read is an error
+    that names it (never a reason to signal anything), and so is one whose writer still
+    runs (:class:`StillRunning`)."""
+    try:
+        doc = json.loads(path.read_text())
+        boot, entries = str(doc.get("boot_id", "")), [Entry.from_json(e) for e in doc["processes"]]
+        writer = doc.get("writer")
+        alive = (writer and boot == proc.boot_id()
+                 and (now := proc.identity(int(writer[0]))) is not None
+                 and now.start_time == int(writer[1]))
+    except OSError as exc:
+        raise LocalFileError.from_os_error(exc) from None
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise LocalFileError(f"{path}: not a record of processes ({exc}); "
+                             "end them by hand and delete it") from None
+    if alive:
+        raise StillRunning(f"{path.parent}: the run that started these servers (pid "
+                           f"{writer[0]}) is still running; stop it (it reaps its own) "
+                           "or use another --out")
+    return boot, entries
+
+
+@dataclasses.dataclass(frozen=True)
+class Reaped:
+    """What :func:`reap` did with one recorded process group."""
+
+    record: Path
+    name: str
+    pgid: int
+    outcome: str  # "ended", "gone" (nothing left to end), "pid reused" (left alone)
+    pids: tuple[int, ...] = ()  # the members that were signalled
+    shm_removed: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        what = {
+            "ended": f"ended process group {self.pgid} ({len(self.pids)} process(es))",
+            "gone": "already gone",
+            "pid reused": f"pid {self.pgid} now belongs to another process: left alone",
+        }[self.outcome]
+        shm = f"; removed {len(self.shm_removed)} shared-memory file(s)" if self.shm_removed else ""
+        return f"{self.record.parent}: {self.name} {what}{shm}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"record": str(self.record), "name": self.name, "pgid": self.pgid,
+                "outcome": self.outcome, "pids": list(self.pids),
+                "shm_removed": list(self.shm_removed)}
+
+
+def records(directory: Path) -> list[Path]:
+    """The records in ``directory`` (an e2e ``--out``) and its run directories."""
+    directory = Path(directory)
+    found = [directory / RECORD, *sorted(directory.glob(f"*/{RECORD}"))]
+    return [p for p in found if p.is_file()]
+
+
+def reap(directory: Path, grace: float = 5.0) -> list[Reaped]:
+    """End what the runs recorded in ``directory`` left running (see the module's
+    invariants); what was done with each recorded group."""
+    out: list[Reaped] = []
+    for path in records(directory):
+        boot, entries = read(path)
+        same_boot = boot == proc.boot_id()
+        for entry in entries:
+            out.append(_reap_one(path, entry, same_boot, grace))
+        path.unlink(missing_ok=True)
+    return out
+
+
+def _reap_one(path: Path, entry: Entry, same_boot: bool, grace: float) -> Reaped:
+    now = {pid: proc.identity(pid) for pid in entry.known()} if same_boot else {}
+    ours = [pid for pid, ident in now.items()
+            if ident is not None and ident.pgid == entry.pgid
+            and ident.start_time == entry.known()[pid]]
+    reused = [pid for pid, ident in now.items() if ident is not None and pid not in ours]
+    if not ours:
+        outcome = "pid reused" if reused else "gone"
+        removed = _remove(entry.shm_paths()) if not reused else ()
+        return Reaped(path, entry.name, entry.pgid, outcome, shm_removed=removed)
+    members = proc.group_members(entry.pgid)
+    shm = entry.shm_paths() | owned_shm(entry.pgid)
+    _end_group(entry.pgid, grace)
+    shm |= entry.shm_paths()  # named by a glob only once written
+    return Reaped(path, entry.name, entry.pgid, "ended", tuple(sorted(members)),
+                  _remove(shm) if not reused else ())
+
+
+def owned_shm(pgid: int) -> set[Path]:
+    """The files under /dev/shm the live members of group ``pgid`` map or hold open."""
+    return {p for pid in proc.group_members(pgid) for p in proc.shm_files(pid)
+            if _under_shm(p)}
+
+
+def _end_group(pgid: int, grace: float) -> None:
+    """SIGTERM to the group, SIGKILL to what is left after ``grace`` s; wait until the
+    kernel has ended them all (their zombies are init's to reap)."""
+    proc.signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while proc.group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.group_members(pgid):
+        proc.signal_group(pgid, signal.SIGKILL)
+    settle = time.monotonic() + 5
+    while proc.group_members(pgid) and time.monotonic() < settle:
+        time.sleep(0.05)
+
+
+def _under_shm(path: Path) -> bool:
+    return path.parent == SHM and ".." not in path.parts
+
+
+def _remove(paths: set[Path]) -> tuple[str, ...]:
+    removed = []
+    for p in sorted(paths):
+        try:
+            p.unlink()
+            removed.append(str(p))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise LocalFileError.from_os_error(exc) from None
+    return tuple(removed)
