@@ -214,7 +214,18 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
     does not declare it, which is where upstream's capability gate is false;
     ``decodebench+nixl``: the same children in the other order. ``lmcache``,
     ``nixl+lmcache``, ``lmcache+nixl``: LMCacheConnectorV1 alone and beside NIXL.
+    ``nixl+lmcachemp``, ``lmcachemp+nixl``: LMCacheMPConnector (lmcache's own
+    class where lmcache is importable; build it inside
+    ``hash_stores.lmcache_adapter_stub``) beside NIXL. ``nixl+offloading``,
+    ``offloading+nixl``: vLLM's OffloadingConnector (CPU tier, scheduler side
+    only; drive it with ``hash_stores.hash_store_step``) beside NIXL.
     """
+    from .hash_stores import LMCACHE_EXTRA_CONFIG, OFFLOADING_EXTRA_CONFIG
+
+    child_extra = {
+        "LMCacheMPConnector": LMCACHE_EXTRA_CONFIG,
+        "OffloadingConnector": OFFLOADING_EXTRA_CONFIG,
+    }
     single = {"nixl": "NixlConnector", "lmcache": "LMCacheConnectorV1"}
     if kind in single:
         return {"kv_role": kv_role, "kv_connector": single[kind]}
@@ -223,6 +234,10 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
         "decodebench+nixl": ["DecodeBenchConnector", "NixlConnector"],
         "nixl+lmcache": ["NixlConnector", "LMCacheConnectorV1"],
         "lmcache+nixl": ["LMCacheConnectorV1", "NixlConnector"],
+        "nixl+lmcachemp": ["NixlConnector", "LMCacheMPConnector"],
+        "lmcachemp+nixl": ["LMCacheMPConnector", "NixlConnector"],
+        "nixl+offloading": ["NixlConnector", "OffloadingConnector"],
+        "offloading+nixl": ["OffloadingConnector", "NixlConnector"],
     }
     if kind in children:
         return {
@@ -230,7 +245,16 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
             "kv_connector": "MultiConnector",
             "kv_connector_extra_config": {
                 "connectors": [
-                    {"kv_connector": name, "kv_role": kv_role} for name in children[kind]
+                    {
+                        "kv_connector": name,
+                        "kv_role": kv_role,
+                        **(
+                            {"kv_connector_extra_config": dict(child_extra[name])}
+                            if name in child_extra
+                            else {}
+                        ),
+                    }
+                    for name in children[kind]
                 ]
             },
         }
