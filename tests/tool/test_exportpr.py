@@ -69,12 +69,18 @@ def _project(root: Path, with_git: bool = True) -> tuple[Project, Path]:
     return project, material
 
 
-def _commit_report(repo: Path, date: str, pin: str = "1.0", command=None) -> None:
+GPU_MODEL = "Qwen/Qwen3.5-35B-A3B"
+TINY_MODEL = "/cache/e2e/models/hybridpd-tiny-qwen3_5"
+
+
+def _commit_report(
+    repo: Path, date: str, pin: str = "1.0", command=None, device="cuda", model=GPU_MODEL
+) -> None:
     report = {
         **({"command": command} if command else {}),
         "pin": pin,
-        "device": "cpu",
-        "model": "/cache/e2e/models/hybridpd-tiny-qwen3_5",
+        "device": device,
+        "model": model,
         "scenario": "smoke",
         "runs": [
             {
@@ -128,6 +134,8 @@ def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
     assert "Hybridpd-Patch" not in patch
     assert "Subject: [Core] Keep the sum in a local" in patch
     assert "Signed-off-by" not in patch
+    # The AI-attribution trailer placeholder ends the commit message.
+    assert "\n\n" + exportpr.ASSISTED_BY + "\n" in patch
     # The upstream-style test is in the same commit as the change.
     assert "diff --git a/tests/test_add.py b/tests/test_add.py" in patch
     assert "diff --git a/proj/core.py b/proj/core.py" in patch
@@ -138,6 +146,7 @@ def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
     assert gitops.am(stock, [target / "0001-fix-add.patch"], three_way=False).ok
     assert (stock / "tests" / "test_add.py").is_file()
     assert "total = a + b" in (stock / "proj" / "core.py").read_text()
+    assert gitops.message(stock).rstrip().endswith(exportpr.ASSISTED_BY)
 
 
 def test_dependency_is_included_first(tmp_path):
@@ -184,10 +193,29 @@ def test_pr_md_sections(tmp_path):
         assert f"\n{heading}\n" in pr
     assert "why of fix-add" in pr and "design of fix-add" in pr
     assert "Return a + b directly" in pr
-    assert "pytest -v tests/test_add.py" in pr
-    assert "hybridpd test --pin 1.0" in pr
-    assert "hybridpd e2e --pin 1.0" in pr
+    for heading in ("## Related", "## AI assistance"):
+        assert f"\n{heading}\n" in pr
+    # The test plan holds only commands upstream can run, in vLLM's tree.
+    plan = pr.split("\n## Test plan\n", 1)[1].split("\n## Results\n", 1)[0]
+    assert "pytest -v tests/test_add.py" in plan
+    assert "hybridpd" not in plan
+    assert "bash tests/v1/kv_connector/nixl_integration/run_mamba_prefix_cache_test.sh" in plan
+    assert "vllm bench serve --model Qwen/Qwen3.5-35B-A3B" in plan
+    assert "--dataset-name prefix_repetition" in plan
+    for flag in ("--prefix-repetition-prefix-len 16384", "--prefix-repetition-suffix-len 1024",
+                 "--num-prompts 512", "--max-concurrency 256"):
+        assert flag in plan
+    assert exportpr.GPU_SERVE_FLAGS in plan
+    assert '"NixlConnector"' in plan and '"OffloadingConnector"' in plan
+    assert "LMCacheMPConnector" in plan
+    # The sign-off stays the submitter's; AI assistance is disclosed and attributed.
     assert "DCO" in pr and "--signoff" in pr
+    assert "certifies the person who submits" in pr
+    assert "`Assisted-by:` trailer placeholder" in pr
+    assert "AI assistance was used" in pr
+    assert "a person must review every changed line, run the test plan" in pr
+    # The trailer is the commit's, not the PR text's.
+    assert exportpr.ASSISTED_BY not in pr
 
 
 def test_no_reports_is_said_explicitly(tmp_path):
@@ -195,7 +223,7 @@ def test_no_reports_is_said_explicitly(tmp_path):
     _export(project, material, ["fix-add"], tmp_path)
 
     pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
-    assert "No measured end-to-end or benchmark numbers exist" in pr
+    assert "No GPU measurement of this change is committed" in pr
     assert "Warning" not in pr
 
 
@@ -207,11 +235,44 @@ def test_fresh_report_numbers_and_command(tmp_path):
     pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
     assert "reports/e2e/report.json" in pr
     assert "1 280" in pr and "40" in pr  # ON hit, ON TTFT
-    assert "hybridpd e2e --pin 1.0 --device cpu --tiny --scenario smoke" in pr
+    assert f"hybridpd e2e --pin 1.0 --device cuda --model {GPU_MODEL} --scenario smoke" in pr
     assert "--compare stock" in pr
     assert "# rebuilt: the report does not record its command" in pr
     assert result.warnings == []
     assert "Warning" not in pr
+
+
+def test_cpu_timing_report_is_not_cited(tmp_path):
+    project, material = _project(tmp_path)
+    _commit_report(
+        project.series_path.parent.parent, "2001-06-01T00:00:00Z", device="cpu",
+        model=TINY_MODEL,
+    )
+    _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
+
+    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "No GPU measurement of this change is committed" in pr
+    assert "reports/e2e/report.json" not in pr and "1 280" not in pr
+    assert any("reports/e2e/report.json is a CPU run" in line for line in logged)
+    assert result.warnings == []
+
+
+def test_overlap_paragraphs_move_to_related():
+    body = "What it does.\n\nOverlap: vllm#1 (open)\nreconciles it too.\n\nMore."
+    assert exportpr._split_overlap(body) == (
+        "What it does.\n\nMore.",
+        ["Overlap: vllm#1 (open) reconciles it too."],
+    )
+
+
+def test_assisted_by_joins_an_existing_trailer_block_once():
+    message = "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\n"
+    once = exportpr.with_assisted_by(message)
+    assert once == message + exportpr.ASSISTED_BY + "\n"
+    assert exportpr.with_assisted_by(once) == once
+    assert exportpr.with_assisted_by("Subject\n\nBody.\n") == (
+        "Subject\n\nBody.\n\n" + exportpr.ASSISTED_BY + "\n"
+    )
 
 
 def test_pr_cites_the_command_the_report_recorded(tmp_path):
@@ -247,7 +308,7 @@ def test_uncommitted_report_is_not_used(tmp_path):
     _, _, _, logged = _export(project, material, ["fix-add"], tmp_path)
 
     pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
-    assert "No measured end-to-end or benchmark numbers exist" in pr
+    assert "No GPU measurement of this change is committed" in pr
     assert any("reports/x/report.json is not committed" in line for line in logged)
 
 

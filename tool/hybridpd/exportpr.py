@@ -256,6 +256,23 @@ def strip_trailer(message: str, key: str = TRAILER) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+#: The AI-attribution trailer each exported commit carries, for the submitter to fill
+#: in (vLLM's contributing guide, "AI Assisted Contributions", asks for one).
+ASSISTED_BY = "Assisted-by: <AI tool and model that assisted; fill in before submitting>"
+_TRAILER_LINE = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
+
+
+def with_assisted_by(message: str) -> str:
+    """``message`` with the :data:`ASSISTED_BY` trailer placeholder, in its trailer
+    block (a new one when its last paragraph holds no trailers); kept once."""
+    if any(ln.lower().startswith("assisted-by:") for ln in message.splitlines()):
+        return message
+    text = message.rstrip()
+    last = text.rsplit("\n\n", 1)[-1].splitlines()
+    in_trailers = "\n\n" in text and all(_TRAILER_LINE.match(ln) for ln in last)
+    return text + ("\n" if in_trailers else "\n\n") + ASSISTED_BY + "\n"
+
+
 def _applies(repo: Path, base: str, patches: Sequence[Path]) -> bool:
     """Whether ``patches`` ``git am`` (no 3-way) in order onto ``base``; leaves ``base``."""
     gitops.reset_hard(repo, base)
@@ -325,7 +342,7 @@ def build_commits(
                 (repo / rel).write_bytes(content)
             if tests:
                 gitops.add(repo, *tests, force=True)
-            message = strip_trailer(gitops.message(repo))
+            message = with_assisted_by(strip_trailer(gitops.message(repo)))
             sha = gitops.amend_message(repo, message)
             subject, _, body = message.partition("\n")
             commit = PrCommit(
@@ -471,9 +488,17 @@ def render_pr(
     out += [
         f"> Exported by `hybridpd export-pr` from the hybridpd series (patch `{export.patch_id}`, "
         f"vLLM v{pin}). Apply: `{_checkout_hint(pin, export.patch_id)}` "
-        "(`--keep-non-patch` keeps the `[Core]`-style subject prefixes).",
+        "(`--keep-non-patch` keeps the `[Core]`-style subject prefixes). Re-check the "
+        f"directory: `hybridpd export-pr {export.patch_id} --pin {pin} --to DIR --verify`.",
         "> **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
-        "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards).",
+        "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards). "
+        "The sign-off certifies the person who submits.",
+        "> **AI attribution:** each commit ends with an `Assisted-by:` trailer placeholder; "
+        "name the assisting tool there (or use `Co-authored-by:`, as vLLM's contributing "
+        "guide shows) and tick \"AI assistance was used\" in the PR template.",
+        "> **Before submitting:** a person must review every changed line, run the test "
+        "plan below (GPU plan included) and be able to defend the change; vLLM does not "
+        "accept pure agent PRs. Delete these quoted notes from the PR text.",
     ]
     if export.prerequisites:
         deps = ", ".join(f"`{i}`" for i in export.prerequisites)
@@ -485,8 +510,9 @@ def render_pr(
         )
     for line in stale:
         out.append(f"> **Warning:** {line}")
+    body, overlap = _split_overlap(strip_trailer(own.body, "Assisted-by"))
     out += ["", "## What", ""]
-    out += [own.body or patch.title + ".", ""]
+    out += [body or patch.title + ".", ""]
     changed = [f for f in own.files if f not in own.tests]
     out += ["Changed: " + ", ".join(f"`{f}`" for f in changed) + "."]
     if own.tests:
@@ -495,15 +521,20 @@ def render_pr(
     out += ["## Alternatives considered", ""]
     alternatives = material(pin, export.patch_id, export.material_root).alternatives
     out += [alternatives or "(none recorded for this patch yet)", ""]
-    out += [
-        "## Related",
-        "",
-        f"- Upstream reference: {patch.upstream}",
-        f"- Carried downstream (hybridpd) until: {_text(patch.removal)}",
-        "",
-    ]
+    out += ["## Related", "", f"- Upstream reference: {patch.upstream}"]
+    out += [f"- {paragraph}" for paragraph in overlap]
+    out += [f"- Carried downstream (hybridpd) until: {_text(patch.removal)}", ""]
     out += _test_plan(export)
     out += _results(export, reports)
+    out += [
+        "## AI assistance",
+        "",
+        "AI assistance was used to prepare this change, its tests and this description "
+        "(vLLM's contributing guide, \"AI Assisted Contributions\"). The commits carry "
+        "an `Assisted-by:` trailer. The submitter has reviewed every changed line and run "
+        "the test plan above.",
+        "",
+    ]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -512,8 +543,75 @@ def _text(paragraph: str) -> str:
     return " ".join(paragraph.split())
 
 
+def _split_overlap(body: str) -> tuple[str, list[str]]:
+    """``body`` without its ``Overlap:`` paragraphs, and those paragraphs (unwrapped):
+    the PR's statement of what it shares with other open PRs, shown under Related."""
+    kept, overlap = [], []
+    for paragraph in body.strip().split("\n\n"):
+        if paragraph.startswith("Overlap:"):
+            overlap.append(_text(paragraph))
+        else:
+            kept.append(paragraph)
+    return "\n\n".join(kept), overlap
+
+
+#: The served model, flags and workload of the GPU plan: seed 000's measurement.
+GPU_MODEL = "Qwen/Qwen3.5-35B-A3B"
+GPU_SERVE_FLAGS = (
+    "--enforce-eager --enable-prefix-caching --mamba-cache-mode align --block-size 128 "
+    "--no-disable-hybrid-kv-cache-manager --async-scheduling"
+)
+GPU_KV_CONFIG = (
+    '{"kv_connector":"MultiConnector","kv_role":"kv_both","kv_connector_extra_config":'
+    '{"connectors":[{"kv_connector":"NixlConnector","kv_role":"kv_both"},'
+    '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+    '"kv_connector_extra_config":{"cpu_bytes_to_use":100000000000}}]}}'
+)
+GPU_BENCH = (
+    f"vllm bench serve --model {GPU_MODEL} --port 8192 --dataset-name prefix_repetition \\\n"
+    "  --prefix-repetition-prefix-len 16384 --prefix-repetition-suffix-len 1024 \\\n"
+    "  --prefix-repetition-num-prefixes 2 --prefix-repetition-output-len 1024 \\\n"
+    "  --num-prompts 512 --max-concurrency 256"
+)
+
+
+def _gpu_plan() -> list[str]:
+    """Commands of vLLM's tree for the GPU half of the test plan."""
+    return [
+        "GPU (2 GPUs, 1 prefill + 1 decode), from the vLLM tree root. vLLM's own hybrid "
+        "PD prefix-cache test, and the NIXL + offloading gsm8k accuracy test on a small "
+        "Qwen3.5 model (one with an expected value in `test_accuracy.py`):",
+        "",
+        "```bash",
+        "bash tests/v1/kv_connector/nixl_integration/run_mamba_prefix_cache_test.sh",
+        "MODEL_NAMES=Qwen/Qwen3.5-0.8B BLOCK_SIZE=128 "
+        "VLLM_SERVE_EXTRA_ARGS=--enable-prefix-caching,--mamba-cache-mode,align \\",
+        "  bash tests/v1/kv_connector/nixl_integration/run_multi_connector_accuracy_test.sh",
+        "```",
+        "",
+        f"Performance, as the original report measured it ({GPU_MODEL}, prefix_repetition "
+        "prefix 16 384, suffix 1 024, 512 prompts, concurrency 256), with "
+        "MultiConnector[NixlConnector, OffloadingConnector] on both instances (for "
+        "NIXL + LMCache MP, use `LMCacheMPConnector` as the second child, with "
+        "lmcache installed and its server running). Run it on `main` and on this "
+        "branch; compare TTFT, output throughput and the decode instance's prefix-cache "
+        "hits (`vllm:prefix_cache_hits` on port 8200's `/metrics`):",
+        "",
+        "```bash",
+        f"KV='{GPU_KV_CONFIG}'",
+        f"CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_PORT=5559 vllm serve {GPU_MODEL} "
+        f"--port 8100 {GPU_SERVE_FLAGS} --kv-transfer-config \"$KV\" &",
+        f"CUDA_VISIBLE_DEVICES=1 VLLM_NIXL_SIDE_CHANNEL_PORT=5659 vllm serve {GPU_MODEL} "
+        f"--port 8200 {GPU_SERVE_FLAGS} --kv-transfer-config \"$KV\" &",
+        "python3 tests/v1/kv_connector/nixl_integration/toy_proxy_server.py --port 8192 "
+        "--prefiller-ports 8100 --decoder-ports 8200 &",
+        GPU_BENCH,
+        "```",
+        "",
+    ]
+
+
 def _test_plan(export: PrExport) -> list[str]:
-    pin = export.pin
     out = ["## Test plan", ""]
     if export.own.tests:
         files = " ".join(export.own.tests)
@@ -527,27 +625,13 @@ def _test_plan(export: PrExport) -> list[str]:
         ]
     else:
         out += ["No upstream-style unit test is kept for this patch on this pin yet.", ""]
-    out += [
-        "Downstream proof in hybridpd (real vLLM objects; red on stock and without the "
-        "patch, green patched; plus vLLM's own tests of the touched modules, stock vs "
-        "patched), and the prefill/decode end-to-end run:",
-        "",
-        "```bash",
-        f"hybridpd test --pin {pin}",
-        f"hybridpd e2e --pin {pin} --device cpu --tiny --scenario smoke "
-        "--connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit",
-        "```",
-        "",
-        "Re-check this directory (stock: the added tests fail; after `git am`: they pass):",
-        "",
-        "```bash",
-        f"hybridpd export-pr {export.patch_id} --pin {pin} --to DIR --verify",
-        "```",
-        "",
-    ]
+    out += _gpu_plan()
     verification = export.verification
     if verification:
-        out += [f"Result of `--verify` ({verification.get('date', '')}):", ""]
+        out += [
+            f"The added tests on stock and with this PR ({verification.get('date', '')}):",
+            "",
+        ]
         for label in ("stock", "without", "patched"):
             run = verification.get(label)
             if run:
@@ -563,12 +647,9 @@ def _results(export: PrExport, reports: Sequence[Report]) -> list[str]:
     out = ["## Results", ""]
     if not reports:
         return out + [
-            "No measured end-to-end or benchmark numbers exist in the hybridpd repository "
-            "yet (no committed `reports/**/report.json`), so this PR states none. Measure "
-            "with the `hybridpd e2e` commands of the test plan (on GPUs: "
-            f"`hybridpd e2e --pin {export.pin} --device cuda --model <hybrid model> "
-            "--scenario prefix-repetition --compare stock`), commit the report and export "
-            "again.",
+            "No GPU measurement of this change is committed in the hybridpd repository "
+            "yet, so this PR states none. Run the GPU plan above on `main` and on this "
+            "branch and paste `vllm bench serve`'s summaries here.",
             "",
         ]
     for report in reports:
@@ -685,7 +766,14 @@ def pr_evidence(
 ) -> tuple[list[Report], list[str]]:
     """The reports ``export``'s PR.md shows, and the warnings about their age."""
     project = series.dir.parent
-    chosen = latest_reports(find_reports(project, log), pin.version)
+    found = []
+    for report in find_reports(project, log):
+        if report.e2e.device == "cpu":
+            log(f"export-pr: {report.path} is a CPU run (timings of a tiny model are "
+                "noise); not cited in PR.md")
+        else:
+            found.append(report)
+    chosen = latest_reports(found, pin.version)
     return chosen, stale_warnings(project, series, pin, export, chosen)
 
 

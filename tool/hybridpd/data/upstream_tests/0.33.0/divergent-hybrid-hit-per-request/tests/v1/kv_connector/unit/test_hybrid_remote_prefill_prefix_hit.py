@@ -278,6 +278,8 @@ def _connector(connectors: list[str]) -> KVConnectorBase_V1:
 
 
 def test_nixl_resume_point():
+    """A remote prefill resumes where the prefiller's Mamba state belongs (the
+    prompt less NIXL's back-off); NIXL loads nothing for a plain request."""
     nixl = _connector([NIXL])
     remote = make_request(PROMPT_TOKENS, remote_prefill=True)
     plain = make_request(PROMPT_TOKENS, remote_prefill=False)
@@ -295,24 +297,23 @@ def test_nixl_resume_point():
         ([CAPABLE, NIXL], PROMPT_TOKENS - 1, PROMPT_TOKENS),
         ([DECODE_BENCH, CAPABLE], PROMPT_TOKENS, PROMPT_TOKENS),
     ],
+    ids=[
+        "nixl+decodebench",
+        "decodebench+nixl",
+        "nixl+capable",
+        "capable+nixl",
+        "decodebench+capable",
+    ],
 )
-def test_multi_connector_resume_point_is_nearest_child_point(
-    connectors, remote, plain
-):
+def test_multi_connector_resume_point_is_nearest_child_point(connectors, remote, plain):
+    """The child that serves the request is known only after the lookup, so a
+    MultiConnector gives the nearest point any child gives."""
     multi = _connector(connectors)
+    remote_request = make_request(PROMPT_TOKENS, remote_prefill=True)
+    plain_request = make_request(PROMPT_TOKENS, remote_prefill=False)
 
-    assert (
-        multi.get_divergent_hit_resume_point(
-            make_request(PROMPT_TOKENS, remote_prefill=True)
-        )
-        == remote
-    )
-    assert (
-        multi.get_divergent_hit_resume_point(
-            make_request(PROMPT_TOKENS, remote_prefill=False)
-        )
-        == plain
-    )
+    assert multi.get_divergent_hit_resume_point(remote_request) == remote
+    assert multi.get_divergent_hit_resume_point(plain_request) == plain
 
 
 @pytest.mark.parametrize(
@@ -322,8 +323,10 @@ def test_multi_connector_resume_point_is_nearest_child_point(
         ([DECODE_BENCH, NIXL], False),
         ([NIXL, CAPABLE], True),
     ],
+    ids=["nixl+decodebench", "decodebench+nixl", "nixl+capable"],
 )
 def test_multi_connector_capability_stays_all_children(connectors, capable):
+    """The capability stays the AND over the children."""
     assert _connector(connectors).supports_divergent_local_hybrid_hits is capable
 
 
@@ -331,6 +334,8 @@ def test_multi_connector_capability_stays_all_children(connectors, capable):
     "name,expected", [(DECODE_BENCH, None), (CAPABLE, PROMPT_TOKENS)]
 )
 def test_default_resume_point_follows_capability(name, expected):
+    """Single connectors behave as before: no bound for a capable connector,
+    no divergent hit for any other."""
     connector = _connector([name])
     request = make_request(PROMPT_TOKENS, remote_prefill=True)
 
