@@ -302,3 +302,83 @@ def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path
     assert "stopped: patch feature conflicts with 2.0" in resumed.stdout + resumed.stderr
     assert "ended outside hybridpd port" not in resumed.stderr
     assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0
+
+
+# ----------------------------------------------------- recovery proves it may act
+
+USER = ["-c", "user.name=U", "-c", "user.email=u@example.com"]
+
+
+def _killed_apply(project, point: str = "apply:patch-2") -> tuple[Path, Series, str]:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    stock = gitops.head(repo)
+    killed = hybridpd(series, "apply", "--dir", str(repo), fault=point)
+    assert killed.returncode == -signal.SIGKILL
+    return repo, series, stock
+
+
+def _one_refusal(result, repo: Path, stock: str) -> str:
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert "interrupted `hybridpd apply`" in line
+    assert f"rm {guard.git_dir(repo) / guard.JOURNAL}" in line  # the command to finish by hand
+    assert stock[:12] in line and f"git -C {repo} reflog" in line  # named, not relied on
+    return line
+
+
+@pytest.mark.parametrize("path", ["proj/core.py", "proj/__init__.py"])  # touched, untouched
+@pytest.mark.parametrize("command", ["apply", "export"])
+def test_an_edit_after_a_killed_apply_is_never_overwritten(project, path, command) -> None:
+    repo, series, stock = _killed_apply(project)
+    with open(repo / path, "a") as fh:
+        fh.write("x\n")
+    edited = (repo / path).read_bytes()
+    result = hybridpd(series, command, "--dir", str(repo))
+    line = _one_refusal(result, repo, stock)
+    assert path in line
+    assert (repo / path).read_bytes() == edited
+    # The commands the line names finish it: the user's edit is still there after.
+    (guard.git_dir(repo) / guard.JOURNAL).unlink()
+    assert (repo / path).read_bytes() == edited
+
+
+@pytest.mark.parametrize("command", ["apply", "export"])
+def test_a_commit_after_a_killed_apply_is_never_reset(project, command) -> None:
+    repo, series, stock = _killed_apply(project)
+    (repo / "mine.txt").write_text("my work\n")
+    subprocess.run(["git", *USER, "add", "mine.txt"], cwd=repo, check=True)
+    subprocess.run(["git", *USER, "commit", "-qm", "mine"], cwd=repo, check=True)
+    mine = gitops.head(repo)
+    result = hybridpd(series, command, "--dir", str(repo))
+    line = _one_refusal(result, repo, stock)
+    assert f"HEAD moved to {mine[:12]}" in line
+    assert gitops.head(repo) == mine and (repo / "mine.txt").read_text() == "my work\n"
+
+
+def test_export_says_it_recovered_a_killed_apply(project) -> None:
+    repo, series, stock = _killed_apply(project)
+    result = hybridpd(series, "export", "--dir", str(repo))
+    # Back at the release, nothing to export: refused, but the recovery is said first.
+    assert result.returncode == 1, result.stderr
+    recovered, error = result.stderr.strip().splitlines()
+    assert "recovered from an interrupted `hybridpd apply`" in recovered
+    assert error.startswith("Error: 2 patch(es) carried on 1.0 have no commit")
+    assert gitops.head(repo) == stock
+
+
+def test_a_corrupt_journal_gets_one_line(project) -> None:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    journal = guard.git_dir(repo) / guard.JOURNAL
+    journal.write_text('{"operation": "apply", "he')
+    result = hybridpd(series, "apply", "--dir", str(repo))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {journal} is not a hybridpd journal (corrupt); nothing was done. If no "
+        f"hybridpd is running on {repo}, inspect `git -C {repo} status`, then "
+        f"`rm {journal}` and run again"
+    ]
+    assert journal.exists()

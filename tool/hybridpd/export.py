@@ -19,6 +19,7 @@ from hybridpd import checkout as checkout_mod
 from hybridpd import gitops, guard
 from hybridpd.apply import apply, checkout_pin, patch_commits
 from hybridpd.errors import ApplyError, ExportError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
 
 #: Makes a fresh checkout of a pin at a path that does not exist yet.
@@ -43,7 +44,11 @@ class ExportResult:
 
 
 def export(
-    series: Series, repo: Path, out_dir: Path | None = None, prune: bool = False
+    series: Series,
+    repo: Path,
+    out_dir: Path | None = None,
+    prune: bool = False,
+    log: Log = quiet,
 ) -> ExportResult:
     """Write ``repo``'s patch commits to ``out_dir`` (default: the pin's patch dir).
 
@@ -53,7 +58,9 @@ def export(
     no commit, unless ``prune``: exporting an unapplied checkout must not delete
     the pin's series.
     """
-    with guard.operation(repo, "export"):
+    with guard.operation(repo, "export") as recovered:
+        if recovered:
+            log(recovered)  # said before anything else can fail
         return _export_locked(series, repo, out_dir, prune)
 
 

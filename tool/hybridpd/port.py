@@ -435,7 +435,7 @@ def _run(series: Series, dest: Path, state: PortState, log: Log) -> PortReport:
             try:
                 result = _replay(series, dest, state, v1, v2, patch_id)
             except HybridpdError:
-                guard.recover(dest)  # a refused patch, not an interruption: undo now
+                guard.recover(dest, own=True)  # a refused patch, not an interruption: undo now
                 raise
             if isinstance(result, Conflict):
                 log(f"{patch_id}: conflict")
@@ -469,8 +469,10 @@ def _replay(
         return _upstream(series, v2, patch_id, "reverse-applies", files)
     plain = gitops.applies(dest, path)
     before = gitops.head(dest)
+    guard.expect(dest, path)
     outcome = gitops.am(dest, [path])
     if not outcome.ok:
+        guard.settle(dest)  # the conflict as left: a kill from here on is recovered
         state.current, state.before = patch_id, before
         state.save(dest)
         guard.fault("port:conflict")

@@ -33,7 +33,7 @@ def export(state: State, repo: Path, prune: bool) -> None:
     never edited, but patches without a record are reported.
     """
     series = state.series
-    result = export_series(series, repo, prune=prune)
+    result = export_series(series, repo, prune=prune, log=log)
     for label, ids in (("wrote", result.written), ("removed", result.removed)):
         for patch_id in ids:
             click.echo(f"{label:<9} {result.pin}/{patch_id}.patch")
