@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from packaging.version import InvalidVersion, Version
+
 from hybridpd import cache, gitops, guard, seriesedit
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
@@ -231,6 +233,13 @@ def start(
         raise PortError(f"--from and --to are both {v1.version}")
     if not v1.ported:
         raise PortError(f"the series is not ported to {v1.version}; port from a ported pin")
+    if v2.ported and _newer(v1.version, v2.version):
+        # Until a port proves each change on such a pin, its series stays as committed.
+        raise PortError(
+            f"{v2.version} is older than {v1.version} and already ported: porting back onto "
+            f"it would rewrite its committed patches ({series.relative(series.patch_dir(v2))}/); "
+            "nothing was done"
+        )
     dest = (dest or default_dir(v2.version)).absolute()
     if PortState.path(dest).is_file():
         raise PortError(
@@ -307,6 +316,11 @@ def _resume_locked(
             raise PortError("--skip needs --upstream RELEASE (the first release with the change)")
         if state.current is None:
             raise PortError(f"the port in {dest} is not stopped on a patch; nothing to skip")
+        if _newer(upstream, state.to_version):
+            raise PortError(
+                f"--upstream {upstream} is newer than {state.to_version}, the release this "
+                f"port is to: the first release with the change is {state.to_version} or older"
+            )
         patch_id = state.current
         files = _patch_files(series, dest, state, patch_id)
         _am(dest, "--skip", optional=True)
@@ -659,6 +673,14 @@ def _am(dest: Path, verb: str, optional: bool = False) -> None:
 def _reset_to(dest: Path, rev: str | None) -> None:
     if rev is not None and gitops.head(dest) != rev:
         gitops.reset_hard(dest, rev)
+
+
+def _newer(version: str, than: str) -> bool:
+    """Whether release ``version`` comes after ``than`` (PEP 440; a leading v ignored)."""
+    try:
+        return Version(version.removeprefix("v")) > Version(than.removeprefix("v"))
+    except InvalidVersion:
+        raise PortError(f"{version!r} is not a release version (such as {than})") from None
 
 
 def _tree(dest: Path, rev: str) -> str:
