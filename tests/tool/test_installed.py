@@ -170,7 +170,16 @@ def test_a_file_changed_after_apply_is_named_and_revert_restores_the_release(
     assert installed.status("proj", py).changed == ["proj/core.py"]
     with pytest.raises(installed.InstalledError, match=r"proj/core.py was changed after"):
         installed.apply(series, py)
-    installed.revert("proj", py)
+    result = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
+    assert result.returncode == 0, result.stderr
+    # The release is back, and the edit is kept beside it, where the one line says.
+    kept = core.with_name("core.py.hybridpd-kept")
+    assert kept.read_text() == "edited by hand\n"
+    assert (
+        f"warning: proj/core.py was changed after the overlay; your version is kept "
+        f"as {kept}" in result.stderr
+    )
+    kept.unlink()
     assert snapshot(py) == before
 
 

@@ -21,7 +21,9 @@ Everything hybridpd keeps lives in the distribution's ``*.dist-info`` folder, wh
   killed) first puts the backup back, so an apply is all or nothing.
 
 ``--revert`` puts the backup back and removes the three, so the files are byte for
-byte (and mtime for mtime: the release's bytecode stays valid) what they were.
+byte (and mtime for mtime: the release's bytecode stays valid) what they were. A file
+changed after the overlay is first copied beside itself (``<name>.hybridpd-kept``),
+and a warning says where: nothing the user wrote is lost.
 """
 
 from __future__ import annotations
@@ -592,8 +594,27 @@ def revert(package: str, python: Path) -> Result:
         result.pin, result.head = manifest.get("pin"), manifest.get("head")
         result.patches = tuple(manifest.get("patches", []))
         result.files = manifest.get("files", [])
+        for rel in _changed_since(target, manifest):
+            kept = _keep_aside(target.site / rel)
+            if kept is not None:
+                result.warnings.append(
+                    f"{rel} was changed after the overlay; your version is kept as {kept}"
+                )
         _undo(target, "apply --installed --revert")
         return result
+
+
+def _keep_aside(path: Path) -> Path | None:
+    """Copy ``path`` (a file changed after the overlay) to a new name beside it, before
+    the revert puts the release's back; the copy's path (None: no file there)."""
+    if not path.is_file():
+        return None
+    kept = path.with_name(f"{path.name}.hybridpd-kept")
+    number = 1
+    while kept.exists():
+        kept, number = path.with_name(f"{path.name}.hybridpd-kept.{number}"), number + 1
+    shutil.copy2(path, kept)
+    return kept
 
 
 def status(package: str, python: Path) -> State:
