@@ -382,3 +382,27 @@ def test_a_corrupt_journal_gets_one_line(project) -> None:
         f"`rm {journal}` and run again"
     ]
     assert journal.exists()
+
+
+def test_an_edit_after_a_kill_inside_git_am_is_never_overwritten(project, tmp_path: Path) -> None:
+    # The am in flight left fix-add's change in proj/core.py; the user then edits it.
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    stock = gitops.head(repo)
+    killed = hybridpd(series, "apply", "--dir", str(repo), path=_git_that_dies_in_am(tmp_path))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with open(repo / "proj" / "core.py", "a") as fh:
+        fh.write("# mine\n")
+    edited = (repo / "proj" / "core.py").read_bytes()
+    line = _one_refusal(hybridpd(series, "apply", "--dir", str(repo)), repo, stock)
+    gdir = guard.git_dir(repo)
+    assert "proj/core.py changed" in line
+    assert f"rm {gdir / 'index.lock'}; git -C {repo} am --quit; rm {gdir / guard.JOURNAL}" in line
+    assert (repo / "proj" / "core.py").read_bytes() == edited
+    # The commands it names finish it, and the edit is still there.
+    (gdir / "index.lock").unlink()
+    quit_ = subprocess.run(["git", *USER, "-C", str(repo), "am", "--quit"], capture_output=True, text=True)
+    assert quit_.returncode == 0, quit_.stderr
+    (gdir / guard.JOURNAL).unlink()
+    assert not gitops.am_in_progress(repo)
+    assert (repo / "proj" / "core.py").read_bytes() == edited

@@ -278,10 +278,9 @@ def _admissible(found: str | None, allowed: list) -> bool:
 
 
 def _finish_by_hand(repo: Path, gdir: Path, data: dict, changes: list[str], left: list) -> str:
-    commands = []
+    commands = [f"rm {gdir / lock}" for lock in left]  # git refuses to run beside them
     if (gdir / "rebase-apply").is_dir():
         commands.append(f"git -C {repo} am --quit")  # keeps HEAD, index and work tree
-    commands += [f"rm {gdir / lock}" for lock in left]
     commands.append(f"rm {gdir / JOURNAL}")
     return (
         f"{repo}: found an interrupted `hybridpd {data['operation']}` (pid {data['pid']}), "
