@@ -406,3 +406,23 @@ def test_an_edit_after_a_kill_inside_git_am_is_never_overwritten(project, tmp_pa
     (gdir / guard.JOURNAL).unlink()
     assert not gitops.am_in_progress(repo)
     assert (repo / "proj" / "core.py").read_bytes() == edited
+
+
+@pytest.mark.parametrize("point", ["checkout:extracted", "checkout:committed"])
+def test_a_killed_checkout_is_named_and_never_removed(project, tmp_path: Path, point) -> None:
+    _, series, _ = project
+    dest = tmp_path / "half"
+    killed = hybridpd(series, "checkout", "1.0", "--dir", str(dest), "--source", "sdist",
+                      fault=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (dest / "proj" / "mine.py").write_text("my work\n")  # the user works in it anyway
+    again = hybridpd(series, "checkout", "1.0", "--dir", str(dest), "--source", "sdist")
+    assert again.returncode == 1
+    assert again.stderr.strip().splitlines() == [
+        f"Error: {dest} holds a checkout of 1.0 that did not finish (a killed `hybridpd "
+        f"checkout`?); nothing was changed: if nothing in it is yours, remove it "
+        f"(rm -rf {dest}) and run again"
+    ]
+    applied = hybridpd(series, "apply", "--dir", str(dest))
+    assert applied.returncode == 1 and len(applied.stderr.strip().splitlines()) == 1
+    assert (dest / "proj" / "mine.py").read_text() == "my work\n"
