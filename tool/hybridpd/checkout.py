@@ -56,12 +56,15 @@ def checkout(
     pin = series.pin(version)
     dest = dest.absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        if _unfinished(dest, pin):
-            raise CheckoutError(
-                f"{dest} holds a checkout of {pin.version} that did not finish (a killed "
-                f"`hybridpd checkout`?); nothing was changed: if nothing in it is yours, "
-                f"remove it (rm -rf {dest}) and run again"
-            )
+        if dest.is_dir() and _unfinished(dest, pin):
+            # Busy (a live checkout is filling it) unless its writer is gone.
+            with guard.directory(dest):
+                if _unfinished(dest, pin):
+                    raise CheckoutError(
+                        f"{dest} holds a checkout of {pin.version} that did not finish (a "
+                        f"killed `hybridpd checkout`?); nothing was changed: if nothing in "
+                        f"it is yours, remove it (rm -rf {dest}) and run again"
+                    )
         raise CheckoutError(f"{dest} already exists and is not an empty directory")
     url = git_url or series.upstream_git
     with cache.owned(dest, CheckoutError):
