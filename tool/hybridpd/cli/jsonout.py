@@ -107,6 +107,8 @@ class JsonGroup(UsageGroup):
                 raise _Failed(Interrupted("interrupted")) from None
             except (click.ClickException, click.exceptions.Exit, click.Abort):
                 raise
+            except BrokenPipeError:  # click's to end quietly (see above)
+                raise
             except Exception as exc:
                 if os.environ.get(DEBUG_ENV):
                     raise
