@@ -426,3 +426,55 @@ def test_a_killed_checkout_is_named_and_never_removed(project, tmp_path: Path, p
     applied = hybridpd(series, "apply", "--dir", str(dest))
     assert applied.returncode == 1 and len(applied.stderr.strip().splitlines()) == 1
     assert (dest / "proj" / "mine.py").read_text() == "my work\n"
+
+
+# -------------------------------------------------------------- the fault sweep
+
+
+def _edit(repo: Path, path: str) -> dict[str, bytes]:
+    with open(repo / path, "a") as fh:
+        fh.write("# the user's line\n")
+    return {path: (repo / path).read_bytes()}
+
+
+def _add(repo: Path) -> dict[str, bytes]:
+    (repo / "notes.txt").write_text("the user's notes\n")
+    return {"notes.txt": b"the user's notes\n"}
+
+
+def _commit(repo: Path) -> dict[str, bytes]:
+    (repo / "mine.txt").write_text("the user's commit\n")
+    subprocess.run(["git", *USER, "add", "mine.txt"], cwd=repo, check=True)
+    subprocess.run(["git", *USER, "commit", "-qm", "mine"], cwd=repo, check=True)
+    return {"mine.txt": b"the user's commit\n"}
+
+
+USER_CHANGES = {
+    "edit-touched": lambda repo: _edit(repo, "proj/core.py"),
+    "edit-other": lambda repo: _edit(repo, "proj/__init__.py"),
+    "add-file": _add,
+    "commit": _commit,
+}
+
+
+@pytest.mark.parametrize("point", ["apply:patch-1", "apply:done"])
+@pytest.mark.parametrize("change", list(USER_CHANGES))
+def test_sweep_a_killed_apply_then_user_work_then_any_command(project, point, change) -> None:
+    """Kill, change something as a user would, run the commands: no user byte is lost,
+    and each command finishes or says in one line what to do."""
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    killed = hybridpd(series, "apply", "--dir", str(repo), fault=point)
+    assert killed.returncode == -signal.SIGKILL
+    kept = USER_CHANGES[change](repo)
+    commit = gitops.head(repo) if change == "commit" else None
+    for command in ("status", "export", "apply", "apply"):
+        result = hybridpd(series, command, "--dir", str(repo))
+        assert "Traceback" not in result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+        assert result.returncode == 0 or (result.returncode == 1 and len(errors) == 1), (
+            command, result.stderr)
+        for path, data in kept.items():
+            assert (repo / path).read_bytes() == data, (command, path)
+        if commit:
+            assert gitops.run(repo, "merge-base", "--is-ancestor", commit, "HEAD").ok

@@ -346,6 +346,20 @@ def changed_paths(repo: Path) -> list[str]:
     return paths
 
 
+def untracked_files(repo: Path) -> list[str]:
+    """Paths of untracked files (ignored ones not)."""
+    out = check(repo, "ls-files", "--others", "--exclude-standard", "-z")
+    return [p for p in out.split("\0") if p]
+
+
+def tracked_at(repo: Path, rev: str, paths: Sequence[str]) -> set[str]:
+    """Those of ``paths`` that are files in ``rev``'s tree."""
+    if not paths:
+        return set()
+    out = check(repo, "ls-tree", "-r", "-z", "--name-only", "--full-tree", rev, "--", *paths)
+    return {p for p in out.split("\0") if p}
+
+
 def work_tree_blobs(repo: Path, paths: Sequence[str]) -> dict[str, str | None]:
     """The blob id each of ``paths`` would have if added now (None: no such file)."""
     present = [p for p in paths if (repo / p).is_file() or (repo / p).is_symlink()]

@@ -249,6 +249,11 @@ def _changed_since(repo: Path, data: dict) -> list[str]:
         return [f"HEAD moved to {head[:12]}"]
     touching: dict = data.get("touching", {})
     changed = gitops.changed_paths(repo)
+    # An untracked file the reset cannot reach (no such path in the journal's HEAD) is
+    # left alone by it: not a reason to refuse.
+    untracked = [p for p in gitops.untracked_files(repo) if p not in touching]
+    safe = set(untracked) - gitops.tracked_at(repo, data["head"], untracked)
+    changed = [p for p in changed if p not in safe]
     known = [p for p in changed if p in touching]
     work = gitops.work_tree_blobs(repo, known)
     index = gitops.index_entries(repo, known)
