@@ -478,3 +478,17 @@ def test_sweep_a_killed_apply_then_user_work_then_any_command(project, point, ch
             assert (repo / path).read_bytes() == data, (command, path)
         if commit:
             assert gitops.run(repo, "merge-base", "--is-ancestor", commit, "HEAD").ok
+
+
+def test_an_edit_after_a_killed_port_is_never_overwritten(port_series, tmp_path: Path) -> None:
+    dest = tmp_path / "port"
+    killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      fault="port:replayed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    edited = _edit(dest, "proj/core.py")
+    resumed = hybridpd(port_series, "port", "--continue", "--dir", str(dest))
+    assert resumed.returncode == 1
+    (line,) = resumed.stderr.strip().splitlines()
+    assert "interrupted `hybridpd port`" in line and "proj/core.py changed" in line
+    assert f"rm {guard.git_dir(dest) / guard.JOURNAL}" in line
+    assert (dest / "proj" / "core.py").read_bytes() == edited["proj/core.py"]
