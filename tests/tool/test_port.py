@@ -254,6 +254,18 @@ def test_a_commit_that_changes_nothing_is_refused(stopped: tuple[Series, Path, R
     assert "ported = false" in series.path.read_text()
 
 
+@pytest.mark.parametrize("text", ["{not json", "[]"])
+def test_a_corrupt_port_state_is_one_line(stopped: tuple[Series, Path, Result], text) -> None:
+    series, dest, _ = stopped
+    state = port_mod.PortState.path(dest)
+    state.write_text(text)
+    result = cli(series, "--continue", "--dir", str(dest))
+    assert result.exit_code in (1, 2), result.output
+    (line,) = result.output.strip().splitlines()[-1:]
+    assert line.startswith("Error: ") and f"{state}: unreadable port state" in line
+    assert "internal error" not in result.output and state.read_text() == text
+
+
 def test_skip_upstream_newer_than_the_target_is_refused(
     stopped: tuple[Series, Path, Result],
 ) -> None:

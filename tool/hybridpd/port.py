@@ -196,7 +196,7 @@ class PortState:
             if data.get("schema") != STATE_SCHEMA:
                 raise ValueError(f"schema {data.get('schema')!r}")
             return cls(**data)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, AttributeError) as exc:  # not JSON, or not an object
             raise PortError(f"{path}: unreadable port state ({exc})") from exc
 
     def results(self) -> list[PatchResult]:
