@@ -198,6 +198,19 @@ def test_library_usage_errors_show_the_subcommands_usage_line(monkeypatch, tmp_p
         assert json.loads(result.stdout)["ok"] is False
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", '{"text_config": 3}', '{"hidden_size": 8}',
+                                  '{"num_hidden_layers": "40"}'])
+def test_a_model_config_of_the_wrong_shape_is_one_usage_line(monkeypatch, tmp_path, text) -> None:
+    monkeypatch.setattr(cli.State, "series", None)
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    result = CliRunner().invoke(cli.main, ["bench", "replay", "--pin", "0.20.2",
+                                           "--model-config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert f"--model-config {config}: not a Qwen3.5-style hybrid model config" in result.stderr
+
+
 # -- running bench scripts -----------------------------------------------------------
 
 class _Env(env.BenchEnv):

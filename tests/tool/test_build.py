@@ -248,3 +248,29 @@ def test_patch_changes_refuses_a_submodule_in_one_line(checkout):
     checkout.index.commit("submodule", author=actor, committer=actor)
     with pytest.raises(b.BuildError, match=r"pkg/sub: only regular files can be overlaid \(not a file\)"):
         b.patch_changes(Path(checkout.working_tree_dir), "v1.0", package="pkg")
+
+
+def test_a_truncated_cached_wheel_is_downloaded_again(tmp_path, monkeypatch):
+    # The case: a wheel cut short (a killed download, a full disk) stayed in
+    # the cache and was used forever. pip is stood in: it writes a whole wheel.
+    monkeypatch.setenv("HYBRIDPD_CACHE", str(tmp_path / "cache"))
+    whole = tmp_path / "whole.whl"
+    with zipfile.ZipFile(whole, "w") as zf:
+        zf.writestr("vllm/__init__.py", "x = 1\n" * 1000)
+    name = "vllm-0.20.2-cp38-abi3-manylinux1_x86_64.whl"
+    dest = tmp_path / "wheels"
+    dest.mkdir()
+    (dest / name).write_bytes(whole.read_bytes()[:200])  # truncated
+    downloads = []
+
+    def pip(_py, *args, capture=False):
+        downloads.append(args[0])
+        (dest / name).write_bytes(whole.read_bytes())
+        return b.proc_mod.Completed(("pip",), 0)
+
+    monkeypatch.setattr(b, "_pip", pip)
+    logged = []
+    wheel = b.download_wheel(tmp_path / "py", "vllm", "0.20.2", dest, logged.append)
+    assert downloads == ["download"]
+    assert zipfile.is_zipfile(wheel) and wheel.read_bytes() == whole.read_bytes()
+    assert any("is not a whole wheel" in line and "re-downloading" in line for line in logged)

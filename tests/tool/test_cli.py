@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +125,19 @@ def test_export_reports_what_it_wrote(project: Project) -> None:
     assert result.exit_code == 0, result.output
     assert result.stdout == "wrote     1.0/feature.patch\n1 unchanged, in patches/1.0\n"
     assert result.stderr == f"warning: {author} has uncommitted changes; they were not exported\n"
+
+
+def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(project: Project) -> None:
+    # The console script is the launcher; a Ctrl-C while it imports the CLI (before
+    # the CLI's error handler exists) gets the same one line as a Ctrl-C later.
+    (script,) = importlib.metadata.entry_points(group="console_scripts", name="hybridpd")
+    assert script.value == "hybridpd.launch:main"
+    code = "import sys; from hybridpd.launch import main; sys.exit(main())"
+    env = {**os.environ, "HYBRIDPD_FAULT": "startup:INT"}
+    result = subprocess.run([sys.executable, "-c", code, "--series", str(project.series_path),
+                             "list"], capture_output=True, text=True, env=env, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "Error: interrupted\n")
+    env.pop("HYBRIDPD_FAULT")
+    result = subprocess.run([sys.executable, "-c", code, "--series", str(project.series_path),
+                             "list"], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0 and "fix-add" in result.stdout

@@ -73,14 +73,24 @@ def test_export_of_an_unapplied_checkout_keeps_the_series(tmp_path: Path) -> Non
     assert check(series, round_trip=False) == []
 
 
-def test_export_removes_the_file_of_an_unrecorded_patch(tmp_path: Path) -> None:
-    project, series = standard_project(tmp_path)
+def test_export_keeps_a_file_it_does_not_know_unless_pruned(tmp_path: Path) -> None:
+    # my-wip.patch: no record, no commit (the user's own); dropped.patch: a record.
+    project, _ = standard_project(tmp_path)
+    project.record("dropped", {"1.0": "dropped", "2.0": "dropped"})
+    series = project.write()
     repo = project.checkout("1.0")
     apply(series, repo)
-    stray = series.patch_dir(series.pin("1.0")) / "gone.patch"
-    stray.write_text("x")
-    assert export(series, repo).removed == ("gone",)
-    assert not stray.exists()
+    wip = series.patch_dir(series.pin("1.0")) / "my-wip.patch"
+    wip.write_text("my work in progress\n")
+    known = series.patch_dir(series.pin("1.0")) / "dropped.patch"
+    known.write_text("x")
+    result = CliRunner().invoke(main, ["--series", str(series.path), "export", "--dir", str(repo)])
+    assert result.exit_code == 0, result.output
+    assert "removed   1.0/dropped.patch" in result.output
+    assert "kept 1.0/my-wip.patch: no record and no commit; --prune removes it" in result.output
+    assert wip.read_text() == "my work in progress\n" and not known.exists()
+    assert export(series, repo, prune=True).removed == ("my-wip",)
+    assert not wip.exists()
 
 
 def test_export_refuses_a_commit_without_trailer(tmp_path: Path) -> None:

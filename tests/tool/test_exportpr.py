@@ -129,7 +129,9 @@ def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
     _, stock, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
 
     target = tmp_path / "out" / "fix-add"
-    assert sorted(p.name for p in target.iterdir()) == ["0001-fix-add.patch", "PR.md"]
+    assert sorted(p.name for p in target.iterdir()) == [
+        exportpr.MANIFEST, "0001-fix-add.patch", "PR.md"
+    ]
     patch = (target / "0001-fix-add.patch").read_text()
     assert "Hybridpd-Patch" not in patch
     assert "Subject: [Core] Keep the sum in a local" in patch
@@ -316,6 +318,38 @@ def test_patch_not_carried_is_refused(tmp_path):
     project, material = _project(tmp_path)
     with pytest.raises(exportpr.ExportPrError, match="upstream since 2.0 on 2.0"):
         _export(project, material, ["feature"], tmp_path, pin="2.0")
+
+
+def test_a_directory_with_the_users_work_is_refused_unless_forced(tmp_path):
+    project, material = _project(tmp_path)
+    series = load(project.series_path)
+    stock = project.checkout("1.0", "stock")
+
+    def export_pr(patch_id: str, force: bool = False):
+        return exportpr.export_prs(series, series.pin("1.0"), [patch_id], stock,
+                                   tmp_path / "out", tests_root=material,
+                                   **({"force": True} if force else {}))
+
+    (first,) = export_pr("fix-add")
+    export_pr("fix-add")  # its own work: replaced
+    (first.dir / "PR.md").write_text("my edited PR body\n")
+    (first.dir / "notes.txt").write_text("mine\n")
+    with pytest.raises(exportpr.ExportPrError) as refused:
+        export_pr("fix-add")
+    assert str(refused.value) == (
+        f"{first.dir} is not empty and holds work export-pr did not write "
+        "(PR.md changed, notes.txt added); move it away, or pass --force to replace it"
+    )
+    assert (first.dir / "PR.md").read_text() == "my edited PR body\n"
+    assert (first.dir / "notes.txt").is_file()
+    # A non-empty directory export-pr never wrote is refused too; --force replaces.
+    other = tmp_path / "out" / "feature"
+    other.mkdir()
+    (other / "draft.md").write_text("draft\n")
+    with pytest.raises(exportpr.ExportPrError, match="it was not written by export-pr"):
+        export_pr("feature")
+    export_pr("fix-add", force=True)
+    assert not (first.dir / "notes.txt").exists()
 
 
 def _fake_runner(calls: list[tuple[str, list[str]]]):

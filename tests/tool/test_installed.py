@@ -170,7 +170,16 @@ def test_a_file_changed_after_apply_is_named_and_revert_restores_the_release(
     assert installed.status("proj", py).changed == ["proj/core.py"]
     with pytest.raises(installed.InstalledError, match=r"proj/core.py was changed after"):
         installed.apply(series, py)
-    installed.revert("proj", py)
+    result = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
+    assert result.returncode == 0, result.stderr
+    # The release is back, and the edit is kept beside it, where the one line says.
+    kept = core.with_name("core.py.hybridpd-kept")
+    assert kept.read_text() == "edited by hand\n"
+    assert (
+        f"warning: proj/core.py was changed after the overlay; your version is kept "
+        f"as {kept}" in result.stderr
+    )
+    kept.unlink()
     assert snapshot(py) == before
 
 
@@ -218,6 +227,23 @@ def test_a_killed_apply_is_undone_by_the_next_run(tmp_path: Path, point: str) ->
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["action"] == "applied"
     assert (site_of(py) / "proj" / "feature.py").read_text() == FEATURE["proj/feature.py"]
+
+
+@pytest.mark.parametrize("command", [["apply"], ["apply", "--revert"]])
+def test_an_edit_after_a_killed_apply_is_kept_by_the_recovery(tmp_path: Path, command) -> None:
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    killed = hybridpd(series, "apply", "--installed", "--python", str(py),
+                      fault="installed:manifest")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    core = site_of(py) / "proj" / "core.py"
+    core.write_text("edited by hand after the kill\n")
+    result = hybridpd(series, *command, "--installed", "--python", str(py))
+    assert result.returncode == 0, result.stderr
+    kept = core.with_name("core.py.hybridpd-kept")
+    assert kept.read_text() == "edited by hand after the kill\n"
+    recovered = [line for line in result.stderr.splitlines() if "recovered from" in line]
+    assert len(recovered) == 1 and f"proj/core.py had changed since; kept as {kept}" in recovered[0]
 
 
 @pytest.mark.parametrize(

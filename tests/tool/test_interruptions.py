@@ -302,3 +302,193 @@ def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path
     assert "stopped: patch feature conflicts with 2.0" in resumed.stdout + resumed.stderr
     assert "ended outside hybridpd port" not in resumed.stderr
     assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0
+
+
+# ----------------------------------------------------- recovery proves it may act
+
+USER = ["-c", "user.name=U", "-c", "user.email=u@example.com"]
+
+
+def _killed_apply(project, point: str = "apply:patch-2") -> tuple[Path, Series, str]:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    stock = gitops.head(repo)
+    killed = hybridpd(series, "apply", "--dir", str(repo), fault=point)
+    assert killed.returncode == -signal.SIGKILL
+    return repo, series, stock
+
+
+def _one_refusal(result, repo: Path, stock: str) -> str:
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert "interrupted `hybridpd apply`" in line
+    assert f"rm {guard.git_dir(repo) / guard.JOURNAL}" in line  # the command to finish by hand
+    assert stock[:12] in line and f"git -C {repo} reflog" in line  # named, not relied on
+    return line
+
+
+@pytest.mark.parametrize("path", ["proj/core.py", "proj/__init__.py"])  # touched, untouched
+@pytest.mark.parametrize("command", ["apply", "export"])
+def test_an_edit_after_a_killed_apply_is_never_overwritten(project, path, command) -> None:
+    repo, series, stock = _killed_apply(project)
+    with open(repo / path, "a") as fh:
+        fh.write("x\n")
+    edited = (repo / path).read_bytes()
+    result = hybridpd(series, command, "--dir", str(repo))
+    line = _one_refusal(result, repo, stock)
+    assert path in line
+    assert (repo / path).read_bytes() == edited
+    # The commands the line names finish it: the user's edit is still there after.
+    (guard.git_dir(repo) / guard.JOURNAL).unlink()
+    assert (repo / path).read_bytes() == edited
+
+
+@pytest.mark.parametrize("command", ["apply", "export"])
+def test_a_commit_after_a_killed_apply_is_never_reset(project, command) -> None:
+    repo, series, stock = _killed_apply(project)
+    (repo / "mine.txt").write_text("my work\n")
+    subprocess.run(["git", *USER, "add", "mine.txt"], cwd=repo, check=True)
+    subprocess.run(["git", *USER, "commit", "-qm", "mine"], cwd=repo, check=True)
+    mine = gitops.head(repo)
+    result = hybridpd(series, command, "--dir", str(repo))
+    line = _one_refusal(result, repo, stock)
+    assert f"HEAD moved to {mine[:12]}" in line
+    assert gitops.head(repo) == mine and (repo / "mine.txt").read_text() == "my work\n"
+
+
+def test_export_says_it_recovered_a_killed_apply(project) -> None:
+    repo, series, stock = _killed_apply(project)
+    result = hybridpd(series, "export", "--dir", str(repo))
+    # Back at the release, nothing to export: refused, but the recovery is said first.
+    assert result.returncode == 1, result.stderr
+    recovered, error = result.stderr.strip().splitlines()
+    assert "recovered from an interrupted `hybridpd apply`" in recovered
+    assert error.startswith("Error: 2 patch(es) carried on 1.0 have no commit")
+    assert gitops.head(repo) == stock
+
+
+def test_a_corrupt_journal_gets_one_line(project) -> None:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    journal = guard.git_dir(repo) / guard.JOURNAL
+    journal.write_text('{"operation": "apply", "he')
+    result = hybridpd(series, "apply", "--dir", str(repo))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {journal} is not a hybridpd journal (corrupt); nothing was done. If no "
+        f"hybridpd is running on {repo}, inspect `git -C {repo} status`, then "
+        f"`rm {journal}` and run again"
+    ]
+    assert journal.exists()
+
+
+def test_an_edit_after_a_kill_inside_git_am_is_never_overwritten(project, tmp_path: Path) -> None:
+    # The am in flight left fix-add's change in proj/core.py; the user then edits it.
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    stock = gitops.head(repo)
+    killed = hybridpd(series, "apply", "--dir", str(repo), path=_git_that_dies_in_am(tmp_path))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with open(repo / "proj" / "core.py", "a") as fh:
+        fh.write("# mine\n")
+    edited = (repo / "proj" / "core.py").read_bytes()
+    line = _one_refusal(hybridpd(series, "apply", "--dir", str(repo)), repo, stock)
+    gdir = guard.git_dir(repo)
+    assert "proj/core.py changed" in line
+    assert f"rm {gdir / 'index.lock'}; git -C {repo} am --quit; rm {gdir / guard.JOURNAL}" in line
+    assert (repo / "proj" / "core.py").read_bytes() == edited
+    # The commands it names finish it, and the edit is still there.
+    (gdir / "index.lock").unlink()
+    quit_ = subprocess.run(["git", *USER, "-C", str(repo), "am", "--quit"], capture_output=True, text=True)
+    assert quit_.returncode == 0, quit_.stderr
+    (gdir / guard.JOURNAL).unlink()
+    assert not gitops.am_in_progress(repo)
+    assert (repo / "proj" / "core.py").read_bytes() == edited
+
+
+@pytest.mark.parametrize("point", ["checkout:extracted", "checkout:committed"])
+def test_a_killed_checkout_is_named_and_never_removed(project, tmp_path: Path, point) -> None:
+    _, series, _ = project
+    dest = tmp_path / "half"
+    killed = hybridpd(series, "checkout", "1.0", "--dir", str(dest), "--source", "sdist",
+                      fault=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (dest / "proj" / "mine.py").write_text("my work\n")  # the user works in it anyway
+    again = hybridpd(series, "checkout", "1.0", "--dir", str(dest), "--source", "sdist")
+    assert again.returncode == 1
+    assert again.stderr.strip().splitlines() == [
+        f"Error: {dest} holds a checkout of 1.0 that did not finish (a killed `hybridpd "
+        f"checkout`?); nothing was changed: if nothing in it is yours, remove it "
+        f"(rm -rf {dest}) and run again"
+    ]
+    applied = hybridpd(series, "apply", "--dir", str(dest))
+    assert applied.returncode == 1 and len(applied.stderr.strip().splitlines()) == 1
+    assert (dest / "proj" / "mine.py").read_text() == "my work\n"
+
+
+# -------------------------------------------------------------- the fault sweep
+
+
+def _edit(repo: Path, path: str) -> dict[str, bytes]:
+    with open(repo / path, "a") as fh:
+        fh.write("# the user's line\n")
+    return {path: (repo / path).read_bytes()}
+
+
+def _add(repo: Path) -> dict[str, bytes]:
+    (repo / "notes.txt").write_text("the user's notes\n")
+    return {"notes.txt": b"the user's notes\n"}
+
+
+def _commit(repo: Path) -> dict[str, bytes]:
+    (repo / "mine.txt").write_text("the user's commit\n")
+    subprocess.run(["git", *USER, "add", "mine.txt"], cwd=repo, check=True)
+    subprocess.run(["git", *USER, "commit", "-qm", "mine"], cwd=repo, check=True)
+    return {"mine.txt": b"the user's commit\n"}
+
+
+USER_CHANGES = {
+    "edit-touched": lambda repo: _edit(repo, "proj/core.py"),
+    "edit-other": lambda repo: _edit(repo, "proj/__init__.py"),
+    "add-file": _add,
+    "commit": _commit,
+}
+
+
+@pytest.mark.parametrize("point", ["apply:patch-1", "apply:done"])
+@pytest.mark.parametrize("change", list(USER_CHANGES))
+def test_sweep_a_killed_apply_then_user_work_then_any_command(project, point, change) -> None:
+    """Kill, change something as a user would, run the commands: no user byte is lost,
+    and each command finishes or says in one line what to do."""
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    killed = hybridpd(series, "apply", "--dir", str(repo), fault=point)
+    assert killed.returncode == -signal.SIGKILL
+    kept = USER_CHANGES[change](repo)
+    commit = gitops.head(repo) if change == "commit" else None
+    for command in ("status", "export", "apply", "apply"):
+        result = hybridpd(series, command, "--dir", str(repo))
+        assert "Traceback" not in result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+        assert result.returncode == 0 or (result.returncode == 1 and len(errors) == 1), (
+            command, result.stderr)
+        for path, data in kept.items():
+            assert (repo / path).read_bytes() == data, (command, path)
+        if commit:
+            assert gitops.run(repo, "merge-base", "--is-ancestor", commit, "HEAD").ok
+
+
+def test_an_edit_after_a_killed_port_is_never_overwritten(port_series, tmp_path: Path) -> None:
+    dest = tmp_path / "port"
+    killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      fault="port:replayed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    edited = _edit(dest, "proj/core.py")
+    resumed = hybridpd(port_series, "port", "--continue", "--dir", str(dest))
+    assert resumed.returncode == 1
+    (line,) = resumed.stderr.strip().splitlines()
+    assert "interrupted `hybridpd port`" in line and "proj/core.py changed" in line
+    assert f"rm {guard.git_dir(dest) / guard.JOURNAL}" in line
+    assert (dest / "proj" / "core.py").read_bytes() == edited["proj/core.py"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -49,3 +50,26 @@ def test_without_json_stdout_stays_empty_on_failure(tmp_path: Path) -> None:
     _, series = standard_project(tmp_path)
     result = run(series.path, "apply", "--dir", str(tmp_path / "nowhere"))
     assert result.exit_code == 1 and result.stdout == ""
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_a_crash_is_one_line_and_with_json_one_document(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    # An unexpected exception (a bug) stands in for any crash inside a command.
+    apply_cli = importlib.import_module("hybridpd.cli.apply")
+    _, series = standard_project(tmp_path)
+
+    def crash(*_args, **_kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(apply_cli, "checkout_status", crash)
+    monkeypatch.delenv("HYBRIDPD_DEBUG", raising=False)
+    result = run(series.path, "status", "--dir", str(tmp_path), *(["--json"] if as_json else []))
+    assert result.exit_code == 1
+    message = "internal error: RuntimeError: boom (a hybridpd bug; HYBRIDPD_DEBUG=1 shows where)"
+    assert result.stderr.strip().splitlines() == [f"Error: {message}"]
+    if as_json:
+        assert json.loads(result.stdout) == {"ok": False, "error": message}
+    else:
+        assert result.stdout == ""

@@ -274,3 +274,23 @@ def test_a_closed_stdout_is_not_a_local_file_error(
     result = run(project.series_path, "list", "--json")
     assert result.exit_code == 1
     assert "local file system" not in result.stderr and "Error" not in result.stderr
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://bad host/"])
+@pytest.mark.parametrize("command", ["checkout", "install"])
+def test_an_unusable_index_url_is_one_line(
+    project: Project, tmp_path: Path, url: str, command: str
+) -> None:
+    (cache.cache_dir() / "sdists" / "proj-1.0.tar.gz").unlink()  # it must be downloaded
+    args = (["checkout", "1.0", "--dir", str(tmp_path / "src")] if command == "checkout"
+            else ["install", "--pin", "1.0", "--dir", str(tmp_path / "src"),
+                  "--venv", str(tmp_path / "venv")])
+    env = {**os.environ, "PIP_INDEX_URL": url}
+    result = subprocess.run([sys.executable, "-c", CLI, "--series", str(project.series_path),
+                             *args], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: proj-1.0.tar.gz not found") and (
+        "is not a usable index URL" in error and "check PIP_INDEX_URL" in error
+    ), result.stderr

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from builders import CORE, FIX_ADD, port_project
+from builders import CORE, FIX_ADD, port_project, standard_project
 from click.testing import CliRunner, Result
 from hybridpd import cache, gitops
 from hybridpd import port as port_mod
@@ -252,6 +252,48 @@ def test_a_commit_that_changes_nothing_is_refused(stopped: tuple[Series, Path, R
         port_mod.resume(series, dest, "continue")
     assert gitops.resolve(dest, "HEAD~1") == before
     assert "ported = false" in series.path.read_text()
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]"])
+def test_a_corrupt_port_state_is_one_line(stopped: tuple[Series, Path, Result], text) -> None:
+    series, dest, _ = stopped
+    state = port_mod.PortState.path(dest)
+    state.write_text(text)
+    result = cli(series, "--continue", "--dir", str(dest))
+    assert result.exit_code in (1, 2), result.output
+    (line,) = result.output.strip().splitlines()[-1:]
+    assert line.startswith("Error: ") and f"{state}: unreadable port state" in line
+    assert "internal error" not in result.output and state.read_text() == text
+
+
+def test_skip_upstream_newer_than_the_target_is_refused(
+    stopped: tuple[Series, Path, Result],
+) -> None:
+    series, dest, _ = stopped
+    series_text = series.path.read_text()
+    result = cli(series, "--skip", "--upstream", "2.1", "--dir", str(dest))
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        "Error: --upstream 2.1 is newer than 2.0, the release this port is to: the first "
+        "release with the change is 2.0 or older"
+    ]
+    assert port_mod.PortState.load(dest).current == "feature"  # still stopped, as it was
+    assert series.path.read_text() == series_text
+
+
+def test_a_backwards_port_onto_a_ported_pin_is_refused_and_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    project, series = standard_project(tmp_path)  # both pins ported, files on both
+    before = {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()}
+    result = cli(series, "--from", "2.0", "--to", "1.0", "--dir", str(tmp_path / "port"))
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        "Error: 1.0 is older than 2.0 and already ported: porting back onto it would "
+        "rewrite its committed patches (patches/1.0/); nothing was done"
+    ]
+    assert {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()} == before
+    assert not (tmp_path / "port").exists()
 
 
 def test_skip_marks_the_patch_upstream(stopped: tuple[Series, Path, Result]) -> None:

@@ -7,7 +7,8 @@ patch is recognized. Applied patches form an in-order subsequence of the pin's c
 patches; the carried patches they skip are ones whose change the tree already has.
 
 :func:`apply` is atomic (on failure, Ctrl-C, SIGTERM or SIGHUP the checkout is exactly
-as it was; after SIGKILL the next hybridpd operation on it restores it, see
+as it was; after SIGKILL the next hybridpd operation on it restores it while nothing
+changed since, and otherwise says in one line how to finish by hand, see
 :mod:`hybridpd.guard`), idempotent (a fully applied checkout is left untouched), and
 exclusive (one hybridpd operation per checkout at a time).
 """
@@ -161,6 +162,7 @@ def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -
         try:
             for number, patch in enumerate(plan.remaining, start=1):
                 guard.fault(f"apply:patch-{number}")
+                guard.expect(repo, series.patch_path(pin, patch.id))
                 (applied if _apply_one(series, repo, pin, patch) else upstream).append(patch.id)
             guard.fault("apply:done")
         except BaseException:
@@ -241,6 +243,6 @@ def _apply_one(series: Series, repo: Path, pin: Pin, patch: Patch) -> bool:
 
 def _restore(repo: Path, head: str, status_before: list[str]) -> None:
     """Put ``repo`` back at ``head`` (the journal's) and check the work tree is as it was."""
-    guard.recover(repo)
+    guard.recover(repo, own=True)
     if gitops.head(repo) != head or gitops.status(repo) != status_before:
         raise GitError(f"{repo}: could not restore the checkout to {head[:12]}; inspect it")

@@ -206,9 +206,12 @@ def download_wheel(py: Path, distribution: str, version: str, dest: Path, log: L
 
 def _download_wheel_locked(py: Path, distribution: str, version: str, dest: Path, log: Log) -> Path:
     cached = find_cached_wheel(dest, distribution, version)
-    if cached:
+    if cached and _whole_wheel(cached):
         log(f"using cached {cached}")
         return cached
+    if cached:  # cut short (a killed download, a full disk): fetched again, as an sdist is
+        log(f"cached {cached} is not a whole wheel; re-downloading")
+        cached.unlink()
     log(f"downloading {distribution}=={version} into {dest}")
     proc = _pip(
         py, "download", "--no-deps", "--only-binary=:all:", "--dest", dest,
@@ -223,7 +226,19 @@ def _download_wheel_locked(py: Path, distribution: str, version: str, dest: Path
                 f" (it has {', '.join(have[:8])}{', …' if len(have) > 8 else ''})"
             )
         raise BuildError(f"pip could not download {distribution}=={version} (see pip's output)")
+    if not _whole_wheel(wheel):
+        wheel.unlink()
+        raise BuildError(f"pip downloaded {wheel.name}, but it is not a whole wheel; run again")
     return wheel
+
+
+def _whole_wheel(path: Path) -> bool:
+    """Whether ``path`` is a complete zip (its central directory, at the end, reads)."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 # --------------------------------------------------------------------------- git side

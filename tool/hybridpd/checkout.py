@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from hybridpd import cache, gitops, progress
+from hybridpd import cache, gitops, guard, progress
 from hybridpd.errors import CheckoutError, HybridpdError
 from hybridpd.series import Pin, Series
 
@@ -56,6 +56,15 @@ def checkout(
     pin = series.pin(version)
     dest = dest.absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        if dest.is_dir() and _unfinished(dest, pin):
+            # Busy (a live checkout is filling it) unless its writer is gone.
+            with guard.directory(dest):
+                if _unfinished(dest, pin):
+                    raise CheckoutError(
+                        f"{dest} holds a checkout of {pin.version} that did not finish (a "
+                        f"killed `hybridpd checkout`?); nothing was changed: if nothing in "
+                        f"it is yours, remove it (rm -rf {dest}) and run again"
+                    )
         raise CheckoutError(f"{dest} already exists and is not an empty directory")
     url = git_url or series.upstream_git
     with cache.owned(dest, CheckoutError):
@@ -75,11 +84,21 @@ def checkout(
             return _finish(pin, dest, "sdist", fallback=reason)
 
 
+def _unfinished(dest: Path, pin: Pin) -> bool:
+    """Whether ``dest`` is a checkout of ``pin`` cut short: extracted or committed, but
+    not yet tagged (the tag is the last step of both sources)."""
+    if not (dest / ".git").exists():
+        return (dest / "PKG-INFO").is_file()  # an extracted sdist, not yet a repository
+    return gitops.is_repo(dest) and pin.tag not in gitops.tag_commits(dest)
+
+
 def _from_sdist(series: Series, pin: Pin, dest: Path) -> None:
     archive = cache.sdist(series.package, pin.sdist, pin.sha256)
     extract_sdist(archive, dest)
+    guard.fault("checkout:extracted")
     gitops.init(dest, BRANCH)
     gitops.commit_all(dest, f"vLLM {pin.version} (sdist {pin.sdist} sha256 {pin.sha256})")
+    guard.fault("checkout:committed")
     gitops.tag(dest, pin.tag)
 
 

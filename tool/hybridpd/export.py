@@ -19,6 +19,7 @@ from hybridpd import checkout as checkout_mod
 from hybridpd import gitops, guard
 from hybridpd.apply import apply, checkout_pin, patch_commits
 from hybridpd.errors import ApplyError, ExportError
+from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
 
 #: Makes a fresh checkout of a pin at a path that does not exist yet.
@@ -30,8 +31,10 @@ class ExportResult:
     """What :func:`export` did to the pin's patch directory, by patch id.
 
     ``unrecorded`` lists exported patches that have no record in ``series.toml``;
-    export writes their files but never edits the records. ``dirty`` says the
-    checkout had uncommitted changes, which are not exported.
+    export writes their files but never edits the records. ``kept`` lists files it
+    left alone: neither a record nor a commit names them (the user's own, removed
+    only with ``prune``). ``dirty`` says the checkout had uncommitted changes, which
+    are not exported.
     """
 
     pin: str
@@ -40,20 +43,29 @@ class ExportResult:
     removed: tuple[str, ...]
     unrecorded: tuple[str, ...]
     dirty: bool
+    kept: tuple[str, ...] = ()
 
 
 def export(
-    series: Series, repo: Path, out_dir: Path | None = None, prune: bool = False
+    series: Series,
+    repo: Path,
+    out_dir: Path | None = None,
+    prune: bool = False,
+    log: Log = quiet,
 ) -> ExportResult:
     """Write ``repo``'s patch commits to ``out_dir`` (default: the pin's patch dir).
 
-    Files of patches that no longer have a commit are removed. Nothing is written
-    (an :class:`ExportError`) when a commit has no ``Hybridpd-Patch`` trailer, or
-    when a patch that ``series.toml`` records as carried on the pin has a file but
-    no commit, unless ``prune``: exporting an unapplied checkout must not delete
-    the pin's series.
+    Only files of patches export knows are touched: a record in ``series.toml`` or a
+    commit with a ``Hybridpd-Patch`` trailer. Files of recorded patches that no longer
+    have a commit are removed; a file neither names is kept unless ``prune``. Nothing
+    is written (an :class:`ExportError`) when a commit has no trailer, or when a
+    patch that ``series.toml`` records as carried on the pin has a file but no
+    commit, unless ``prune``: exporting an unapplied checkout must not delete the
+    pin's series.
     """
-    with guard.operation(repo, "export"):
+    with guard.operation(repo, "export") as recovered:
+        if recovered:
+            log(recovered)  # said before anything else can fail
         return _export_locked(series, repo, out_dir, prune)
 
 
@@ -85,7 +97,9 @@ def _export_locked(series: Series, repo: Path, out_dir: Path | None, prune: bool
         else:
             path.write_bytes(content)
             written.append(patch_id)
-    removed = stale
+    # A file that neither a record nor a commit names is the user's: only --prune.
+    kept = [] if prune else [i for i in stale if series.patch(i) is None]
+    removed = [i for i in stale if i not in kept]
     for patch_id in removed:
         (out_dir / f"{patch_id}.patch").unlink()
     unrecorded = [i for i in exported if series.patch(i) is None]
@@ -96,6 +110,7 @@ def _export_locked(series: Series, repo: Path, out_dir: Path | None, prune: bool
         tuple(removed),
         tuple(unrecorded),
         dirty=gitops.is_dirty(repo),
+        kept=tuple(kept),
     )
 
 

@@ -12,6 +12,9 @@ contributor can turn into a vLLM pull request as it is:
 * ``PR.md``: the PR body (what, why, design, alternatives, test plan, results).
 * ``verify.json`` (with ``--verify``): the added tests run on stock (must fail), and
   after ``git am`` (must pass).
+* ``.hybridpd-export-pr.json``: every file above as written, so that a later export
+  replaces the directory only while it holds nothing else (no edit, no added file),
+  or with ``--force``.
 
 The upstream-style tests are data, kept per pin and patch in
 ``data/upstream_tests/<pin>/<id>/``: the files under ``tests/`` there land at the same
@@ -28,6 +31,7 @@ carried patches have no upstream release yet, and which can be dropped where.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import shlex
@@ -53,6 +57,9 @@ ALTERNATIVES_FILE = "alternatives.md"
 #: Directories of the project searched for e2e / benchmark ``report.json`` files.
 REPORT_DIRS = ("reports", "benchmarks")
 VERIFY_FILE = "verify.json"
+#: What export-pr wrote into a PR directory (path -> sha256), so that it replaces
+#: only its own work there.
+MANIFEST = ".hybridpd-export-pr.json"
 
 
 class ExportPrError(HybridpdError):
@@ -704,14 +711,20 @@ def export_prs(
     out_dir: Path,
     log: Log = quiet,
     tests_root: Path | None = None,
+    force: bool = False,
 ) -> list[PrExport]:
     """Write one PR directory per patch of ``patch_ids`` into ``out_dir``.
 
     ``stock`` is a checkout of ``pin`` (``hybridpd checkout``); it is left as it was
-    (the work happens in a detached worktree of it).
+    (the work happens in a detached worktree of it). A directory is replaced only
+    when export-pr wrote all of it (its :data:`MANIFEST` says so) or with ``force``;
+    otherwise nothing is written (see :func:`refuse_foreign`).
     """
     out_dir = out_dir.absolute()
     carried = [p.id for p in series.carried(pin)]
+    if not force:
+        for patch_id in patch_ids:
+            refuse_foreign(out_dir / patch_id)
     for patch_id in patch_ids:
         if patch_id not in carried:
             state = series.patch(patch_id)
@@ -757,8 +770,49 @@ def export_prs(
                 for line in export.warnings:
                     log(f"warning: {patch_id}: {line}")
                 write_pr(export, series, chosen, stale)
+                seal(target)
                 exports.append(export)
     return exports
+
+
+def seal(target: Path) -> None:
+    """Record every file of ``target`` as export-pr wrote it (:data:`MANIFEST`)."""
+    files = {
+        str(path.relative_to(target)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(target.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+    (target / MANIFEST).write_text(json.dumps({"files": files}, indent=2) + "\n")
+
+
+def refuse_foreign(target: Path) -> None:
+    """Raise ExportPrError when ``target`` holds anything export-pr did not write
+    (a file added, or changed since, or a directory without :data:`MANIFEST`)."""
+    if not target.is_dir() or not any(target.iterdir()):
+        if target.exists() and not target.is_dir():
+            raise ExportPrError(f"{target} exists and is not a directory; move it away")
+        return
+    try:
+        written = json.loads((target / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        written = None
+    if written is None:
+        found = ["it was not written by export-pr"]
+    else:
+        found = [
+            f"{rel} {'changed' if rel in written else 'added'}"
+            for rel in (
+                str(p.relative_to(target)) for p in sorted(target.rglob("*"))
+                if p.is_file() and p.name != MANIFEST
+            )
+            if written.get(rel) != hashlib.sha256((target / rel).read_bytes()).hexdigest()
+        ]
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ExportPrError(
+            f"{target} is not empty and holds work export-pr did not write ({shown}); "
+            "move it away, or pass --force to replace it"
+        )
 
 
 def pr_evidence(
@@ -990,6 +1044,7 @@ def run(
     out_dir: Path,
     verify_them: bool = False,
     log: Log = quiet,
+    force: bool = False,
 ) -> ExportPrResult:
     """Export ``patch_id`` (None: every patch carried on the pin) of ``version`` (None:
     the newest pin) into ``out_dir``, from a fresh stock checkout, and with
@@ -1000,10 +1055,11 @@ def run(
         stock = Path(tmp) / "stock"
         log(f"export-pr: checking out stock {pin.version}")
         checkout(series, pin.version, stock, source="sdist")
-        exports = export_prs(series, pin, ids, stock, out_dir, log=log)
+        exports = export_prs(series, pin, ids, stock, out_dir, log=log, force=force)
         if verify_them:
             runner = pytest_runner(pin, stock, Path(tmp), log=log)
             for export in exports:
                 verify(export, stock, runner, series, pin, log=log)
                 write_pr(export, series, *pr_evidence(series, pin, export))
+                seal(export.dir)
     return ExportPrResult(pin.version, tuple(exports))

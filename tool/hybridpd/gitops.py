@@ -320,6 +320,68 @@ def last_commit_date(repo: Path, path: str) -> str | None:
     return check(repo, "log", "-1", "--format=%cI", "--", path).strip() or None
 
 
+def made_here(repo: Path, old: str, new: str) -> bool:
+    """Whether ``new`` is ``old`` or descends from it through commits this module made
+    only (the fixed committer and date): no one else committed in between."""
+    if new == old:
+        return True
+    if not run(repo, "merge-base", "--is-ancestor", old, new).ok:
+        return False
+    out = check(repo, "log", "--format=%ce %cI", f"{old}..{new}")
+    made = {f"{IDENTITY_EMAIL} {IDENTITY_DATE.replace('Z', '+00:00')}"}
+    return set(out.splitlines()) <= made
+
+
+def changed_paths(repo: Path) -> list[str]:
+    """Paths whose index or work tree differs from HEAD, untracked files included
+    (ignored ones not); both sides of a rename."""
+    fields = check(repo, "status", "--porcelain=v1", "-z", "--untracked-files=all").split("\0")
+    paths, rest = [], iter(fields)
+    for entry in rest:
+        if not entry:
+            continue
+        paths.append(entry[3:])
+        if entry[0] in "RC":
+            paths.append(next(rest))
+    return paths
+
+
+def untracked_files(repo: Path) -> list[str]:
+    """Paths of untracked files (ignored ones not)."""
+    out = check(repo, "ls-files", "--others", "--exclude-standard", "-z")
+    return [p for p in out.split("\0") if p]
+
+
+def tracked_at(repo: Path, rev: str, paths: Sequence[str]) -> set[str]:
+    """Those of ``paths`` that are files in ``rev``'s tree."""
+    if not paths:
+        return set()
+    out = check(repo, "ls-tree", "-r", "-z", "--name-only", "--full-tree", rev, "--", *paths)
+    return {p for p in out.split("\0") if p}
+
+
+def work_tree_blobs(repo: Path, paths: Sequence[str]) -> dict[str, str | None]:
+    """The blob id each of ``paths`` would have if added now (None: no such file)."""
+    present = [p for p in paths if (repo / p).is_file() or (repo / p).is_symlink()]
+    ids = check(repo, "hash-object", "--", *present).split() if present else []
+    return {p: dict(zip(present, ids)).get(p) for p in paths}
+
+
+def index_entries(repo: Path, paths: Sequence[str]) -> dict[str, list[str]]:
+    """``path -> ["<blob> <stage>", ...]`` in the index (empty: not in it; more than
+    one: a conflict)."""
+    found: dict[str, list[str]] = {p: [] for p in paths}
+    if not paths:
+        return found
+    out = check(repo, "ls-files", "--stage", "-z", "--", *paths)
+    for entry in filter(None, out.split("\0")):
+        meta, name = entry.split("\t", 1)
+        _mode, sha, stage = meta.split()
+        if name in found:
+            found[name].append(f"{sha} {stage}")
+    return found
+
+
 def index_matches_head(repo: Path) -> bool:
     """Whether the index has nothing staged against HEAD."""
     return run(repo, "diff", "--cached", "--quiet", "HEAD").ok
@@ -435,6 +497,26 @@ _REJECTED = re.compile(
     r"|does not exist in index|does not match index|No such file or directory)$",
     re.MULTILINE,
 )
+
+
+_DIFF_GIT = re.compile(r"^diff --git a/(.*) b/(.*)$")
+_INDEX_LINE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)")
+
+
+def patch_blobs(patch: Path) -> dict[str, tuple[str | None, str | None]]:
+    """``path -> (blob before, blob after)`` for each file a ``--full-index`` patch
+    changes (None: the file does not exist on that side). A file whose mode alone
+    changes has no index line and is not listed."""
+    blobs: dict[str, tuple[str | None, str | None]] = {}
+    path = None
+    for line in patch.read_text(encoding="utf-8", errors="replace").splitlines():
+        if match := _DIFF_GIT.match(line):
+            path = match.group(2)
+        elif path and (match := _INDEX_LINE.match(line)):
+            old, new = (None if set(sha) == {"0"} else sha for sha in match.groups())
+            blobs[path] = (old, new)
+            path = None
+    return blobs
 
 
 def applies(repo: Path, patch: Path) -> bool:

@@ -9,12 +9,20 @@ Invariants:
 * An operation that changes the checkout writes a journal
   (``<git dir>/hybridpd-journal.json``: operation, pid, HEAD, the git lock files
   present) before its first change, and removes it once the checkout is final,
-  after success or after its own restore. A journal that the next caller finds (it
-  holds the lock, so the journal's writer is dead) means that operation was killed:
-  :func:`recover` puts HEAD, index and work tree back at the journal's HEAD, removes
-  the git lock files the dead operation left (never one that was there before it),
-  and aborts the ``git am`` session, which the dead operation started (it refuses
-  to start beside one).
+  after success or after its own restore. Before each patch it records the paths
+  that patch may touch with the contents it may leave in them (:func:`expect`: the
+  blob before and after, in the index and the work tree), and when it stops with a
+  patch half applied, the contents as left (:func:`settle`). A journal that the
+  next caller finds (it holds the lock, so the journal's writer is dead) means that
+  operation was killed: :func:`recover` first proves the checkout is still as the
+  dead operation left it (HEAD is the journal's or descends from it through
+  hybridpd's own commits only; every changed path is one the patch in flight may
+  touch, with a content it may leave). Then it puts HEAD, index and work tree back
+  at the journal's HEAD, removes the git lock files the dead operation left (never
+  one that was there before it), and aborts the ``git am`` session, which the dead
+  operation started (it refuses to start beside one). Otherwise it changes nothing
+  and refuses with one line: what was interrupted, what changed since, and the
+  commands that finish by hand (the reflog is named, never relied on).
 * Without a journal, git state that is not hybridpd's (a ``git am`` session, an
   ``index.lock``) is refused with one line that says what to do; hybridpd never
   aborts a ``git am`` it did not start.
@@ -49,6 +57,8 @@ PORT_STATE = "hybridpd-port.json"
 # The git dirs whose lock this process holds (a flock is per open file: taking it
 # twice in one process would fail against itself).
 _HELD: set[str] = set()
+# The journal each git dir's running operation keeps (see :func:`journal`).
+_JOURNALS: dict[str, dict] = {}
 
 
 class BusyError(HybridpdError):
@@ -182,28 +192,106 @@ def _holder(fh) -> str:
     return "another hybridpd"
 
 
-def recover(repo: Path) -> str | None:
+def recover(repo: Path, own: bool = False) -> str | None:
     """Undo the operation recorded in the journal; a line saying so, or None.
 
     Call with the lock held (so the journal's writer is not running). Without a
     journal, foreign interrupted state is refused (:class:`InterruptedStateError`).
-    The journal is removed only once the checkout is back at its HEAD.
+    A killed operation is undone only while the checkout is as it left it (see the
+    module docstring; ``own``: the caller is that operation, restoring after its own
+    failure). The journal is removed only once the checkout is back at its HEAD.
     """
     gdir = git_dir(repo)
     path = gdir / JOURNAL
     if not path.is_file():
         _refuse_foreign_state(repo, gdir)
         return None
-    data = json.loads(path.read_text())
-    for lock in _git_locks(gdir) - set(data["locks"]):
+    data = _read_journal(repo, path)
+    left = sorted(_git_locks(gdir) - set(data["locks"]))
+    if not own:
+        changes = _changed_since(repo, data)
+        if changes:
+            raise InterruptedStateError(_finish_by_hand(repo, gdir, data, changes, left))
+    for lock in left:
         (gdir / lock).unlink(missing_ok=True)
     if (gdir / "rebase-apply").is_dir():  # started by the journal's operation
         gitops.am_abort(repo)
     gitops.reset_hard(repo, data["head"])
     path.unlink()
+    _JOURNALS.pop(str(gdir.resolve()), None)
     return (
         f"{repo}: recovered from an interrupted `hybridpd {data['operation']}` "
         f"(pid {data['pid']}): HEAD, index and work tree restored to {data['head'][:12]}"
+    )
+
+
+def _read_journal(repo: Path, path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError
+        for key, kind in (("operation", str), ("pid", int), ("head", str), ("locks", list)):
+            if not isinstance(data.get(key), kind):
+                raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise InterruptedStateError(
+            f"{path} is not a hybridpd journal (corrupt); nothing was done. If no hybridpd "
+            f"is running on {repo}, inspect `git -C {repo} status`, then `rm {path}` and "
+            "run again"
+        ) from None
+    return data
+
+
+def _changed_since(repo: Path, data: dict) -> list[str]:
+    """What differs from the state the journal's operation can have left (empty: none)."""
+    head = gitops.head(repo)
+    if not gitops.made_here(repo, data["head"], head):
+        return [f"HEAD moved to {head[:12]}"]
+    touching: dict = data.get("touching", {})
+    changed = gitops.changed_paths(repo)
+    # An untracked file the reset cannot reach (no such path in the journal's HEAD) is
+    # left alone by it: not a reason to refuse.
+    untracked = [p for p in gitops.untracked_files(repo) if p not in touching]
+    safe = set(untracked) - gitops.tracked_at(repo, data["head"], untracked)
+    changed = [p for p in changed if p not in safe]
+    known = [p for p in changed if p in touching]
+    work = gitops.work_tree_blobs(repo, known)
+    index = gitops.index_entries(repo, known)
+    return [
+        f"{p} changed"
+        for p in changed
+        if p not in touching
+        or not _admissible(work[p], touching[p]["work"])
+        or not _admissible(" ".join(index[p]) or None, touching[p]["index"])
+    ]
+
+
+def _admissible(found: str | None, allowed: list) -> bool:
+    """Whether ``found`` (a blob id, or index entries "<blob> <stage> ...", or None for
+    none) is one of ``allowed``; a patch's index line may abbreviate its blob ids."""
+
+    def same(want: str | None) -> bool:
+        if found is None or want is None:
+            return found == want
+        have, wanted = found.split(" "), want.split(" ")
+        return len(have) == len(wanted) and all(
+            h.startswith(w) if i % 2 == 0 else h == w
+            for i, (h, w) in enumerate(zip(have, wanted))
+        )
+
+    return any(same(want) for want in allowed)
+
+
+def _finish_by_hand(repo: Path, gdir: Path, data: dict, changes: list[str], left: list) -> str:
+    commands = [f"rm {gdir / lock}" for lock in left]  # git refuses to run beside them
+    if (gdir / "rebase-apply").is_dir():
+        commands.append(f"git -C {repo} am --quit")  # keeps HEAD, index and work tree
+    commands.append(f"rm {gdir / JOURNAL}")
+    return (
+        f"{repo}: found an interrupted `hybridpd {data['operation']}` (pid {data['pid']}), "
+        f"but {', '.join(changes)} since, so nothing was done; to finish by hand, keep "
+        f"your work and run {'; '.join(commands)}; HEAD before that run was "
+        f"{data['head'][:12]} (`git -C {repo} reflog` lists every step since)"
     )
 
 
@@ -223,11 +311,54 @@ def journal(repo: Path, name: str) -> Iterator[None]:
         "operation": name,
         "pid": os.getpid(),
         "head": gitops.head(repo),
+        "index": gitops.run(repo, "write-tree").stdout.strip() or None,  # for the record
         "locks": sorted(_git_locks(gdir)),
+        "touching": {},
+    }
+    key = str(gdir.resolve())
+    _JOURNALS[key] = data
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
+    try:
+        yield
+    finally:
+        _JOURNALS.pop(key, None)
+    path.unlink(missing_ok=True)
+
+
+def expect(repo: Path, patch: Path) -> None:
+    """Record in the journal that ``patch`` is about to be applied to ``repo``: the
+    paths it may touch, and the contents it may leave in them (before or after)."""
+    data, path = _journal_of(repo)
+    blobs = gitops.patch_blobs(patch)
+    work = gitops.work_tree_blobs(repo, list(blobs))
+    index = gitops.index_entries(repo, list(blobs))
+    data["touching"] = {
+        p: {
+            "work": [before, after, work[p]],
+            "index": [f"{before} 0" if before else None, f"{after} 0" if after else None,
+                      " ".join(index[p]) or None],
+        }
+        for p, (before, after) in blobs.items()
     }
     write_atomic(path, json.dumps(data, indent=2) + "\n")
-    yield
-    path.unlink(missing_ok=True)
+
+
+def settle(repo: Path) -> None:
+    """Record in the journal the contents the patch in flight left in its paths (a
+    stop on a conflict), so that a kill from here on is still recovered."""
+    data, path = _journal_of(repo)
+    paths = list(data["touching"])
+    work = gitops.work_tree_blobs(repo, paths)
+    index = gitops.index_entries(repo, paths)
+    for p in paths:
+        data["touching"][p]["work"].append(work[p])
+        data["touching"][p]["index"].append(" ".join(index[p]) or None)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _journal_of(repo: Path) -> tuple[dict, Path]:
+    gdir = git_dir(repo)
+    return _JOURNALS[str(gdir.resolve())], gdir / JOURNAL
 
 
 def _git_locks(gdir: Path) -> set[str]:

@@ -21,7 +21,9 @@ Everything hybridpd keeps lives in the distribution's ``*.dist-info`` folder, wh
   killed) first puts the backup back, so an apply is all or nothing.
 
 ``--revert`` puts the backup back and removes the three, so the files are byte for
-byte (and mtime for mtime: the release's bytecode stays valid) what they were.
+byte (and mtime for mtime: the release's bytecode stays valid) what they were. A file
+changed after the overlay is first copied beside itself (``<name>.hybridpd-kept``),
+and a warning says where: nothing the user wrote is lost.
 """
 
 from __future__ import annotations
@@ -335,12 +337,42 @@ def _recover(target: Target) -> str | None:
     journal = _read_json(target, target.dist_info / JOURNAL)
     if journal is None:
         return None
+    kept = _keep_changed(target, journal)
     _restore(target, journal)
     return (
         f"{target.site}: recovered from an interrupted "
         f"`hybridpd {journal.get('operation', '?')}` (pid {journal.get('pid', '?')}): "
         "the release files are back"
+        + "".join(f"; {rel} had changed since; kept as {copy}" for rel, copy in kept)
     )
+
+
+def _keep_changed(target: Target, journal: dict) -> list[tuple[str, Path]]:
+    """Copy aside each file the journal's run wrote that now holds neither the release's
+    bytes (the backup) nor the bytes that run meant to write: someone changed it since,
+    and the restore would overwrite it. ``(path, copy)`` of each."""
+    root = target.dist_info / BACKUP
+    try:
+        index = _read_json(target, root / "index.json")
+        if index is None:  # nothing backed up yet, or every file back: none is overwritten
+            return []
+        release = {e["path"]: wo.sha256_file(root / e["file"]) for e in index}
+        intended = journal.get("intended", {})
+        kept = []
+        for rel in journal["written"]:
+            path = _inside(target, rel)
+            if not path.is_file() or path.is_symlink():
+                continue
+            if wo.sha256_file(path) not in (release.get(rel), intended.get(rel)):
+                copy = _keep_aside(path)
+                if copy is not None:
+                    kept.append((rel, copy))
+        return kept
+    except (OSError, KeyError, TypeError) as exc:
+        raise InstalledError(
+            f"cannot check the files of {target.site} before putting the release back "
+            f"({exc}); {_reinstall(target)}"
+        ) from None
 
 
 def _read_manifest(target: Target) -> dict | None:
@@ -371,6 +403,7 @@ def _undo(target: Target, operation: str) -> None:
     journal = {
         "operation": operation, "pid": os.getpid(), "added": paths, "written": paths,
         "created_dirs": manifest.get("created_dirs", []),
+        "intended": {f["path"]: f.get("sha256") for f in files},
     }
     _write_json(target.dist_info / JOURNAL, journal)
     guard.fault("installed:undo")
@@ -510,6 +543,12 @@ def _overlay(
     journal = {
         "operation": "apply --installed", "pid": os.getpid(), "added": added,
         "written": [c.path for c in changes], "created_dirs": created,
+        # What each file holds once written (None: deleted), so that a recovery
+        # tells this run's bytes from an edit made after it (_keep_changed).
+        "intended": {
+            c.path: None if c.status == "D" else hashlib.sha256(c.data).hexdigest()
+            for c in changes
+        },
     }
     # No journal and no manifest here (undone above): a backup folder is stale.
     shutil.rmtree(target.dist_info / BACKUP, ignore_errors=True)
@@ -592,8 +631,27 @@ def revert(package: str, python: Path) -> Result:
         result.pin, result.head = manifest.get("pin"), manifest.get("head")
         result.patches = tuple(manifest.get("patches", []))
         result.files = manifest.get("files", [])
+        for rel in _changed_since(target, manifest):
+            kept = _keep_aside(target.site / rel)
+            if kept is not None:
+                result.warnings.append(
+                    f"{rel} was changed after the overlay; your version is kept as {kept}"
+                )
         _undo(target, "apply --installed --revert")
         return result
+
+
+def _keep_aside(path: Path) -> Path | None:
+    """Copy ``path`` (a file changed after the overlay) to a new name beside it, before
+    the revert puts the release's back; the copy's path (None: no file there)."""
+    if not path.is_file():
+        return None
+    kept = path.with_name(f"{path.name}.hybridpd-kept")
+    number = 1
+    while kept.exists():
+        kept, number = path.with_name(f"{path.name}.hybridpd-kept.{number}"), number + 1
+    shutil.copy2(path, kept)
+    return kept
 
 
 def status(package: str, python: Path) -> State:

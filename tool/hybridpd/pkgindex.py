@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -264,13 +265,24 @@ def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Res
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme == "file" and Path(urllib.request.url2pathname(parsed.path)).is_dir():
         url = urllib.parse.urljoin(url.rstrip("/") + "/", "index.html")
-    request = urllib.request.Request(
-        url, headers={"Accept": accept, "User-Agent": f"hybridpd/{__version__}"}
-    )
+
+    def unusable(exc: Exception) -> PackageIndexError:
+        return PackageIndexError(
+            f"{url} is not a usable index URL ({exc}); check PIP_INDEX_URL and pip's index-url"
+        )
+
+    try:
+        request = urllib.request.Request(
+            url, headers={"Accept": accept, "User-Agent": f"hybridpd/{__version__}"}
+        )
+    except ValueError as exc:  # no scheme, or an unknown one
+        raise unusable(exc) from None
     context = settings.ssl_context() if parsed.scheme == "https" else None
     try:
         with urllib.request.urlopen(request, timeout=settings.timeout, context=context) as r:
             yield r
+    except http.client.InvalidURL as exc:  # a space or a bad port in the host
+        raise unusable(exc) from None
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             raise _NotFound(url) from exc

@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from packaging.version import InvalidVersion, Version
+
 from hybridpd import cache, gitops, guard, seriesedit
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
@@ -194,7 +196,7 @@ class PortState:
             if data.get("schema") != STATE_SCHEMA:
                 raise ValueError(f"schema {data.get('schema')!r}")
             return cls(**data)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, AttributeError) as exc:  # not JSON, or not an object
             raise PortError(f"{path}: unreadable port state ({exc})") from exc
 
     def results(self) -> list[PatchResult]:
@@ -231,6 +233,13 @@ def start(
         raise PortError(f"--from and --to are both {v1.version}")
     if not v1.ported:
         raise PortError(f"the series is not ported to {v1.version}; port from a ported pin")
+    if v2.ported and _newer(v1.version, v2.version):
+        # Until a port proves each change on such a pin, its series stays as committed.
+        raise PortError(
+            f"{v2.version} is older than {v1.version} and already ported: porting back onto "
+            f"it would rewrite its committed patches ({series.relative(series.patch_dir(v2))}/); "
+            "nothing was done"
+        )
     dest = (dest or default_dir(v2.version)).absolute()
     if PortState.path(dest).is_file():
         raise PortError(
@@ -307,6 +316,11 @@ def _resume_locked(
             raise PortError("--skip needs --upstream RELEASE (the first release with the change)")
         if state.current is None:
             raise PortError(f"the port in {dest} is not stopped on a patch; nothing to skip")
+        if _newer(upstream, state.to_version):
+            raise PortError(
+                f"--upstream {upstream} is newer than {state.to_version}, the release this "
+                f"port is to: the first release with the change is {state.to_version} or older"
+            )
         patch_id = state.current
         files = _patch_files(series, dest, state, patch_id)
         _am(dest, "--skip", optional=True)
@@ -435,7 +449,7 @@ def _run(series: Series, dest: Path, state: PortState, log: Log) -> PortReport:
             try:
                 result = _replay(series, dest, state, v1, v2, patch_id)
             except HybridpdError:
-                guard.recover(dest)  # a refused patch, not an interruption: undo now
+                guard.recover(dest, own=True)  # a refused patch, not an interruption: undo now
                 raise
             if isinstance(result, Conflict):
                 log(f"{patch_id}: conflict")
@@ -469,8 +483,10 @@ def _replay(
         return _upstream(series, v2, patch_id, "reverse-applies", files)
     plain = gitops.applies(dest, path)
     before = gitops.head(dest)
+    guard.expect(dest, path)
     outcome = gitops.am(dest, [path])
     if not outcome.ok:
+        guard.settle(dest)  # the conflict as left: a kill from here on is recovered
         state.current, state.before = patch_id, before
         state.save(dest)
         guard.fault("port:conflict")
@@ -657,6 +673,14 @@ def _am(dest: Path, verb: str, optional: bool = False) -> None:
 def _reset_to(dest: Path, rev: str | None) -> None:
     if rev is not None and gitops.head(dest) != rev:
         gitops.reset_hard(dest, rev)
+
+
+def _newer(version: str, than: str) -> bool:
+    """Whether release ``version`` comes after ``than`` (PEP 440; a leading v ignored)."""
+    try:
+        return Version(version.removeprefix("v")) > Version(than.removeprefix("v"))
+    except InvalidVersion:
+        raise PortError(f"{version!r} is not a release version (such as {than})") from None
 
 
 def _tree(dest: Path, rev: str) -> str:

@@ -104,7 +104,23 @@ def load_model_config(path: Path | None) -> dict[str, Any]:
         config = json.loads(Path(path).read_text())
     except ValueError as exc:  # not JSON: a bad --model-config (exit 2)
         raise UsageError(str(exc)) from None
-    return config.get("text_config", config)
+    if isinstance(config, dict):
+        config = config.get("text_config", config)
+    # Valid JSON of another shape: what shape() and plan() read must be there.
+    try:
+        if not isinstance(config, dict):
+            raise TypeError(f"a JSON object, not {type(config).__name__}")
+        if shape(config)["full_attention_layers"] < 1:
+            raise ValueError("no full-attention layer")
+    except KeyError as exc:
+        raise UsageError(_not_a_config(path, f"no {exc.args[0]}")) from None
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise UsageError(_not_a_config(path, str(exc))) from None
+    return config
+
+
+def _not_a_config(path: Path, why: str) -> str:
+    return f"--model-config {path}: not a Qwen3.5-style hybrid model config ({why})"
 
 
 def _layers(config: dict[str, Any]) -> tuple[int, int]:

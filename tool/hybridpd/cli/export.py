@@ -22,22 +22,26 @@ from .options import State, checkout_dir, json_flag, log
     "--prune",
     is_flag=True,
     help="Also remove the files of patches series.toml carries on the pin that have "
-    "no commit in the checkout (without it, export refuses and writes nothing).",
+    "no commit in the checkout (without it, export refuses and writes nothing), and "
+    "files that neither a record nor a commit names (without it, they are kept).",
 )
 @click.pass_obj
 def export(state: State, repo: Path, prune: bool) -> None:
     """Write the checkout's patch commits to patches/<pin>/<id>.patch.
 
-    Output is byte-stable. Files of patches no longer in the checkout are removed,
-    except those series.toml carries on the pin (that needs --prune); series.toml is
-    never edited, but patches without a record are reported.
+    Output is byte-stable. Files of recorded patches no longer in the checkout are
+    removed, except those series.toml carries on the pin (that needs --prune); a file
+    that neither a record nor a commit names is kept (that needs --prune too).
+    series.toml is never edited, but patches without a record are reported.
     """
     series = state.series
-    result = export_series(series, repo, prune=prune)
+    result = export_series(series, repo, prune=prune, log=log)
     for label, ids in (("wrote", result.written), ("removed", result.removed)):
         for patch_id in ids:
             click.echo(f"{label:<9} {result.pin}/{patch_id}.patch")
     click.echo(f"{len(result.unchanged)} unchanged, in {series.relative(series.dir / result.pin)}")
+    for patch_id in result.kept:
+        log(f"kept {result.pin}/{patch_id}.patch: no record and no commit; --prune removes it")
     for patch_id in result.unrecorded:
         log(f"warning: {patch_id} has no [[patches]] record in series.toml")
     if result.dirty:

@@ -30,6 +30,12 @@ from .options import State, json_flag, log
     help="Prove each directory on a stock checkout: the added tests fail, then pass "
     "after git am (verify.json; needs the pin's CPU test environment).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a PR directory that holds files export-pr did not write (edits, "
+    "additions); without it, export-pr refuses and writes nothing.",
+)
 @json_flag
 @click.pass_obj
 def export_pr(
@@ -39,6 +45,7 @@ def export_pr(
     version: str | None,
     out_dir: Path,
     verify: bool,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Export carried patches as upstream pull requests.
@@ -47,10 +54,12 @@ def export_pr(
     stock checkout of the pin (the patch without its Hybridpd-Patch trailer, with
     its upstream-style unit test; earlier patches it needs come first) and PR.md,
     the PR body with the latest measured numbers. Exits 1 when a --verify fails.
+    A directory export-pr wrote is replaced; one holding anything else (your edits
+    to PR.md, files you added) is refused unless --force.
     """
     if bool(patch_id) == all_patches:
         raise UsageError("give exactly one of PATCH_ID and --all")
-    result = exportpr.run(state.series, version, patch_id, out_dir, verify, log=log)
+    result = exportpr.run(state.series, version, patch_id, out_dir, verify, log=log, force=force)
     if as_json:
         jsonout.emit(result.to_json())
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import urllib.error
 from typing import Any
 
@@ -23,6 +24,8 @@ import click
 from hybridpd.errors import HybridpdError, Interrupted, LocalFileError, UsageError
 
 _META = "hybridpd.json"
+#: Set, a crash (an exception that is not one of hybridpd's errors) shows its traceback.
+DEBUG_ENV = "HYBRIDPD_DEBUG"
 
 
 def _remember(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
@@ -82,7 +85,9 @@ class JsonGroup(UsageGroup):
     errors are :class:`~hybridpd.errors.PackageIndexError` by then), reported in one
     line like any other failure, not as a traceback; Ctrl-C or SIGTERM (which the CLI
     turns into KeyboardInterrupt) is :class:`~hybridpd.errors.Interrupted` (exit 130)
-    once the command's own cleanup has run.
+    once the command's own cleanup has run. Any other exception is a bug: one line
+    ``internal error: ...`` (exit 1, and the ``--json`` document), its traceback only
+    with ``HYBRIDPD_DEBUG=1``.
     """
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -100,6 +105,17 @@ class JsonGroup(UsageGroup):
                 raise _Failed(exc) from exc
             except KeyboardInterrupt:
                 raise _Failed(Interrupted("interrupted")) from None
+            except (click.ClickException, click.exceptions.Exit, click.Abort):
+                raise
+            except BrokenPipeError:  # click's to end quietly (see above)
+                raise
+            except Exception as exc:
+                if os.environ.get(DEBUG_ENV):
+                    raise
+                raise _Failed(HybridpdError(
+                    f"internal error: {type(exc).__name__}: {exc} "
+                    f"(a hybridpd bug; {DEBUG_ENV}=1 shows where)"
+                )) from exc
         except click.ClickException as exc:
             doc = failure_document(ctx, exc)
             if doc is not None:
