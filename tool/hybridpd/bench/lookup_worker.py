@@ -29,23 +29,27 @@ import time
 def _inline_lookup(sched):
     """Trees whose scheduler looks the hit up inline in ``schedule()`` (0.20.2): the
     same calls, in the same order. The patched series asks the connector first
-    whether a load may complete a divergent hit."""
+    where its load would resume the request (None: no divergent hit)."""
     manager, connector = sched.kv_cache_manager, sched.connector
-    may_complete = getattr(connector, "may_complete_divergent_local_hybrid_hit", None)
-    if may_complete is None:
+    resume_point = getattr(connector, "get_divergent_hit_resume_point", None)
+    if resume_point is None:
         return manager.get_computed_blocks, "KVCacheManager.get_computed_blocks"
 
     def lookup(request):
-        if may_complete(request):
-            blocks, hit, diverged = manager.get_computed_blocks_for_connector(request)
-            if diverged:
-                # schedule() records a kept divergent hit's stats itself (after the
-                # connector's answer; stock's get_computed_blocks records them inside).
-                manager.record_prefix_cache_stats(request, hit)
-            return blocks, hit
-        return manager.get_computed_blocks(request)
+        point = resume_point(request)
+        if point is None:
+            return manager.get_computed_blocks(request)
+        blocks, hit, diverged = manager.get_computed_blocks_for_connector(request)
+        if diverged and hit >= point:
+            cap = max(point - 1, 0) // sched.block_size * sched.block_size
+            blocks, hit, diverged = manager.get_computed_blocks_for_connector(request, cap)
+        if diverged:
+            # schedule() records a kept divergent hit's stats itself (after the
+            # connector's answer; stock's get_computed_blocks records them inside).
+            manager.record_prefix_cache_stats(request, hit)
+        return blocks, hit
 
-    return lookup, ("connector.may_complete_divergent_local_hybrid_hit, then "
+    return lookup, ("connector.get_divergent_hit_resume_point, then "
                     "KVCacheManager.get_computed_blocks[_for_connector]")
 
 
