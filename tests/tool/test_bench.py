@@ -147,6 +147,59 @@ def test_report_json_has_the_documented_keys_and_ratios() -> None:
     assert _report().hit_fraction() == 0.99
 
 
+def test_corner_counts_are_in_the_json_and_the_table_stock_beside_patched(monkeypatch) -> None:
+    report = _report()
+    report.workload["exact_repeat_fraction"] = 0.25
+    report.results["stock"].update(recomputed_below_target_tokens=52224,
+                                   corner_admissions=3, corner_recomputed_tokens=52224)
+    report.results["patched"].update(recomputed_below_target_tokens=0,
+                                     corner_admissions=3, corner_recomputed_tokens=0)
+    doc = report.to_json()
+    for build, below in (("stock", 52224), ("patched", 0)):
+        assert doc[build]["recomputed_below_target_tokens"] == below
+        assert doc[build]["corner_recomputed_tokens"] == below
+        assert doc[build]["corner_admissions"] == 3
+    lines = render.replay_table(report).splitlines()
+    assert "exact repeats 0.25" in lines[0]
+    row = next(line for line in lines if line.startswith("recomputed below load target"))
+    assert row.split()[-3:] == ["52,224", "0", "0.00x"]
+    assert next(line for line in lines if "len-1 corner admissions" in line).split()[-3:] == [
+        "3", "3", "1.00x"]
+    # Through the CLI: the option reaches the workload, the keys reach --json.
+    seen = {}
+
+    def run(series, options, log, status):
+        seen["w"] = options.workload
+        return report
+
+    monkeypatch.setattr(replay, "run", run)
+    monkeypatch.setattr(cli.State, "series", None)
+    out = CliRunner().invoke(cli.main, ["bench", "replay", "--pin", "0.33.0", "--json",
+                                        "--exact-repeat-fraction", "0.25"])
+    assert out.exit_code == 0, out.output
+    assert seen["w"].exact_repeat_fraction == 0.25
+    assert json.loads(out.stdout)["stock"]["corner_recomputed_tokens"] == 52224
+    bad = CliRunner().invoke(cli.main, ["bench", "replay", "--pin", "0.33.0",
+                                        "--exact-repeat-fraction", "1.5"])
+    assert bad.exit_code == 2
+
+
+def test_exact_repeats_are_an_earlier_prompts_whole_blocks_plus_one_token() -> None:
+    plain = decode_replay.Prompts(WORKLOAD, 16)
+    assert plain.repeats == {}  # the seed's workload by default
+    w = dict(WORKLOAD, exact_repeat_fraction=0.5)
+    prompts = decode_replay.Prompts(w, 16)
+    assert prompts.repeats and 0 not in prompts.repeats
+    assert [prompts.prompt(i) for i in range(10) if i not in prompts.repeats] == [
+        plain.prompt(i) for i in range(10) if i not in prompts.repeats]
+    for index, (source, repeated) in prompts.repeats.items():
+        assert source < index and source not in prompts.repeats
+        assert repeated % 16 == 0 and 16 <= repeated <= 47 // 16 * 16
+        made = prompts.prompt(index)
+        assert len(made) == repeated + 1 and made[:-1] == plain.prompt(source)[:repeated]
+        assert prompts.order[index] == prompts.order[source]
+
+
 def test_table_names_exact_and_modelled_figures() -> None:
     text = render.replay_table(_report())
     assert "99.00% of the limit" in text

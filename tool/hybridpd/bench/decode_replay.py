@@ -34,6 +34,16 @@ SAMPLED_TOKEN = 7
 TRACE_POINTS = 2000
 
 
+def import_builders(builders_dir: str):
+    """``builders.py`` as a module of its package (``tests/patches``): it imports
+    its sibling ``hash_stores`` relatively."""
+    import importlib
+
+    builders_dir = os.path.abspath(builders_dir)
+    sys.path.insert(0, os.path.dirname(builders_dir))
+    return importlib.import_module(os.path.basename(builders_dir) + ".builders")
+
+
 def _progress(build: str, done: int, total: int, steps: int) -> None:
     print(json.dumps({"build": build, "finished": done, "total": total, "steps": steps}),
           file=sys.stderr, flush=True)
@@ -42,9 +52,18 @@ def _progress(build: str, done: int, total: int, steps: int) -> None:
 class Prompts:
     """The prefix-repetition prompts (vLLM's ``prefix_repetition`` dataset shape):
     ``num_prefixes`` shared prefixes, a distinct suffix per prompt, shuffled order.
-    Prompts are made when sent, so only the ones in flight are held."""
+    Prompts are made when sent, so only the ones in flight are held.
 
-    def __init__(self, w: dict[str, Any]) -> None:
+    With ``exact_repeat_fraction`` F > 0, about F of the prompts (never the first)
+    are exact repeats: an earlier prompt's first k * ``block_size`` tokens (k >= 1,
+    drawn uniformly up to the earlier prompt's last full block before its last
+    token) plus one fresh token, so D may hold the whole prompt but its last token
+    (the len-1 corner). Their source is at least ``concurrency`` prompts earlier
+    where there is one (likely finished, so its blocks are cached on D). F = 0
+    leaves the seed's workload unchanged (its random streams are not touched).
+    """
+
+    def __init__(self, w: dict[str, Any], block_size: int = 1) -> None:
         self.w = w
         rng = random.Random(w["seed"])
         self.prefixes = [
@@ -54,11 +73,43 @@ class Prompts:
         self.order = [i % w["num_prefixes"] for i in range(w["num_prompts"])]
         rng.shuffle(self.order)
         self.seed = w["seed"]
+        #: prompt index -> (source prompt index, repeated tokens k * block_size)
+        self.repeats: dict[int, tuple[int, int]] = {}
+        fraction = w.get("exact_repeat_fraction", 0.0)
+        if fraction > 0:
+            repeat_rng = random.Random(f"{self.seed}:exact-repeats")
+            prompt_len = w["prefix_len"] + w["suffix_len"]
+            max_blocks = (prompt_len - 1) // block_size
+            if max_blocks < 1:
+                raise ValueError(
+                    f"--exact-repeat-fraction needs prompts longer than a block "
+                    f"({block_size} tokens); they have {prompt_len}"
+                )
+            for index in range(1, w["num_prompts"]):
+                if repeat_rng.random() >= fraction:
+                    continue
+                earliest = index - w["concurrency"]
+                source = repeat_rng.randrange(0, earliest + 1 if earliest >= 0 else index)
+                # A source that is itself a repeat is shorter: take its own source.
+                while source in self.repeats:
+                    source = self.repeats[source][0]
+                k = repeat_rng.randint(1, max_blocks)
+                self.repeats[index] = (source, k * block_size)
+                self.order[index] = self.order[source]
 
     def prompt(self, index: int) -> list[int]:
         rng = random.Random(f"{self.seed}:{index}")
+        if index in self.repeats:
+            source, repeated = self.repeats[index]
+            return self.prompt(source)[:repeated] + [rng.randrange(3, 1000)]
         suffix = [rng.randrange(3, 1000) for _ in range(self.w["suffix_len"])]
         return self.prefixes[self.order[index]] + suffix
+
+    def new_tokens(self, index: int) -> int:
+        """Tokens past the shared prefix (what P computes once it holds the prefix)."""
+        if index in self.repeats:
+            return max(1, self.repeats[index][1] + 1 - self.w["prefix_len"])
+        return self.w["suffix_len"]
 
 
 class PrefillInstance:
@@ -71,8 +122,8 @@ class PrefillInstance:
         self.free_at = 0.0
         self.cached: set[int] = set()
 
-    def submit(self, prefix: int, now: float) -> float:
-        tokens = self.w["suffix_len"]
+    def submit(self, prefix: int, now: float, new_tokens: int | None = None) -> float:
+        tokens = self.w["suffix_len"] if new_tokens is None else new_tokens
         if prefix not in self.cached:
             tokens += self.w["prefix_len"]
             self.cached.add(prefix)
@@ -120,24 +171,85 @@ def worker_output(sched_output, requests, finished_recving: set[str]):
     )
 
 
-class Counters:
-    """Wraps the connector's ``update_state_after_alloc`` and the block pool's
-    ``get_new_blocks`` on this scheduler instance (both still run unchanged).
+def nixl_scheduler(connector):
+    """NIXL's scheduler side in ``connector`` (itself or a MultiConnector's child)."""
+    for child in [connector, *getattr(connector, "_connectors", ())]:
+        if type(child).__name__ == "NixlConnector":
+            return child.connector_scheduler
+    return None
 
-    ``update_state_after_alloc`` is where the scheduler commits a request's
-    external tokens, after any reconciliation of its hit: the first call per
-    request is its first admission's (``external``); a call with tokens is a load
-    the connector now plans (``planned``, taken by the caller each step).
+
+def load_target(nixl, num_prompt_tokens: int) -> int:
+    """Where NIXL's load of a remote prefill ends: the prompt less NIXL's back-off
+    (read as NIXL reads it where the pin has ``_prefill_backoff``, else 1)."""
+    backoff = nixl._prefill_backoff() if hasattr(nixl, "_prefill_backoff") else 1
+    if backoff and num_prompt_tokens > backoff:
+        return num_prompt_tokens - backoff
+    return num_prompt_tokens
+
+
+def attention_hit(sched, request, hash_block_size: int) -> int:
+    """The local prefix hit of the full-attention groups alone, before any
+    reconciliation with the Mamba groups: leading full blocks of the prompt (never
+    its last token, as vLLM's lookup) cached for every non-Mamba group."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = [
+        i for i, g in enumerate(sched.kv_cache_config.kv_cache_groups)
+        if not isinstance(g.kv_cache_spec, MambaSpec)
+    ]
+    if not groups:
+        return 0
+    bs = sched.kv_cache_config.kv_cache_groups[groups[0]].kv_cache_spec.block_size
+    hashes = request.block_hashes
+    # The request's hashes are kept per ``hash_block_size`` tokens (the builders'
+    # block size); a group's block spans ``per_block`` of them.
+    per_block = max(1, bs // hash_block_size)
+    pool = sched.kv_cache_manager.block_pool
+    blocks = (request.num_tokens - 1) // bs
+    hit = 0
+    for i in range(blocks):
+        index = (i + 1) * per_block - 1
+        if index >= len(hashes) or pool.get_cached_block(hashes[index], groups) is None:
+            break
+        hit += bs
+    return hit
+
+
+class Counters:
+    """Wraps the connector's ``get_num_new_matched_tokens`` and
+    ``update_state_after_alloc`` and the block pool's ``get_new_blocks`` on this
+    scheduler instance (all still run unchanged).
+
+    ``get_num_new_matched_tokens`` follows the local lookup: the full-attention hit
+    is read there, before the request's own blocks are allocated (the last lookup
+    before its admission counts). ``update_state_after_alloc`` is where the
+    scheduler commits a request's external tokens, after any reconciliation of its
+    hit: the first call per request is its first admission's (``external``, with
+    the attention hit of that lookup in ``attention``); a call with tokens is a
+    load the connector now plans (``planned``, taken by the caller each step).
     """
 
-    def __init__(self, sched) -> None:
+    def __init__(self, sched, hash_block_size: int) -> None:
         self.external: dict[str, int] = {}
+        self.attention: dict[str, int] = {}
         self.planned: dict[str, int] = {}
         self.blocks_allocated = 0
         connector = sched.connector
         update_state_after_alloc = connector.update_state_after_alloc
+        get_num_new_matched_tokens = connector.get_num_new_matched_tokens
+        looked_up: dict[str, int] = {}
+
+        def matched(request, num_computed_tokens):
+            if request.request_id not in self.external:
+                looked_up[request.request_id] = attention_hit(sched, request, hash_block_size)
+            return get_num_new_matched_tokens(request, num_computed_tokens)
+
+        connector.get_num_new_matched_tokens = matched
 
         def after_alloc(request, blocks, num_external_tokens):
+            if request.request_id not in self.external:
+                self.attention[request.request_id] = looked_up.pop(request.request_id, 0)
             self.external.setdefault(request.request_id, num_external_tokens)
             if num_external_tokens:
                 self.planned[request.request_id] = num_external_tokens
@@ -155,8 +267,7 @@ class Counters:
 
 
 def replay(spec: dict[str, Any]) -> dict[str, Any]:
-    sys.path.insert(0, spec["builders_dir"])
-    import builders as b
+    b = import_builders(spec["builders_dir"])
     from vllm.v1.request import RequestStatus
 
     w, cost, build = spec["workload"], spec["cost"], spec["build"]
@@ -175,8 +286,9 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
             num_mamba_groups=spec["num_mamba_groups"],
         ),
     )
-    counters = Counters(sched)
-    prompts = Prompts(w)
+    counters = Counters(sched, bs)
+    nixl = nixl_scheduler(sched.connector)
+    prompts = Prompts(w, bs)
     prefill = PrefillInstance(cost, w)
 
     total = w["num_prompts"]
@@ -194,6 +306,8 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
     finished: dict[str, float] = {}
     requests: dict[str, Any] = {}
     first_of_prefix: set[str] = set()
+    targets: dict[str, int] = {}  # request -> NIXL's load target
+    limits: dict[str, int] = {}  # exact repeats -> their block-rounded limit
     seen_prefixes: set[int] = set()
     preemptions = 0
     clock = 0.0
@@ -209,7 +323,8 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
         # The client keeps `concurrency` requests in flight; P computes each prompt.
         while in_flight < w["concurrency"] and next_prompt < total:
             prefix = prompts.order[next_prompt]
-            heapq.heappush(arrivals, (prefill.submit(prefix, clock), next_prompt))
+            ready = prefill.submit(prefix, clock, prompts.new_tokens(next_prompt))
+            heapq.heappush(arrivals, (ready, next_prompt))
             sent_at_prompt[next_prompt] = clock
             next_prompt += 1
             in_flight += 1
@@ -224,6 +339,11 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
                 max_tokens=w["output_len"],
             )
             rid = req.request_id
+            targets[rid] = load_target(nixl, len(tokens))
+            if index in prompts.repeats:
+                # Its whole blocks but never its last token (a hit capped below
+                # NIXL's load target to pull the state stays a block short).
+                limits[rid] = (len(tokens) - 1) // bs * bs
             sent_at[rid] = sent_at_prompt.pop(index)
             prefix = prompts.order[index]
             prefix_of[rid] = prefix
@@ -298,10 +418,16 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
     # The block-rounded limit: every request but the first of its prefix can reuse
     # the whole prefix, rounded down to a block, and never its prompt's last token.
     prompt_len = w["prefix_len"] + w["suffix_len"]
+    # An exact repeat's limit is its own whole blocks below its last token.
     reusable = min(w["prefix_len"], prompt_len - 1) // bs * bs
-    limit = reusable * (total - len(first_of_prefix))
+    limit = reusable * (total - len(first_of_prefix) - len(limits)) + sum(limits.values())
     pulled = sum(counters.external.get(rid, 0) for rid in admitted)
     hit = sum(admitted.values()) - pulled
+    # Tokens D computes below NIXL's load target (P computed them already), and
+    # the len-1 corner: an attention hit that reaches the target, so NIXL has
+    # nothing left to load unless the scheduler caps the hit.
+    below = {rid: max(0, targets[rid] - admitted[rid]) for rid in admitted}
+    corner = [rid for rid in admitted if counters.attention.get(rid, 0) >= targets[rid]]
     ttfts = sorted(first_token[r] - sent_at[r] for r in first_token)
     makespan_ms = max(finished.values())
     stride = max(1, len(trace) // TRACE_POINTS)
@@ -310,6 +436,9 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
         "hit_tokens": hit,
         "limit_tokens": limit,
         "pulled_tokens": pulled,
+        "recomputed_below_target_tokens": sum(below.values()),
+        "corner_admissions": len(corner),
+        "corner_recomputed_tokens": sum(below[rid] for rid in corner),
         "blocks_allocated": counters.blocks_allocated,
         "peak_block_usage": round(peak_usage, 4),
         "peak_running": peak_running,

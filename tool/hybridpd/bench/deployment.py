@@ -65,6 +65,9 @@ class Workload:
     output_len: int = 1024
     concurrency: int = 256
     seed: int = 0
+    #: Prompts that are an earlier prompt's first k blocks + 1 token (the len-1
+    #: corner); 0 is the seed's workload.
+    exact_repeat_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

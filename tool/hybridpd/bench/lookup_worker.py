@@ -22,6 +22,7 @@ Both requests hash the same blocks in every build (same tokens, same block size)
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -55,8 +56,10 @@ def _inline_lookup(sched):
 
 def main(argv: list[str]) -> int:
     spec = json.loads(open(argv[0]).read())
-    sys.path.insert(0, spec["builders_dir"])
-    import builders as b
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_replay import import_builders
+
+    b = import_builders(spec["builders_dir"])
 
     bs, n = spec["block_size"], spec["prompt_len"]
     config = b.vllm_config(block_size=bs, max_model_len=n + bs, max_num_batched_tokens=n + bs,

@@ -12,6 +12,9 @@ ROWS = (
     ("hit_tokens", "decode-side local hit (tokens)", True),
     ("limit_tokens", "block-rounded limit (tokens)", True),
     ("pulled_tokens", "pulled from prefill (tokens)", True),
+    ("recomputed_below_target_tokens", "recomputed below load target", True),
+    ("corner_admissions", "len-1 corner admissions", True),
+    ("corner_recomputed_tokens", "  recomputed in the corner", True),
     ("blocks_allocated", "KV blocks allocated", True),
     ("peak_block_usage", "peak KV pool usage", True),
     ("peak_running", "peak running", True),
@@ -39,7 +42,9 @@ def replay_table(report: ReplayReport) -> str:
     head = (
         f"{report.pin}, {report.connector}: prefix {w['prefix_len']}, suffix {w['suffix_len']}, "
         f"{w['num_prefixes']} prefixes, {w['num_prompts']} prompts, output {w['output_len']}, "
-        f"concurrency {w['concurrency']}; {report.cost_model['kv_blocks']} blocks of "
+        f"concurrency {w['concurrency']}"
+        + (f", exact repeats {w['exact_repeat_fraction']:g}" if w.get("exact_repeat_fraction") else "")
+        + f"; {report.cost_model['kv_blocks']} blocks of "
         f"{report.cost_model['block_size']} tokens"
     )
     lines = [head, f"stock: {report.stock_build}; patched: the {report.pin} series",

@@ -24,12 +24,17 @@ DRIVER = Path(__file__).with_name("decode_replay.py")
 
 #: Connector sets a replay can run (the builders' names): NIXL alone, and NIXL beside
 #: a connector that does not deliver the Mamba state (upstream's gate is false).
-#: (DecodeBench first would fill every new request itself: no NIXL load at all.)
+#: ``decodebench+nixl`` is left out on purpose: DecodeBench's
+#: ``get_num_new_matched_tokens`` claims every new request's uncomputed tokens but
+#: the last (it fills them with dummy KV), and a MultiConnector serves a request
+#: from the first child that reports tokens, so NIXL would never load anything:
+#: no P/D pull, no load target, nothing this replay measures.
 CONNECTORS = ("nixl", "nixl+decodebench")
 
 #: Keys of a build's result in the report (the JSON contract), in order.
 RESULT_KEYS = (
-    "hit_tokens", "limit_tokens", "pulled_tokens", "blocks_allocated", "peak_block_usage",
+    "hit_tokens", "limit_tokens", "pulled_tokens", "recomputed_below_target_tokens",
+    "corner_admissions", "corner_recomputed_tokens", "blocks_allocated", "peak_block_usage",
     "peak_running", "mean_running", "peak_waiting", "mean_waiting", "preemptions", "steps",
     "ttft_ms_est", "ttft_p50_ms_est", "makespan_s_est", "output_tps_est", "wall_s",
 )
@@ -113,6 +118,8 @@ def run(
     if options.connector not in CONNECTORS:
         raise UsageError(f"unknown connector set {options.connector}")
     w = options.workload
+    if not 0 <= w.exact_repeat_fraction <= 1:
+        raise UsageError(f"--exact-repeat-fraction {w.exact_repeat_fraction} is not in [0, 1]")
     if w.prefix_len + w.suffix_len + w.output_len > options.max_model_len:
         raise UsageError(
             f"prompt + output ({w.prefix_len + w.suffix_len + w.output_len} tokens) exceed "

@@ -48,6 +48,10 @@ def _status_printer():
 @click.option("--output-len", type=_POSITIVE, default=_W.output_len, show_default=True)
 @click.option("--concurrency", type=_POSITIVE, default=_W.concurrency, show_default=True)
 @click.option("--seed", type=int, default=_W.seed, show_default=True)
+@click.option("--exact-repeat-fraction", type=click.FloatRange(0, 1), default=_W.exact_repeat_fraction,
+              show_default=True, metavar="F",
+              help="Share of prompts that are an earlier prompt's first k blocks + 1 token "
+                   "(the len-1 corner: all but the last token cached on D).")
 @click.option("--block-size", type=_POSITIVE, default=128, show_default=True,
               help="As passed to vLLM; raised as vLLM does until a page holds a Mamba state.")
 @click.option("--model-config", type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -110,7 +114,7 @@ def _replay_options(version: str, connector: str, p: dict) -> replay_mod.ReplayO
     """The options of ``bench replay``: its workload, its hardware, the rest."""
     workload = deployment.Workload(**{k: p.pop(k) for k in (
         "prefix_len", "suffix_len", "num_prefixes", "num_prompts", "output_len",
-        "concurrency", "seed")})
+        "concurrency", "seed", "exact_repeat_fraction")})
     hardware = deployment.Hardware(
         hbm_gib=p.pop("hbm_gib"), gpu_memory_utilization=p.pop("gpu_memory_utilization"),
         activation_reserve_gib=p.pop("activation_gib"), hbm_tbps=p.pop("hbm_tbps"),
