@@ -237,38 +237,22 @@ def test_first_matching_child_that_restores_mamba_keeps_hit():
     num_local, num_external = admit(scheduler, request)
 
     assert num_local == PREFIX_TOKENS
+    # DecodeBench fills all but the last token, synchronously; NIXL would
+    # have stopped at its back-off too.
     assert num_local + num_external == PROMPT_TOKENS - 1
-    assert request.status == RequestStatus.RUNNING
-    connector = scheduler.connector
-    assert connector is not None
-    assert connector._requests_to_connector[request.request_id] == 0
 
 
-def test_load_not_restoring_mamba_resumes_from_agreed_hit_next_step():
+def test_load_not_restoring_mamba_falls_back_to_agreed_hit():
     """A child whose load writes the attention groups only matches a divergent
-    hit first. Its load is not dropped: the request waits one step and is then
-    looked up on the hit every group agrees on, with that child loading from
-    there."""
+    hit first. Its load would resume the request without a Mamba state, so the
+    request starts from the hit every group agrees on (none here), without
+    that load."""
     scheduler = create_hybrid_scheduler([ATTENTION_ONLY, NIXL])
-    connector = scheduler.connector
-    assert connector is not None
     request = make_request(PROMPT_TOKENS, remote_prefill=True)
-    seed_decode_side_prefix(scheduler)
-    scheduler.add_request(request)
 
-    with patch.object(connector, "update_state_after_alloc") as update_state:
-        output = scheduler.schedule()
-    update_state.assert_not_called()
-    assert not output.scheduled_new_reqs
-    assert request.status == RequestStatus.WAITING
-    assert request.num_computed_tokens == 0
+    num_local, num_external = admit(scheduler, request)
 
-    num_local, num_external = schedule_and_measure(scheduler, request)
-
-    assert num_local == 0
-    assert num_external == PROMPT_TOKENS - 1
-    assert request.status == RequestStatus.RUNNING
-    assert connector._requests_to_connector[request.request_id] == 0
+    assert (num_local, num_external) == (0, 0)
 
 
 def _connector(connectors: list[str]) -> KVConnectorBase_V1:
