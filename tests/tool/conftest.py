@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the processes the tests start the signal dispositions of a terminal.
+
+    An ignored signal stays ignored across exec: under ``nohup`` (SIGHUP) or as a
+    background job of a shell without job control (SIGINT), every hybridpd the tests
+    start would ignore the very signals the interruption tests send it, and those
+    tests would fail although hybridpd is right to honour an ignored signal.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture

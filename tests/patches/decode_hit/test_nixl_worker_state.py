@@ -1,12 +1,17 @@
 """Which Mamba state NIXL's worker moves on a decode-side local hybrid hit.
 
-Patch: divergent-hybrid-hit-per-request. The series keeps a decode instance's
-local attention hit behind a NIXL load because NIXL brings the prefiller's
-running Mamba state to the resume point; the scheduler-level checker trusts
-that by connector class. This file checks the state itself, at NIXL's worker:
-it is about what stock NIXL already does (the series relies on it and does not
+Patches: divergent-hybrid-hit-per-request and nixl-mamba-prefix-cache-read.
+The series keeps a decode instance's local attention hit behind a NIXL load
+because NIXL brings the prefiller's running Mamba state to the resume point.
+This file checks the state itself, at NIXL's worker. On v0.32.0/v0.33.0 it is
+about what stock NIXL already does (the series relies on it and does not
 change NIXL's worker), so it passes on stock and on the series alike; it goes
-red if NIXL's pairing of remote and local blocks ever moves.
+red if NIXL's pairing of remote and local blocks ever moves. On v0.20.2 the
+worker asserted on the Mamba descriptor counts (the prefiller's list holds
+null placeholders ahead of its running state, the decode side's only real
+blocks), with or without a local hit: nixl-mamba-prefix-cache-read pairs the
+tail: the cold-decode test below is its red->green proof, and the
+local-hit test (needing both patches there) passes on the series.
 
 Scenario, all on real vLLM objects except the NIXL agent:
 - a prefill instance P (real Scheduler + NixlConnector, no local hit) computes
@@ -59,6 +64,7 @@ from ..builders import (
 )
 
 PER_REQUEST = "divergent-hybrid-hit-per-request"
+NIXL_READ = "nixl-mamba-prefix-cache-read"
 PREFIX = prompt(4 * BLOCK_SIZE, seed=1)
 NEW_VLLM = Version(vllm.__version__) >= Version("0.28")
 ATTN, MAMBA = 0, 1  # hybrid_kv_cache_config: group 0 attention, 1.. Mamba
@@ -126,15 +132,17 @@ def _prefill_instance(prompt_ids):
     return params["remote_block_ids"], state_block, computed, p_blocks
 
 
-def _decode_recv(prompt_ids, remote_block_ids):
-    """D: serve a remote-prefill request sharing PREFIX, then admit the new one
-    with P's block ids; return (its recv metadata, D's block table, L, T)."""
+def _decode_recv(prompt_ids, remote_block_ids, warm=True):
+    """D: (when ``warm``) serve a remote-prefill request sharing PREFIX, then
+    admit the new one with P's block ids; return (its recv metadata, D's block
+    table, L, T)."""
     sched = scheduler(vllm_config(**connectors("nixl", "kv_consumer")),
                       hybrid_kv_cache_config())
-    first = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
-                    kv_transfer_params=remote_prefill_params(6))
-    receive_remote_prefill(sched, first)
-    assert first.num_computed_tokens >= first.num_prompt_tokens
+    if warm:
+        first = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
+                        kv_transfer_params=remote_prefill_params(6))
+        receive_remote_prefill(sched, first)
+        assert first.num_computed_tokens >= first.num_prompt_tokens
 
     params = remote_prefill_params(0)
     params["remote_block_ids"] = remote_block_ids
@@ -245,19 +253,48 @@ def _pairs(nixl):
     return pairs
 
 
+def _worker_and_read(kv_cache_config):
+    if NEW_VLLM:
+        return _worker_v033(kv_cache_config), _read_v033
+    return _worker_v020(kv_cache_config), _read_v020
+
+
+@pytest.mark.patch(NIXL_READ)
+@pytest.mark.parametrize("suffix_blocks", [1, 3])
+def test_nixl_worker_reads_prefiller_state_without_local_hit(suffix_blocks):
+    """A remote prefill on a cold decode instance: the prefiller's list holds
+    null placeholders ahead of its running state, D's list its one state
+    block. The READ must pair P's running state with D's block at the resume
+    point and every attention block position by position."""
+    prompt_ids = PREFIX + prompt(suffix_blocks * BLOCK_SIZE + 5, seed=9)
+    remote_ids, p_state_block, p_computed, p_blocks = _prefill_instance(prompt_ids)
+    meta, d_blocks, local_hit, resume = _decode_recv(
+        prompt_ids, remote_ids, warm=False)
+    assert local_hit == 0
+    resume_block = (resume - 1) // BLOCK_SIZE
+    kv_cache_config = hybrid_kv_cache_config()
+    for g in range(MAMBA, len(kv_cache_config.kv_cache_groups)):
+        assert len(meta.local_block_ids[g]) == 1, meta.local_block_ids[g]
+        if not NEW_VLLM:
+            # The case under test: P hands out null placeholders ahead of its
+            # state (v0.23+ clips them at the exchange).
+            assert len(remote_ids[g]) > 1, remote_ids[g]
+
+    w, read = _worker_and_read(kv_cache_config)
+    w.nixl_wrapper = nixl = _RecordingNixl()
+    read(w, [list(g) for g in meta.local_block_ids], [list(g) for g in remote_ids])
+    pairs = _pairs(nixl)
+
+    for g in range(MAMBA, len(kv_cache_config.kv_cache_groups)):
+        assert pairs[g] == [(p_blocks[g][(p_computed - 1) // BLOCK_SIZE],
+                             d_blocks[g][resume_block])], (g, pairs[g])
+    assert pairs[MAMBA][0][0] == p_state_block
+    num_blocks = -(-resume // BLOCK_SIZE)
+    assert pairs[ATTN] == [(p_blocks[ATTN][i], d_blocks[ATTN][i])
+                           for i in range(num_blocks)]
+
+
 @pytest.mark.patch(PER_REQUEST)
-@pytest.mark.xfail(
-    not NEW_VLLM,
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "v0.20.2's NIXL worker cannot serve this read: the prefiller hands out its "
-        "whole Mamba block table (null blocks up to the state) while the decode side "
-        "asks for its one state block, and the worker trims attention only, so "
-        "_read_blocks asserts on the descriptor counts (nixl worker.py:2100) before "
-        "posting a READ. Found by this test; open."
-    ),
-)
 @pytest.mark.parametrize("suffix_blocks", [2, 3])
 def test_nixl_worker_reads_prefiller_state_into_resume_block(suffix_blocks):
     prompt_ids = PREFIX + prompt(suffix_blocks * BLOCK_SIZE + 5, seed=7)
@@ -269,12 +306,7 @@ def test_nixl_worker_reads_prefiller_state_into_resume_block(suffix_blocks):
     resume_block = (resume - 1) // BLOCK_SIZE
 
     kv_cache_config = hybrid_kv_cache_config()
-    if NEW_VLLM:
-        w = _worker_v033(kv_cache_config)
-        read = _read_v033
-    else:
-        w = _worker_v020(kv_cache_config)
-        read = _read_v020
+    w, read = _worker_and_read(kv_cache_config)
     w.nixl_wrapper = nixl = _RecordingNixl()
     local_ids = [list(g) for g in meta.local_block_ids]
     for g in range(MAMBA, len(kv_cache_config.kv_cache_groups)):
