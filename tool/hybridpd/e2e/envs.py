@@ -10,7 +10,8 @@ as such).
 The checkout is :func:`hybridpd.releasetree.prepare` (a kept one goes back to the tag
 first); the venv is :func:`hybridpd.install.environment`, as ``hybridpd install`` makes
 it (the build, then NixlConnector's NIXL, which here must install). The e2e adds
-``matplotlib`` for the report's plot (drawn by the venv's Python).
+``matplotlib`` for the report's plot (drawn by the venv's Python) and the import hook of
+:mod:`hybridpd.e2e.qwen35` (vLLM's Qwen3.5 module without torchvision).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log
 from hybridpd.series import Pin, Series
 
+from . import qwen35
 from .servers import E2EError
 
 
@@ -160,6 +162,7 @@ def _prepare_locked(
     py = venv / "bin" / "python"
     if py.exists() and (cache.Marker(marker).read() or {}).get("want") == want:
         log(f"[{build}] reusing {venv}")
+        qwen35.install(py)
         return Env(build, py, venv, src, head, True, timings)
 
     t1 = time.monotonic()
@@ -178,6 +181,8 @@ def _prepare_locked(
                     capture=False).ok:
         raise E2EError(f"pip could not install matplotlib into {made.build.python}")
     timings["extras"] = round(max(0.0, time.monotonic() - t1 - timings["build"]), 1)
+    # vLLM's Qwen3.5 module imports without torchvision in this venv's processes.
+    qwen35.install(made.build.python)
     cache.Marker(marker).write({"want": want, "timings_s": timings})
     return Env(build, made.build.python, venv, src, head, True, timings)
 
