@@ -72,6 +72,8 @@ def made(monkeypatch: pytest.MonkeyPatch) -> _Calls:
     calls = _Calls()
     monkeypatch.setattr(install, "environment", environment)
     monkeypatch.setattr(proc, "run", run)
+    # the import hook (tested in test_e2e_qwen35.py) is written into every e2e venv
+    monkeypatch.setattr(envs.qwen35, "install", lambda py: calls.append(("qwen35", py)))
     monkeypatch.setattr(envs.pdextras, "requirement", lambda src, name: f"{name}==1.0")
     return calls
 
@@ -94,6 +96,7 @@ def test_e2e_environments_are_made_by_install_and_reused_by_their_marker(
     assert made == [
         ("environment", "1.0", root / "src", root / "venv", "cpu", True),
         ("pip", "pip", "install", "-q", "matplotlib"),
+        ("qwen35", root / "venv" / "bin" / "python"),
     ]
     marker = cache.Marker(root / MARKER).read()
     assert marker["want"]["head"] == env.head == gitops.head(root / "src")
@@ -104,7 +107,8 @@ def test_e2e_environments_are_made_by_install_and_reused_by_their_marker(
     (root / MARKER).write_text(json.dumps({"want": marker["want"], "timings_s": {}}, indent=2))
     made.clear()
     assert prepare(series, "1.0", "patched", "cpu", print, root=root).python == env.python
-    assert made == []
+    assert made == [("qwen35", env.python)]  # a venv built before the hook gets it too
+    made.clear()
     prepare(series, "1.0", "patched", "cpu", print, torch="torch==9", root=root)
     assert made[0][0] == "environment"
 
