@@ -97,3 +97,52 @@ def test_huggingface_hub_resolves_offline(tmp_path: Path) -> None:
     assert out["facebook/opt-125m"] == ["opt", True]
     assert out["Qwen/Qwen3-Next-80B-A3B-Instruct"] == ["qwen3_next", True]
     assert out["auto"] == 28
+
+
+QWEN35 = {"moe": "Qwen/Qwen3.5-35B-A3B", "dense": "Qwen/Qwen3.5-27B"}
+
+
+def _text_config(model: str) -> dict:
+    return json.loads(hfsnap.model_files(model)["config.json"])["text_config"]
+
+
+@pytest.mark.parametrize("model", sorted(QWEN35.values()))
+def test_qwen35_snapshots_are_hybrid_and_marked_reconstructed(model: str) -> None:
+    text = _text_config(model)
+    kinds = text["layer_types"]
+    assert len(kinds) == text["num_hidden_layers"]
+    assert kinds == (["linear_attention"] * 3 + ["full_attention"]) * (len(kinds) // 4)
+    assert text["mamba_ssm_dtype"] == "float32"
+    note = (hfsnap.DATA_DIR / "QWEN35-RECONSTRUCTED.md").read_text()
+    assert hfsnap.model_dir_name(model) in note
+
+
+def test_the_bench_model_is_the_moe_snapshot() -> None:
+    """hybridpd bench's default shape and the shipped 35B-A3B config agree on every
+    field the bench reads (one reading of the published model, not two)."""
+    from hybridpd.bench.deployment import QWEN35_35B_A3B
+
+    text = _text_config(QWEN35["moe"])
+    shared = {k: v for k, v in QWEN35_35B_A3B.items() if k not in ("torch_dtype",)}
+    assert {k: text.get(k) for k in shared} == shared
+    assert text["dtype"] == QWEN35_35B_A3B["torch_dtype"]
+
+
+def test_the_tiny_e2e_model_is_the_dense_snapshot_shrunk() -> None:
+    """The tiny model keeps the real layer pattern and the per-layer structure that
+    decides its KV cache groups; only counts and widths shrink."""
+    from hybridpd.e2e.tinymodel import SPEC
+
+    real = _text_config(QWEN35["dense"])
+    period = real["layer_types"][:4]
+    assert SPEC["layer_types"] == period
+    assert SPEC["full_attention_interval"] == real["full_attention_interval"]
+    assert SPEC["num_hidden_layers"] == len(period)
+    for key in ("linear_conv_kernel_dim", "hidden_act", "tie_word_embeddings"):
+        assert SPEC[key] == real[key], key
+    assert SPEC["partial_rotary_factor"] == real["rope_parameters"]["partial_rotary_factor"]
+    for key in ("hidden_size", "num_attention_heads", "head_dim", "linear_num_key_heads",
+                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
+        assert 0 < SPEC[key] <= real[key], key
+    # Gated-DeltaNet: value heads a multiple of key heads, as in the real model.
+    assert SPEC["linear_num_value_heads"] % SPEC["linear_num_key_heads"] == 0
