@@ -533,13 +533,19 @@ class CorrectnessOptions:
     block_size: int = 128
     prefix_blocks: int = 4  # the shared prefix: whole blocks, so a hit can end on it
     max_tokens: int = 16
-    # Requests in flight at once on the small decode pool (16 blocks of 128). Once the
-    # shared 4-block prefix is a decode-side hit, each request still needs 2 attention
-    # blocks of its own (suffix + 64 output tokens) besides its Mamba blocks: 10 need at
-    # least 4 + 20, so D must preempt however the arrivals interleave. Six needed only
-    # 4 + 12 with full sharing, and a CI run saw no preemption.
+    # Requests in flight at once on the small decode pool (16 blocks, shared by the
+    # attention and the Mamba groups; vLLM raises the tiny model's block
+    # size from 128 to 256 so that an attention page holds a Mamba state). D admits a
+    # request only when its prompt's blocks fit, so only running requests that grow
+    # exhaust the pool: each concurrent prompt is the shared prefix + 216..225 tokens,
+    # 31..40 tokens short of 768 (a multiple of 128 and 256), so every one crosses a
+    # block boundary within its 64 output tokens and then needs a new block in every
+    # group at once (align mode keeps the Mamba state at the boundary). Suffixes of
+    # 64..73 tokens never crossed a boundary of 256, and a CI run saw no preemption
+    # (measured with 216: 8 preemptions in 10 requests).
     concurrent: int = 10
     concurrent_max_tokens: int = 64
+    concurrent_suffix: int = 216
     seed: int = 0
 
 
@@ -650,7 +656,8 @@ def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
     ]
     cases = [{**c, "group": 0} for c in cases]
     cases += [
-        {"label": f"E{i} concurrent", "via": "pd", "prompt": prefix + tokens(bs // 2 + i),
+        {"label": f"E{i} concurrent", "via": "pd",
+         "prompt": prefix + tokens(opts.concurrent_suffix + i),
          "max_tokens": opts.concurrent_max_tokens, "group": 1}
         for i in range(opts.concurrent)
     ]
