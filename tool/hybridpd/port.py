@@ -41,11 +41,14 @@ Invariants:
   is through: the patch files are exported to a staging directory first, then
   series.toml is edited (validated; on failure nothing is written), then the files
   are moved into place. :func:`abort` never touches them.
+* A file in ``patches/<V2>/`` that neither a record nor a commit of the port names
+  is the user's: a port keeps it, as ``export`` does, and reports it (``kept``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shlex
 import shutil
@@ -134,7 +137,9 @@ class Conflict:
 @dataclass(frozen=True)
 class PortReport:
     """Where a port stands after a call: finished (``written`` lists the files
-    written, relative to the series dir's parent) or stopped on ``conflict``."""
+    written, relative to the series dir's parent) or stopped on ``conflict``.
+    ``kept``: patch files in TO's directory that neither a record nor a commit
+    names (the user's own), left where they were."""
 
     from_version: str
     to_version: str
@@ -142,6 +147,7 @@ class PortReport:
     patches: tuple[PatchResult, ...]
     written: tuple[str, ...] = ()
     conflict: Conflict | None = None
+    kept: tuple[str, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -157,6 +163,8 @@ class PortReport:
         }
         if self.conflict is not None:
             data["conflict"] = self.conflict.to_json()
+        if self.kept:
+            data["kept"] = list(self.kept)
         return data
 
 
@@ -577,9 +585,12 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
         guard.fault("port:series-written")
         patch_dir = series.patch_dir(v2)
         patch_dir.mkdir(parents=True, exist_ok=True)
-        for stale in patch_dir.glob("*.patch"):
-            if stale.stem not in carried:
-                stale.unlink()
+        stale = sorted(p for p in patch_dir.glob("*.patch") if p.stem not in carried)
+        # A file that neither a record nor a commit names is the user's: kept.
+        kept = [p for p in stale if series.patch(p.stem) is None]
+        for path in stale:
+            if path not in kept:
+                path.unlink()
         written = []
         for patch_id in carried:
             target = series.patch_path(v2, patch_id)
@@ -587,7 +598,8 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
             written.append(series.relative(target))
     _drop_base(dest)
     PortState.path(dest).unlink()
-    return _report(state, dest, written=(*written, series.relative(series.path)))
+    report = _report(state, dest, written=(*written, series.relative(series.path)))
+    return dataclasses.replace(report, kept=tuple(series.relative(p) for p in kept))
 
 
 # Helpers ----------------------------------------------------------------------

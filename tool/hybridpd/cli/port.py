@@ -65,6 +65,11 @@ def port(
         jsonout.emit(data)
     else:
         _echo_report(report, steps)
+        if report.kept:
+            log(
+                f"kept {', '.join(report.kept)}: no record in series.toml and no commit "
+                "in the port"
+            )
     if report.conflict is not None:
         ctx.exit(1)
 
