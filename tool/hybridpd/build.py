@@ -32,6 +32,7 @@ from typing import Mapping, Sequence
 
 
 from . import gitops, kernels
+from .apply import TRAILER
 from .errors import HybridpdError
 from . import proc as proc_mod
 from .cache import cache_dir
@@ -530,6 +531,38 @@ def make_cpu_plugin_wheel(dest: Path) -> Path:
     return path
 
 
+def overlay_manifest(
+    checkout: Path,
+    distribution: str,
+    version: str,
+    variant: str,
+    stock_ref: str,
+    stock_commit: str,
+    head: str,
+    wheel: Path,
+    wheel_sha256: str,
+    torch: str,
+    dropped: Sequence[str],
+) -> dict:
+    """What build records in ``hybridpd-overlay.json`` beside the files it wrote: the
+    release, the checkout and its head, the ids of its patch commits (their
+    ``Hybridpd-Patch`` trailers, oldest first), the wheel and what was installed with
+    it. ``status --installed`` and ``apply --installed`` read it (see
+    :mod:`hybridpd.installed`)."""
+    patches = [
+        ids[0]
+        for commit in gitops.commits(checkout, f"{stock_ref}..{head}")
+        if len(ids := commit.trailer_values(TRAILER)) == 1
+    ]
+    return {
+        "tool": "hybridpd", "distribution": distribution, "version": version,
+        "variant": variant, "stock_ref": stock_ref, "stock_commit": stock_commit,
+        "head": head, "patches": patches, "checkout": str(checkout),
+        "wheel": {"file": wheel.name, "sha256": wheel_sha256},
+        "torch": torch, "dropped": list(dropped),
+    }
+
+
 _PLATFORM_SCRIPT = "from vllm.platforms import current_platform as p; print(p.device_type)"
 
 
@@ -572,13 +605,10 @@ def build(
         torch_req, dropped = b.install_requirements(py, wheel_path, torch, overrides)
         b.lap("install")
         log(f"overlaying {len(changes)} patched files from {head[:12]}")
-        overlay = wo.apply_overlay(site, dist_info, zf, changes, {
-            "tool": "hybridpd", "distribution": b.distribution, "version": version,
-            "variant": variant, "stock_ref": stock_ref, "stock_commit": stock_commit,
-            "head": head, "checkout": str(b.checkout),
-            "wheel": {"file": wheel_path.name, "sha256": b.wheel_sha},
-            "torch": torch_req, "dropped": dropped,
-        })
+        overlay = wo.apply_overlay(site, dist_info, zf, changes, overlay_manifest(
+            b.checkout, b.distribution, version, variant, stock_ref, stock_commit, head,
+            wheel_path, b.wheel_sha, torch_req, dropped,
+        ))
         bad = wo.check_record(site, dist_info, [c.path for c in changes if c.data is not None])
         if bad:
             raise BuildError(f"RECORD disagrees with the overlaid files: {', '.join(bad)}")
