@@ -304,6 +304,28 @@ def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path
     assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0
 
 
+@pytest.mark.parametrize(
+    "args", [["--abort"], ["--abort", "--json"], ["--continue", "--json"]], ids=" ".join
+)
+def test_every_port_call_that_recovers_a_killed_replay_says_so(
+    port_series, tmp_path: Path, args
+) -> None:
+    import json
+
+    dest = tmp_path / "port"
+    killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      fault="port:replayed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    result = hybridpd(port_series, "port", *args, "--dir", str(dest))
+    assert result.returncode == 0, result.stdout + result.stderr
+    recovered = [line for line in result.stderr.splitlines() if "recovered from" in line]
+    assert len(recovered) == 1, result.stderr
+    assert "an interrupted `hybridpd port`" in recovered[0]
+    if "--json" in args:
+        assert json.loads(result.stdout)["recovered"] == recovered[0]
+    assert not (guard.git_dir(dest) / guard.JOURNAL).exists()
+
+
 # ----------------------------------------------------- recovery proves it may act
 
 USER = ["-c", "user.name=U", "-c", "user.email=u@example.com"]

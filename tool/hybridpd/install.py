@@ -158,6 +158,8 @@ def install(
         log(f"checking out {pin.version} into {dest}")
         checkout(series, pin.version, dest, source=source)
     applied = apply(series, dest)
+    if applied.recovered:  # a killed apply (or export) on the checkout, undone first
+        log(applied.recovered)
     log(f"series: {len(applied.applied)} applied, {len(applied.already)} already applied")
     return dataclasses.replace(
         environment(pin, dest, venv, variant=variant, torch=torch, log=log), applied=applied

@@ -139,7 +139,8 @@ class PortReport:
     """Where a port stands after a call: finished (``written`` lists the files
     written, relative to the series dir's parent) or stopped on ``conflict``.
     ``kept``: patch files in TO's directory that neither a record nor a commit
-    names (the user's own), left where they were."""
+    names (the user's own), left where they were. ``recovered``: the line saying
+    this call first undid a killed replay (see :func:`hybridpd.guard.recover`)."""
 
     from_version: str
     to_version: str
@@ -148,6 +149,7 @@ class PortReport:
     written: tuple[str, ...] = ()
     conflict: Conflict | None = None
     kept: tuple[str, ...] = ()
+    recovered: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -165,6 +167,8 @@ class PortReport:
             data["conflict"] = self.conflict.to_json()
         if self.kept:
             data["kept"] = list(self.kept)
+        if self.recovered:
+            data["recovered"] = self.recovered
         return data
 
 
@@ -308,7 +312,8 @@ def resume(
                 # session, so the patch is replayed again (and stops again).
                 state.current = state.before = None
                 state.save(dest)
-        return _resume_locked(series, dest, state, action, upstream, log)
+        report = _resume_locked(series, dest, state, action, upstream, log)
+    return dataclasses.replace(report, recovered=recovered)
 
 
 def _resume_locked(
@@ -415,32 +420,40 @@ def next_steps(report: PortReport, series_option: Path | None = None) -> list[st
 
 @dataclass(frozen=True)
 class Aborted:
-    """What ``port --abort`` left: ``repo`` back at ``to_version``'s release commit."""
+    """What ``port --abort`` left: ``repo`` back at ``to_version``'s release commit.
+    ``recovered``: the line saying it first undid a killed replay."""
 
     repo: Path
     to_version: str
     stock: str
+    recovered: str | None = None
 
     def to_json(self) -> dict:
-        return {"to": self.to_version, "dir": str(self.repo), "stock": self.stock}
+        data = {"to": self.to_version, "dir": str(self.repo), "stock": self.stock}
+        if self.recovered:
+            data["recovered"] = self.recovered
+        return data
 
 
-def abort(dest: Path) -> Aborted:
+def abort(dest: Path, log: Log = quiet) -> Aborted:
     """Stop the port in ``dest`` and put it back at V2 stock.
 
     Aborts ``git am``, resets branch, index and work tree to the V2 release commit,
     removes untracked files (not ignored ones), the V1 commit's ref and the state
-    file. series.toml and the patch files are never touched.
+    file. series.toml and the patch files are never touched. A killed replay is
+    recovered first (and ``log`` says so), or refused with one line.
     """
     dest = dest.absolute()
     state = PortState.load(dest)
-    with guard.operation(dest, "port --abort"):
+    with guard.operation(dest, "port --abort") as recovered:
+        if recovered:
+            log(recovered)
         gitops.am_abort(dest)
         gitops.reset_hard(dest, state.stock)
         gitops.clean(dest)
         _drop_base(dest)
         PortState.path(dest).unlink()
-    return Aborted(dest, state.to_version, state.stock)
+    return Aborted(dest, state.to_version, state.stock, recovered)
 
 
 # The replay -------------------------------------------------------------------
