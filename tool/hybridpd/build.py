@@ -14,6 +14,10 @@ overlay*, which needs no build toolchain and pins the exact release:
    keeping ``RECORD`` consistent, and record the overlay in ``hybridpd-overlay.json``;
 5. prove, in the venv, that the modules Python imports are the patched files.
 
+The checkout is read once, first, under its lock (:func:`hybridpd.guard.operation`),
+so a killed ``apply`` on it is recovered (or refused with one line) before anything is
+installed, never built half-applied.
+
 Everything that talks to pip runs the venv's own interpreter, so pip's configuration
 (index, find-links, constraints) applies unchanged.
 """
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 
-from . import gitops, kernels
+from . import gitops, guard, kernels
 from .apply import TRAILER
 from .errors import HybridpdError
 from . import proc as proc_mod
@@ -659,10 +663,21 @@ class _Build:
         self.log(f"warning: {msg}")
 
     def patched_tree(self) -> tuple[str, str, list[wo.Change]]:
-        """The checkout's stock commit, HEAD, and the files the patch commits change."""
+        """The checkout's stock commit, HEAD, and the files the patch commits change.
+
+        Read under the checkout's lock, once a killed apply (or port replay) on it is
+        recovered (said in one line), or refused with one line that says what to do
+        (:func:`hybridpd.guard.operation`): never a half-applied series."""
         checkout = self.checkout
         if not checkout.is_dir() or not gitops.is_repo(checkout):
             raise BuildError(f"{checkout} is not a git checkout")
+        with guard.operation(checkout, "build") as recovered:
+            if recovered:
+                self.log(recovered)
+            return self._read_tree()
+
+    def _read_tree(self) -> tuple[str, str, list[wo.Change]]:
+        checkout = self.checkout
         stock_commit = gitops.resolve(checkout, self.stock_ref)
         head = gitops.resolve(checkout, "HEAD")
         if stock_commit is None or head is None:
