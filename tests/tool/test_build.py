@@ -13,6 +13,7 @@ import git
 import pytest
 
 from hybridpd import build as b
+from builders import make_wheel
 from hybridpd import wheel_overlay as wo
 
 STOCK = {
@@ -57,18 +58,6 @@ def checkout(tmp_path) -> git.Repo:
         "patch",
     )
     return repo
-
-
-def make_wheel(path: Path, files: dict[str, bytes], name="pkg", version="1.0") -> Path:
-    dist_info = f"{name}-{version}.dist-info"
-    files = dict(files)
-    files[f"{dist_info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-    rows = [[p, wo.record_hash(d), str(len(d))] for p, d in files.items()]
-    files[f"{dist_info}/RECORD"] = wo.write_record(rows + [[f"{dist_info}/RECORD", "", ""]]).encode()
-    with zipfile.ZipFile(path, "w") as zf:
-        for p, d in files.items():
-            zf.writestr(p, d)
-    return path
 
 
 def test_stock_blobs_reads_the_tagged_tree(checkout):
