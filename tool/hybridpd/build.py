@@ -602,10 +602,12 @@ def build(
     py = ensure_venv(b.venv, python, log)
     b.lap("venv")
     wheel_path, verify, report = b.verified_wheel(py, changes)
+    guard.fault("build:downloaded")
     site = Path(_venv_paths(py)["platlib"])
     with zipfile.ZipFile(wheel_path) as zf:
         dist_info = _dist_info(site, zf)
         b.install_wheel(py, site, dist_info, wheel_path)
+        guard.fault("build:installed")
         torch_req, dropped = b.install_requirements(py, wheel_path, torch, overrides)
         b.lap("install")
         log(f"overlaying {len(changes)} patched files from {head[:12]}")
@@ -618,6 +620,7 @@ def build(
             raise BuildError(f"RECORD disagrees with the overlaid files: {', '.join(bad)}")
         linked = link_extensions(b.checkout, site, zf, log) if link_binaries else []
         b.lap("overlay")
+        guard.fault("build:overlaid")
     proof = b.prove(py, site, changes)
     b.timings["total"] = round(time.monotonic() - b.started, 1)
     return BuildResult(

@@ -92,6 +92,7 @@ def _export_locked(series: Series, repo: Path, out_dir: Path | None, prune: bool
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     written, unchanged = [], []
+    guard.fault("export:before-writes")
     for patch_id, content in exported.items():
         path = out_dir / f"{patch_id}.patch"
         guard.remove_temporaries(path)  # what an export killed mid-write left
@@ -105,6 +106,7 @@ def _export_locked(series: Series, repo: Path, out_dir: Path | None, prune: bool
     removed = [i for i in stale if i not in kept]
     for patch_id in removed:
         (out_dir / f"{patch_id}.patch").unlink()
+    guard.fault("export:after-writes")
     unrecorded = [i for i in exported if series.patch(i) is None]
     return ExportResult(
         pin.version,
