@@ -12,10 +12,12 @@ import hashlib
 import io
 import shutil
 import tarfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpd import cache, gitops
+from hybridpd import wheel_overlay as wo
 from hybridpd.apply import TRAILER
 from hybridpd.checkout import checkout
 from hybridpd.export import export
@@ -102,6 +104,23 @@ def make_index(root: Path, releases: list[Release], hashes: bool = True) -> str:
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text(f"<!DOCTYPE html><html><body>\n{chr(10).join(anchors)}\n</body></html>\n")
     return (root / "simple").as_uri()
+
+
+def make_wheel(
+    path: Path, files: dict[str, bytes], name: str = "pkg", version: str = "1.0"
+) -> Path:
+    """A minimal wheel: the files, METADATA and a RECORD with real hashes."""
+    dist_info = f"{name}-{version}.dist-info"
+    files = dict(files)
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    files[f"{dist_info}/METADATA"] = metadata.encode()
+    rows = [[p, wo.record_hash(d), str(len(d))] for p, d in files.items()]
+    rows.append([f"{dist_info}/RECORD", "", ""])
+    files[f"{dist_info}/RECORD"] = wo.write_record(rows).encode()
+    with zipfile.ZipFile(path, "w") as zf:
+        for p, d in files.items():
+            zf.writestr(p, d)
+    return path
 
 
 def seed_cache(release: Release) -> Path:

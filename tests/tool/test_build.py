@@ -13,6 +13,7 @@ import git
 import pytest
 
 from hybridpd import build as b
+from builders import make_wheel
 from hybridpd import wheel_overlay as wo
 
 STOCK = {
@@ -57,18 +58,6 @@ def checkout(tmp_path) -> git.Repo:
         "patch",
     )
     return repo
-
-
-def make_wheel(path: Path, files: dict[str, bytes], name="pkg", version="1.0") -> Path:
-    dist_info = f"{name}-{version}.dist-info"
-    files = dict(files)
-    files[f"{dist_info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-    rows = [[p, wo.record_hash(d), str(len(d))] for p, d in files.items()]
-    files[f"{dist_info}/RECORD"] = wo.write_record(rows + [[f"{dist_info}/RECORD", "", ""]]).encode()
-    with zipfile.ZipFile(path, "w") as zf:
-        for p, d in files.items():
-            zf.writestr(p, d)
-    return path
 
 
 def test_stock_blobs_reads_the_tagged_tree(checkout):
@@ -274,3 +263,55 @@ def test_a_truncated_cached_wheel_is_downloaded_again(tmp_path, monkeypatch):
     assert downloads == ["download"]
     assert zipfile.is_zipfile(wheel) and wheel.read_bytes() == whole.read_bytes()
     assert any("is not a whole wheel" in line and "re-downloading" in line for line in logged)
+
+
+def killed_apply(series, repo: Path) -> None:
+    """Run `hybridpd apply` on ``repo`` and SIGKILL it after its first patch: the
+    checkout holds a half-applied series and the apply's journal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hybridpd import guard
+
+    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    killed = subprocess.run(
+        [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(repo)],
+        env={**os.environ, guard.FAULT_ENV: "apply:patch-2"}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (guard.git_dir(repo) / guard.JOURNAL).is_file()
+
+
+@pytest.mark.usefixtures("isolated")
+def test_build_recovers_a_killed_apply_first_and_says_so(tmp_path, monkeypatch):
+    # The issue's case: build on a checkout whose apply was killed installed the
+    # half-applied HEAD without a word.
+    from builders import standard_project
+    from click.testing import CliRunner
+    from hybridpd import gitops, guard
+    from hybridpd.cli import main
+
+    project, series = standard_project(tmp_path)
+    repo = project.checkout("1.0", "vllm")
+    stock = gitops.head(repo)
+    killed_apply(series, repo)
+    assert gitops.head(repo) != stock
+    read = []
+    patched_tree = b._Build.patched_tree
+
+    def read_then_stop(self):
+        read.append(patched_tree(self)[1])
+        raise b.BuildError("stopped by the test once the checkout is read")
+
+    monkeypatch.setattr(b._Build, "patched_tree", read_then_stop)
+    result = CliRunner().invoke(main, ["--series", str(series.path), "build", "--dir", str(repo),
+                                       "--venv", str(tmp_path / "venv"), "--variant", "cpu"])
+    assert result.exit_code == 1, result.output
+    recovered, error = result.stderr.strip().splitlines()
+    assert "recovered from an interrupted `hybridpd apply`" in recovered
+    assert error == "Error: stopped by the test once the checkout is read"
+    assert read == [stock] and gitops.head(repo) == stock
+    assert not (guard.git_dir(repo) / guard.JOURNAL).exists()

@@ -141,3 +141,18 @@ def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(project: Project) 
     result = subprocess.run([sys.executable, "-c", code, "--series", str(project.series_path),
                              "list"], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0 and "fix-add" in result.stdout
+
+
+def test_ctrl_c_while_the_cli_starts_with_json_prints_the_failure_document(
+    project: Project,
+) -> None:
+    # --json runs always print one JSON document on stdout: the one the CLI prints for
+    # any failure ({"ok": false, "error": ...}), also before the CLI is imported.
+    code = "import sys; from hybridpd.launch import main; sys.exit(main())"
+    env = {**os.environ, "HYBRIDPD_FAULT": "startup:INT"}
+    result = subprocess.run([sys.executable, "-c", code, "--series", str(project.series_path),
+                             "list", "--json"], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert (result.returncode, result.stderr) == (130, "Error: interrupted\n")
+    assert result.stdout.count("\n") == 1
+    assert json.loads(result.stdout) == {"ok": False, "error": "interrupted"}

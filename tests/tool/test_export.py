@@ -175,3 +175,44 @@ def test_check_skips_pins_without_carried_patches(tmp_path: Path) -> None:
         raise AssertionError("nothing to verify, so nothing to check out")
 
     assert check(series, fresh_checkout=no_checkout) == []
+
+
+def test_a_write_cut_short_never_leaves_a_half_written_patch_file(tmp_path: Path) -> None:
+    # A file size limit makes the write of feature.patch fail halfway (EFBIG), as a
+    # kill or a full disk would cut it: the file holds its old bytes or its new ones.
+    import resource
+    import subprocess
+    import sys
+
+    project, series = standard_project(tmp_path)
+    repo = project.checkout("1.0")
+    apply(series, repo)
+    target = series.patch_path(series.pin("1.0"), "feature")
+    new = target.read_bytes()
+    target.write_bytes(b"an older export\n")
+    limit = len(new) // 2
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--series", str(series.path), "export", "--dir", str(repo)],
+        capture_output=True, text=True, preexec_fn=small_files, timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("Error: local file system: ") and "File too large" in line
+    assert target.read_bytes() == b"an older export\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["feature.patch", "fix-add.patch"]
+    # A writer killed mid-write leaves its temporary file: the next export removes it
+    # (never one of a writer still running), then writes the file whole.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = target.with_name(f".feature.patch.{dead}.hybridpd-tmp")
+    left.write_bytes(new[:limit])
+    live = target.with_name(".feature.patch.1.hybridpd-tmp")  # pid 1 runs
+    live.write_bytes(b"a live writer's\n")
+    assert export(series, repo).written == ("feature",)
+    assert target.read_bytes() == new
+    assert not left.exists() and live.exists()

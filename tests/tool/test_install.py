@@ -224,3 +224,28 @@ def test_an_environment_that_requires_nixl_raises_its_failure(
             require_nixl=True, log=said.append,
         )
     assert not any(line.startswith("warning:") for line in said)
+
+
+def test_install_says_it_recovered_a_killed_apply(tmp_path: Path, built) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hybridpd import guard
+
+    project, series = standard_project(tmp_path)
+    dest = project.checkout("1.0", "vllm")
+    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    killed = subprocess.run(
+        [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(dest)],
+        env={**os.environ, guard.FAULT_ENV: "apply:patch-2"}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    said: list[str] = []
+    result = install_mod.install(series, "1.0", dest, tmp_path / "venv", variant="cpu",
+                                 log=said.append)
+    recovered = [line for line in said if "recovered from an interrupted" in line]
+    assert len(recovered) == 1 and "`hybridpd apply`" in recovered[0], said
+    assert result.applied.applied == ("fix-add", "feature")

@@ -381,3 +381,91 @@ def test_a_symlinked_file_is_refused_and_nothing_changes(tmp_path: Path) -> None
     with pytest.raises(installed.InstalledError, match=r"core.py is a symbolic link"):
         installed.apply(series, py)
     assert snapshot(py) == before
+
+
+def build_made_env(tmp_path: Path, project, series) -> tuple[Path, Path, str]:
+    """A venv as `hybridpd build` (and so `hybridpd install`) leaves it: the release
+    installed from its wheel, the checkout's patched files written over it by
+    :func:`wheel_overlay.apply_overlay` with build's manifest (``hybridpd-overlay.json``).
+    Returns its Python, the checkout and the checkout's head."""
+    import zipfile
+
+    from hybridpd import build as build_mod
+    from hybridpd import gitops
+    from hybridpd.apply import apply
+
+    py = make_env(tmp_path / "venv")
+    target = installed.locate(py, "proj")
+    repo = project.checkout("1.0", "built")
+    apply(series, repo)
+    head = gitops.head(repo)
+    wheel = tmp_path / "proj-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path in sorted(target.site.rglob("*")):
+            rel = path.relative_to(target.site).as_posix()
+            if path.is_file() and rel.startswith(("proj/", target.dist_info.name + "/")) \
+                    and "__pycache__" not in rel:
+                zf.writestr(rel, path.read_bytes())
+    changes = build_mod.patch_changes(repo, "v1.0", head, "proj")
+    with zipfile.ZipFile(wheel) as zf:
+        manifest = build_mod.overlay_manifest(
+            repo, "proj", "1.0", "cpu", "v1.0", gitops.resolve(repo, "v1.0"), head, wheel,
+            "0" * 64, "torch==2.0", [],
+        )
+        wo.apply_overlay(target.site, target.dist_info, zf, changes, manifest)
+    return py, repo, head
+
+
+def test_status_names_a_venv_that_hybridpd_build_patched(tmp_path: Path) -> None:
+    project, series = standard_project(tmp_path)
+    py, repo, head = build_made_env(tmp_path, project, series)
+    data = json.loads(hybridpd(series, "status", "--installed", "--python", str(py),
+                               "--json").stdout)
+    assert (data["applied"], data["patched_by"], data["pin"], data["head"], data["patches"]) == (
+        True, "build", "1.0", head, ["fix-add", "feature"]
+    )
+    assert (data["files"], data["changed_since"], data["interrupted"]) == (
+        ["proj/core.py", "proj/feature.py"], [], False
+    )
+    text = hybridpd(series, "status", "--installed", "--python", str(py))
+    assert text.returncode == 0, text.stderr
+    assert "not patched by hybridpd" not in text.stdout
+    assert (
+        f"  patched by `hybridpd build` from {repo}: series of 1.0 at {head[:12]}: "
+        f"{len(data['files'])} file(s)"
+    ) in text.stdout.splitlines(), text.stdout
+    assert "  applied   feature" in text.stdout.splitlines()
+
+
+def test_apply_installed_on_a_venv_build_made_with_the_same_series_is_already_applied(
+    tmp_path: Path,
+) -> None:
+    project, series = standard_project(tmp_path)
+    py, _, head = build_made_env(tmp_path, project, series)
+    before = snapshot(py)
+    result = hybridpd(series, "apply", "--installed", "--python", str(py), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["action"], data["patches"]) == ("already", ["fix-add", "feature"])
+    assert snapshot(py) == before
+
+
+def test_apply_installed_on_a_venv_build_made_with_another_series_is_one_line(
+    tmp_path: Path,
+) -> None:
+    project, series = standard_project(tmp_path)
+    py, repo, head = build_made_env(tmp_path, project, series)
+    before = snapshot(py)
+    project.records[1]["states"]["1.0"] = "dropped"  # `feature` dropped since the build
+    series = project.write()
+    for args in (["apply"], ["apply", "--revert"]):
+        result = hybridpd(series, *args, "--installed", "--python", str(py))
+        assert result.returncode == 1, (args, result.stderr)
+        (line,) = [x for x in result.stderr.splitlines() if x.startswith("Error: ")]
+        assert result.stderr.strip().splitlines()[-1] == line
+        assert line.startswith(
+            f"Error: proj 1.0 in {site_of(py)} was patched by `hybridpd build` (or "
+            f"`hybridpd install`) from {repo} at {head[:12]}"
+        ), line
+        assert f"hybridpd build --dir {repo} --venv {tmp_path / 'venv'}" in line, line
+        assert snapshot(py) == before

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import standins
 from builders import Project, port_project, standard_project
 from hybridpd import gitops, guard
 from hybridpd.series import Series
@@ -29,6 +30,7 @@ def hybridpd(
     fault: str | None = None,
     tmp: Path | None = None,
     path: Path | None = None,
+    code: str = "import sys; from hybridpd.cli import main; sys.exit(main())",
 ):
     env = dict(os.environ)
     env.pop(guard.FAULT_ENV, None)
@@ -42,7 +44,6 @@ def hybridpd(
     env["TMPDIR"] = str(tmp)
     if path:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
     return subprocess.run(
         [sys.executable, "-c", code, "--series", str(series.path), *args],
         capture_output=True,
@@ -304,6 +305,28 @@ def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path
     assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0
 
 
+@pytest.mark.parametrize(
+    "args", [["--abort"], ["--abort", "--json"], ["--continue", "--json"]], ids=" ".join
+)
+def test_every_port_call_that_recovers_a_killed_replay_says_so(
+    port_series, tmp_path: Path, args
+) -> None:
+    import json
+
+    dest = tmp_path / "port"
+    killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
+                      fault="port:replayed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    result = hybridpd(port_series, "port", *args, "--dir", str(dest))
+    assert result.returncode == 0, result.stdout + result.stderr
+    recovered = [line for line in result.stderr.splitlines() if "recovered from" in line]
+    assert len(recovered) == 1, result.stderr
+    assert "an interrupted `hybridpd port`" in recovered[0]
+    if "--json" in args:
+        assert json.loads(result.stdout)["recovered"] == recovered[0]
+    assert not (guard.git_dir(dest) / guard.JOURNAL).exists()
+
+
 # ----------------------------------------------------- recovery proves it may act
 
 USER = ["-c", "user.name=U", "-c", "user.email=u@example.com"]
@@ -457,25 +480,70 @@ USER_CHANGES = {
 }
 
 
-@pytest.mark.parametrize("point", ["apply:patch-1", "apply:done"])
-@pytest.mark.parametrize("change", list(USER_CHANGES))
-def test_sweep_a_killed_apply_then_user_work_then_any_command(project, point, change) -> None:
-    """Kill, change something as a user would, run the commands: no user byte is lost,
-    and each command finishes or says in one line what to do."""
-    proj, series, _ = project
+#: Per state-writing command: the named points it is killed at, and the commands
+#: run after the kill and the user's change ("any command": the same one, others).
+SWEEP = {
+    "apply": (["apply:patch-1", "apply:done"], ["status", "export", "apply", "apply"]),
+    "export": (["export:before-writes", "export:after-writes"], ["export", "apply", "status"]),
+    "build": (["build:downloaded", "build:installed", "build:overlaid"], ["build", "status"]),
+    "install": (["install:checked-out", "install:applied"], ["install", "status"]),
+}
+
+
+def _args(command: str, repo: Path, venv: Path) -> list[str]:
+    if command == "build":
+        return ["build", "--dir", str(repo), "--venv", str(venv), "--variant", "cpu"]
+    if command == "install":
+        return ["install", "--pin", "1.0", "--dir", str(repo), "--venv", str(venv),
+                "--variant", "cpu", "--source", "sdist"]
+    return [command, "--dir", str(repo)]
+
+
+def _before(command: str, proj: Project, series: Series, tmp_path: Path) -> tuple[Path, Path]:
+    """The checkout and venv ``command`` is killed on, as a user has them then."""
+    from hybridpd.apply import apply
+
+    venv = tmp_path / "venv"
+    if command in ("build", "install"):
+        standins.release_wheel("1.0")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    if command == "install":
+        return proj.root / "work" / "installed", venv  # install checks it out
     repo = proj.checkout("1.0")
-    killed = hybridpd(series, "apply", "--dir", str(repo), fault=point)
-    assert killed.returncode == -signal.SIGKILL
-    kept = USER_CHANGES[change](repo)
+    if command in ("export", "build"):
+        apply(series, repo)
+    return repo, venv
+
+
+@pytest.mark.parametrize(
+    "command,point",
+    [pytest.param(c, p, id=p) for c, (points, _) in SWEEP.items() for p in points],
+)
+@pytest.mark.parametrize("change", list(USER_CHANGES))
+def test_sweep_a_killed_command_then_user_work_then_any_command(
+    tmp_path: Path, command, point, change
+) -> None:
+    """Kill a state-writing command at a named point, change something as a user would,
+    run the commands: no user byte is lost, and each command finishes or says in one
+    line what to do. build and install run with :mod:`standins` for pip and the vLLM
+    wheel (a real build is not killed here)."""
+    proj, series = standard_project(tmp_path)
+    repo, venv = _before(command, proj, series, tmp_path)
+    wip = series.patch_dir(series.pin("1.0")) / "my-wip.patch"
+    wip.write_bytes(b"the user's patch in progress\n")
+    code = {"code": standins.command()} if command in ("build", "install") else {}
+    killed = hybridpd(series, *_args(command, repo, venv), fault=point, **code)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    kept = {**USER_CHANGES[change](repo), wip: wip.read_bytes()}
     commit = gitops.head(repo) if change == "commit" else None
-    for command in ("status", "export", "apply", "apply"):
-        result = hybridpd(series, command, "--dir", str(repo))
+    for then in SWEEP[command][1]:
+        result = hybridpd(series, *_args(then, repo, venv), **code)
         assert "Traceback" not in result.stderr
         errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
         assert result.returncode == 0 or (result.returncode == 1 and len(errors) == 1), (
-            command, result.stderr)
+            then, result.stderr)
         for path, data in kept.items():
-            assert (repo / path).read_bytes() == data, (command, path)
+            assert (repo / path).read_bytes() == data, (then, path)
         if commit:
             assert gitops.run(repo, "merge-base", "--is-ancestor", commit, "HEAD").ok
 

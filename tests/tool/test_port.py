@@ -154,6 +154,36 @@ def test_recorded_upstream_on_an_already_ported_pin(tmp_path: Path) -> None:
     assert "total = a + b" not in (tmp_path / "port" / "proj" / "core.py").read_text()
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_file_the_series_does_not_know_is_kept_and_reported(
+    tmp_path: Path, as_json: bool
+) -> None:
+    # A forward port onto a pin that is already ported: fix-add is dropped there, so
+    # its file goes; the user's my-wip.patch has no record and no commit: it stays.
+    project, _ = port_project(tmp_path)
+    project.unported.clear()
+    project.records[0]["states"]["2.0"] = "dropped"
+    project.records[1]["states"]["2.0"] = "carried"
+    series = project.write()
+    pin2 = series.patch_dir(series.pin("2.0"))
+    pin2.mkdir(parents=True, exist_ok=True)
+    (pin2 / "fix-add.patch").write_text("an old file of a record now dropped on 2.0\n")
+    wip = pin2 / "my-wip.patch"
+    wip.write_bytes(b"the user's work in progress\n")
+    args = ["--from", "1.0", "--to", "2.0", "--dir", str(tmp_path / "port")]
+    result = cli(series, *args, *(["--json"] if as_json else []))
+    assert result.exit_code == 0, result.output
+    assert wip.read_bytes() == b"the user's work in progress\n"
+    assert not (pin2 / "fix-add.patch").exists()
+    if as_json:
+        assert json.loads(result.stdout)["kept"] == ["patches/2.0/my-wip.patch"]
+        return
+    kept = [line for line in result.output.splitlines() if "my-wip" in line]
+    assert kept == [
+        "kept patches/2.0/my-wip.patch: no record in series.toml and no commit in the port"
+    ], result.output
+
+
 def test_release_of_a_detected_upstream_patch_comes_from_another_pin(tmp_path: Path) -> None:
     project, _ = port_project(tmp_path, FIX_ADD)
     project.release("3.0", FIX_ADD)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from builders import make_wheel
 from hybridpd import wheel_overlay as wo
 
 STOCK = {
@@ -16,20 +17,6 @@ STOCK = {
     "pkg/util/helpers.py": b"X = 1\n",
     "pkg/_version.py": b"version = '1.0'\ncommit_id = 'gabc123'\n",
 }
-
-
-def make_wheel(path: Path, files: dict[str, bytes], name: str = "pkg", version: str = "1.0") -> Path:
-    """A minimal wheel: the files, METADATA and a RECORD with real hashes."""
-    dist_info = f"{name}-{version}.dist-info"
-    files = dict(files)
-    files[f"{dist_info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-    rows = [[p, wo.record_hash(d), str(len(d))] for p, d in files.items()]
-    rows.append([f"{dist_info}/RECORD", "", ""])
-    files[f"{dist_info}/RECORD"] = wo.write_record(rows).encode()
-    with zipfile.ZipFile(path, "w") as zf:
-        for p, d in files.items():
-            zf.writestr(p, d)
-    return path
 
 
 def install(wheel: Path, site: Path) -> Path:

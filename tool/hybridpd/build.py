@@ -14,6 +14,10 @@ overlay*, which needs no build toolchain and pins the exact release:
    keeping ``RECORD`` consistent, and record the overlay in ``hybridpd-overlay.json``;
 5. prove, in the venv, that the modules Python imports are the patched files.
 
+The checkout is read once, first, under its lock (:func:`hybridpd.guard.operation`),
+so a killed ``apply`` on it is recovered (or refused with one line) before anything is
+installed, never built half-applied.
+
 Everything that talks to pip runs the venv's own interpreter, so pip's configuration
 (index, find-links, constraints) applies unchanged.
 """
@@ -31,7 +35,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 
-from . import gitops, kernels
+from . import gitops, guard, kernels
+from .apply import TRAILER
 from .errors import HybridpdError
 from . import proc as proc_mod
 from .cache import cache_dir
@@ -530,6 +535,38 @@ def make_cpu_plugin_wheel(dest: Path) -> Path:
     return path
 
 
+def overlay_manifest(
+    checkout: Path,
+    distribution: str,
+    version: str,
+    variant: str,
+    stock_ref: str,
+    stock_commit: str,
+    head: str,
+    wheel: Path,
+    wheel_sha256: str,
+    torch: str,
+    dropped: Sequence[str],
+) -> dict:
+    """What build records in ``hybridpd-overlay.json`` beside the files it wrote: the
+    release, the checkout and its head, the ids of its patch commits (their
+    ``Hybridpd-Patch`` trailers, oldest first), the wheel and what was installed with
+    it. ``status --installed`` and ``apply --installed`` read it (see
+    :mod:`hybridpd.installed`)."""
+    patches = [
+        ids[0]
+        for commit in gitops.commits(checkout, f"{stock_ref}..{head}")
+        if len(ids := commit.trailer_values(TRAILER)) == 1
+    ]
+    return {
+        "tool": "hybridpd", "distribution": distribution, "version": version,
+        "variant": variant, "stock_ref": stock_ref, "stock_commit": stock_commit,
+        "head": head, "patches": patches, "checkout": str(checkout),
+        "wheel": {"file": wheel.name, "sha256": wheel_sha256},
+        "torch": torch, "dropped": list(dropped),
+    }
+
+
 _PLATFORM_SCRIPT = "from vllm.platforms import current_platform as p; print(p.device_type)"
 
 
@@ -565,25 +602,25 @@ def build(
     py = ensure_venv(b.venv, python, log)
     b.lap("venv")
     wheel_path, verify, report = b.verified_wheel(py, changes)
+    guard.fault("build:downloaded")
     site = Path(_venv_paths(py)["platlib"])
     with zipfile.ZipFile(wheel_path) as zf:
         dist_info = _dist_info(site, zf)
         b.install_wheel(py, site, dist_info, wheel_path)
+        guard.fault("build:installed")
         torch_req, dropped = b.install_requirements(py, wheel_path, torch, overrides)
         b.lap("install")
         log(f"overlaying {len(changes)} patched files from {head[:12]}")
-        overlay = wo.apply_overlay(site, dist_info, zf, changes, {
-            "tool": "hybridpd", "distribution": b.distribution, "version": version,
-            "variant": variant, "stock_ref": stock_ref, "stock_commit": stock_commit,
-            "head": head, "checkout": str(b.checkout),
-            "wheel": {"file": wheel_path.name, "sha256": b.wheel_sha},
-            "torch": torch_req, "dropped": dropped,
-        })
+        overlay = wo.apply_overlay(site, dist_info, zf, changes, overlay_manifest(
+            b.checkout, b.distribution, version, variant, stock_ref, stock_commit, head,
+            wheel_path, b.wheel_sha, torch_req, dropped,
+        ))
         bad = wo.check_record(site, dist_info, [c.path for c in changes if c.data is not None])
         if bad:
             raise BuildError(f"RECORD disagrees with the overlaid files: {', '.join(bad)}")
         linked = link_extensions(b.checkout, site, zf, log) if link_binaries else []
         b.lap("overlay")
+        guard.fault("build:overlaid")
     proof = b.prove(py, site, changes)
     b.timings["total"] = round(time.monotonic() - b.started, 1)
     return BuildResult(
@@ -629,10 +666,21 @@ class _Build:
         self.log(f"warning: {msg}")
 
     def patched_tree(self) -> tuple[str, str, list[wo.Change]]:
-        """The checkout's stock commit, HEAD, and the files the patch commits change."""
+        """The checkout's stock commit, HEAD, and the files the patch commits change.
+
+        Read under the checkout's lock, once a killed apply (or port replay) on it is
+        recovered (said in one line), or refused with one line that says what to do
+        (:func:`hybridpd.guard.operation`): never a half-applied series."""
         checkout = self.checkout
         if not checkout.is_dir() or not gitops.is_repo(checkout):
             raise BuildError(f"{checkout} is not a git checkout")
+        with guard.operation(checkout, "build") as recovered:
+            if recovered:
+                self.log(recovered)
+            return self._read_tree()
+
+    def _read_tree(self) -> tuple[str, str, list[wo.Change]]:
+        checkout = self.checkout
         stock_commit = gitops.resolve(checkout, self.stock_ref)
         head = gitops.resolve(checkout, "HEAD")
         if stock_commit is None or head is None:

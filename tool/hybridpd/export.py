@@ -2,10 +2,12 @@
 
 The patch files are the byte-stable output of :func:`export`: one ``<id>.patch`` per
 patch commit, written by ``git format-patch`` with every config-dependent detail
-pinned down (see :func:`hybridpd.gitops.format_patch`). Exporting the same commits
-twice gives identical bytes, and so does re-applying the files and exporting again.
-That makes :func:`check` possible: a fresh checkout, apply and export must reproduce
-the committed files exactly.
+pinned down (see :func:`hybridpd.gitops.format_patch`), each atomically
+(:func:`hybridpd.guard.write_atomic`: a kill leaves the old file or the new one, and the
+next export removes the temporary file it left). Exporting the same commits twice gives
+identical bytes, and so does re-applying the files and exporting again. That makes
+:func:`check` possible: a fresh checkout, apply and export must reproduce the committed
+files exactly.
 """
 
 from __future__ import annotations
@@ -90,18 +92,21 @@ def _export_locked(series: Series, repo: Path, out_dir: Path | None, prune: bool
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     written, unchanged = [], []
+    guard.fault("export:before-writes")
     for patch_id, content in exported.items():
         path = out_dir / f"{patch_id}.patch"
+        guard.remove_temporaries(path)  # what an export killed mid-write left
         if path.is_file() and path.read_bytes() == content:
             unchanged.append(patch_id)
         else:
-            path.write_bytes(content)
+            guard.write_atomic(path, content)  # a kill leaves the old file or the new one
             written.append(patch_id)
     # A file that neither a record nor a commit names is the user's: only --prune.
     kept = [] if prune else [i for i in stale if series.patch(i) is None]
     removed = [i for i in stale if i not in kept]
     for patch_id in removed:
         (out_dir / f"{patch_id}.patch").unlink()
+    guard.fault("export:after-writes")
     unrecorded = [i for i in exported if series.patch(i) is None]
     return ExportResult(
         pin.version,

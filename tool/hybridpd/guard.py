@@ -180,6 +180,29 @@ def temporary_of(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.hybridpd-tmp")
 
 
+def remove_temporaries(path: Path) -> list[Path]:
+    """Remove the temporary files of ``path`` (:func:`temporary_of`) that processes
+    which are gone left (a writer killed mid-write); a live writer's is kept. The
+    removed ones."""
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.*.hybridpd-tmp"):
+        pid = tmp.name[len(path.name) + 2 : -len(".hybridpd-tmp")]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _holder(fh) -> str:
     """Who holds the lock, as its holder wrote it just after taking the lock (waits a
     moment for that write: the holder may be between the two)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from hybridpd import build as build_mod
-from hybridpd import cache, pdextras, serving
+from hybridpd import cache, guard, pdextras, serving
 from hybridpd.apply import ApplyResult, apply, checkout_pin
 from hybridpd.checkout import Source, checkout
 from hybridpd.errors import HybridpdError
@@ -157,8 +157,12 @@ def install(
     else:
         log(f"checking out {pin.version} into {dest}")
         checkout(series, pin.version, dest, source=source)
+    guard.fault("install:checked-out")
     applied = apply(series, dest)
+    if applied.recovered:  # a killed apply (or export) on the checkout, undone first
+        log(applied.recovered)
     log(f"series: {len(applied.applied)} applied, {len(applied.already)} already applied")
+    guard.fault("install:applied")
     return dataclasses.replace(
         environment(pin, dest, venv, variant=variant, torch=torch, log=log), applied=applied
     )

@@ -24,6 +24,14 @@ Everything hybridpd keeps lives in the distribution's ``*.dist-info`` folder, wh
 byte (and mtime for mtime: the release's bytecode stays valid) what they were. A file
 changed after the overlay is first copied beside itself (``<name>.hybridpd-kept``),
 and a warning says where: nothing the user wrote is lost.
+
+A venv that ``hybridpd build`` (or ``hybridpd install``) made carries build's own
+overlay, recorded in ``hybridpd-overlay.json`` (:mod:`hybridpd.wheel_overlay`) and
+kept in step with its checkout. ``status`` reports it as patched by build. ``apply``
+takes it as already applied when it holds exactly the files the series makes (and
+none changed since); otherwise it, and ``--revert``, refuse with one line naming the
+checkout to rebuild from: no release backup exists to put back, and an overlay of
+another series would leave the venv disagreeing with the checkout it runs tests of.
 """
 
 from __future__ import annotations
@@ -100,12 +108,14 @@ class Result:
 
 @dataclass
 class State:
-    """What ``status --installed`` reports."""
+    """What ``status --installed`` reports. ``patched_by``: the command whose overlay
+    ``manifest`` is (``apply --installed`` or ``build``), None when there is none."""
 
     target: Target
     manifest: dict | None
     changed: list[str]  # files written by hybridpd that no longer have its bytes
     interrupted: bool
+    patched_by: str | None = None
 
     def to_json(self) -> dict:
         m = self.manifest or {}
@@ -122,6 +132,8 @@ class State:
             "files": [f["path"] for f in m.get("files", [])],
             "changed_since": self.changed,
             "interrupted": self.interrupted,
+            "patched_by": self.patched_by,
+            "checkout": m.get("checkout"),
         }
 
 
@@ -379,6 +391,57 @@ def _read_manifest(target: Target) -> dict | None:
     return _read_json(target, target.dist_info / MANIFEST)
 
 
+# --------------------------------------------------------------------------- build's overlay
+
+
+def _built(target: Target) -> dict | None:
+    """The overlay ``hybridpd build`` wrote over this distribution, in the manifest's
+    terms (pin, head, patches, files, checkout); None if build made no overlay here."""
+    data = _read_json(target, target.dist_info / wo.MANIFEST_NAME)
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
+        raise InstalledError(
+            f"{target.dist_info / wo.MANIFEST_NAME} is unreadable (not an overlay "
+            f"manifest); {_reinstall(target)}"
+        )
+    return {
+        "pin": str(data.get("version", target.release)).split("+", 1)[0],
+        "head": data.get("head"), "patches": data.get("patches", []),
+        "files": data["files"], "checkout": data.get("checkout"),
+    }
+
+
+def _same_overlay(files: list[dict], changes: list[wo.Change]) -> bool:
+    """Whether the overlay ``files`` (manifest entries) are exactly ``changes``."""
+    have = {f.get("path"): f.get("sha256") for f in files}
+    want = {
+        c.path: None if c.data is None else hashlib.sha256(c.data).hexdigest() for c in changes
+    }
+    return have == want
+
+
+def _built_elsewhere(
+    target: Target, built: dict, why: str, revert: bool = False
+) -> InstalledError:
+    """The one line for a venv build made that apply --installed must not change."""
+    checkout = built.get("checkout") or "CHECKOUT"
+    venv = target.python.parent.parent
+    rebuild = (
+        f"rebuild it from its checkout (hybridpd apply --dir {checkout} && "
+        f"hybridpd build --dir {checkout} --venv {venv})"
+    )
+    reinstall = f"{_reinstall(target)} " + (
+        "to have the release's files" if revert else "to use apply --installed"
+    )
+    return InstalledError(
+        f"{target.distribution} {target.version} in {target.site} was patched by "
+        f"`hybridpd build` (or `hybridpd install`) from {checkout} at "
+        f"{str(built.get('head'))[:12]}, {why}; "
+        + (f"{reinstall}, or {rebuild}" if revert else f"{rebuild}, or {reinstall}")
+    )
+
+
 def _undo(target: Target, operation: str) -> None:
     """Put the release files back, whether a journal or the manifest says what changed.
 
@@ -466,6 +529,18 @@ def apply(
         result.head = head
 
         manifest = _read_manifest(target)
+        built = _built(target) if manifest is None else None
+        if built is not None:
+            changed = _changed_since(target, built)
+            if changed:
+                raise _built_elsewhere(target, built, f"and {changed[0]} was changed since")
+            if not _same_overlay(built["files"], changes):
+                raise _built_elsewhere(
+                    target, built, f"not with the series of {pin.version} as it is now"
+                )
+            result.action = "already"
+            result.files = built["files"]
+            return result
         if manifest is not None:
             changed = _changed_since(target, manifest)
             if changed:
@@ -626,6 +701,12 @@ def revert(package: str, python: Path) -> Result:
         result.recovered = _recover(target)
         manifest = _read_manifest(target)
         if manifest is None:
+            built = None if result.recovered else _built(target)
+            if built is not None:
+                raise _built_elsewhere(
+                    target, built, "which --revert does not undo (it has no release backup)",
+                    revert=True,
+                )
             result.action = "reverted" if result.recovered else "nothing"
             return result
         result.pin, result.head = manifest.get("pin"), manifest.get("head")
@@ -657,6 +738,11 @@ def _keep_aside(path: Path) -> Path | None:
 def status(package: str, python: Path) -> State:
     """What hybridpd applied to the distribution installed for ``python`` (reads only)."""
     target = locate(python, package)
-    manifest = _read_manifest(target)
+    manifest, by = _read_manifest(target), "apply --installed"
+    if manifest is None:
+        manifest, by = _built(target), "build"
     changed = _changed_since(target, manifest) if manifest else []
-    return State(target, manifest, changed, (target.dist_info / JOURNAL).is_file())
+    return State(
+        target, manifest, changed, (target.dist_info / JOURNAL).is_file(),
+        by if manifest is not None else None,
+    )

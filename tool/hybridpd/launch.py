@@ -5,11 +5,13 @@ Importing the CLI (click, GitPython, every command) takes a noticeable moment, b
 its one error handler (:class:`hybridpd.cli.jsonout.JsonGroup`) exists; a Ctrl-C then
 used to print a traceback. This module imports only the standard library, so a
 KeyboardInterrupt from here on ends as any other Ctrl-C does: ``Error: interrupted``
-and exit 130.
+and exit 130, and, for a ``--json`` run, the failure document on stdout that the CLI
+prints for every failure (:func:`hybridpd.cli.jsonout.failure_document`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -27,8 +29,17 @@ def main() -> int:
 
         return cli(prog_name="hybridpd")
     except KeyboardInterrupt:
+        if _wants_json(sys.argv[1:]):
+            # The shape of hybridpd.cli.jsonout.failure_document, which is not imported
+            # yet (or only in part) here.
+            print(json.dumps({"ok": False, "error": "interrupted"}), flush=True)
         print("Error: interrupted", file=sys.stderr)
         return 130
+
+
+def _wants_json(args: list[str]) -> bool:
+    """Whether the command line asks for ``--json`` (an option: before any ``--``)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
 
 
 if __name__ == "__main__":

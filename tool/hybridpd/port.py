@@ -41,11 +41,14 @@ Invariants:
   is through: the patch files are exported to a staging directory first, then
   series.toml is edited (validated; on failure nothing is written), then the files
   are moved into place. :func:`abort` never touches them.
+* A file in ``patches/<V2>/`` that neither a record nor a commit of the port names
+  is the user's: a port keeps it, as ``export`` does, and reports it (``kept``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shlex
 import shutil
@@ -134,7 +137,10 @@ class Conflict:
 @dataclass(frozen=True)
 class PortReport:
     """Where a port stands after a call: finished (``written`` lists the files
-    written, relative to the series dir's parent) or stopped on ``conflict``."""
+    written, relative to the series dir's parent) or stopped on ``conflict``.
+    ``kept``: patch files in TO's directory that neither a record nor a commit
+    names (the user's own), left where they were. ``recovered``: the line saying
+    this call first undid a killed replay (see :func:`hybridpd.guard.recover`)."""
 
     from_version: str
     to_version: str
@@ -142,6 +148,8 @@ class PortReport:
     patches: tuple[PatchResult, ...]
     written: tuple[str, ...] = ()
     conflict: Conflict | None = None
+    kept: tuple[str, ...] = ()
+    recovered: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -157,6 +165,10 @@ class PortReport:
         }
         if self.conflict is not None:
             data["conflict"] = self.conflict.to_json()
+        if self.kept:
+            data["kept"] = list(self.kept)
+        if self.recovered:
+            data["recovered"] = self.recovered
         return data
 
 
@@ -300,7 +312,8 @@ def resume(
                 # session, so the patch is replayed again (and stops again).
                 state.current = state.before = None
                 state.save(dest)
-        return _resume_locked(series, dest, state, action, upstream, log)
+        report = _resume_locked(series, dest, state, action, upstream, log)
+    return dataclasses.replace(report, recovered=recovered)
 
 
 def _resume_locked(
@@ -407,32 +420,40 @@ def next_steps(report: PortReport, series_option: Path | None = None) -> list[st
 
 @dataclass(frozen=True)
 class Aborted:
-    """What ``port --abort`` left: ``repo`` back at ``to_version``'s release commit."""
+    """What ``port --abort`` left: ``repo`` back at ``to_version``'s release commit.
+    ``recovered``: the line saying it first undid a killed replay."""
 
     repo: Path
     to_version: str
     stock: str
+    recovered: str | None = None
 
     def to_json(self) -> dict:
-        return {"to": self.to_version, "dir": str(self.repo), "stock": self.stock}
+        data = {"to": self.to_version, "dir": str(self.repo), "stock": self.stock}
+        if self.recovered:
+            data["recovered"] = self.recovered
+        return data
 
 
-def abort(dest: Path) -> Aborted:
+def abort(dest: Path, log: Log = quiet) -> Aborted:
     """Stop the port in ``dest`` and put it back at V2 stock.
 
     Aborts ``git am``, resets branch, index and work tree to the V2 release commit,
     removes untracked files (not ignored ones), the V1 commit's ref and the state
-    file. series.toml and the patch files are never touched.
+    file. series.toml and the patch files are never touched. A killed replay is
+    recovered first (and ``log`` says so), or refused with one line.
     """
     dest = dest.absolute()
     state = PortState.load(dest)
-    with guard.operation(dest, "port --abort"):
+    with guard.operation(dest, "port --abort") as recovered:
+        if recovered:
+            log(recovered)
         gitops.am_abort(dest)
         gitops.reset_hard(dest, state.stock)
         gitops.clean(dest)
         _drop_base(dest)
         PortState.path(dest).unlink()
-    return Aborted(dest, state.to_version, state.stock)
+    return Aborted(dest, state.to_version, state.stock, recovered)
 
 
 # The replay -------------------------------------------------------------------
@@ -577,9 +598,12 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
         guard.fault("port:series-written")
         patch_dir = series.patch_dir(v2)
         patch_dir.mkdir(parents=True, exist_ok=True)
-        for stale in patch_dir.glob("*.patch"):
-            if stale.stem not in carried:
-                stale.unlink()
+        stale = sorted(p for p in patch_dir.glob("*.patch") if p.stem not in carried)
+        # A file that neither a record nor a commit names is the user's: kept.
+        kept = [p for p in stale if series.patch(p.stem) is None]
+        for path in stale:
+            if path not in kept:
+                path.unlink()
         written = []
         for patch_id in carried:
             target = series.patch_path(v2, patch_id)
@@ -587,7 +611,8 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
             written.append(series.relative(target))
     _drop_base(dest)
     PortState.path(dest).unlink()
-    return _report(state, dest, written=(*written, series.relative(series.path)))
+    report = _report(state, dest, written=(*written, series.relative(series.path)))
+    return dataclasses.replace(report, kept=tuple(series.relative(p) for p in kept))
 
 
 # Helpers ----------------------------------------------------------------------

@@ -128,7 +128,11 @@ def _status_installed(state: State, python: Path, as_json: bool) -> None:
     if not data["applied"]:
         click.echo("  not patched by hybridpd")
         return
-    click.echo(f"  series of {data['pin']} at {(data['head'] or '')[:12]}: {len(data['files'])} file(s)")
+    series = f"series of {data['pin']} at {(data['head'] or '')[:12]}: {len(data['files'])} file(s)"
+    if data["patched_by"] == "build":
+        click.echo(f"  patched by `hybridpd build` from {data['checkout']}: {series}")
+    else:
+        click.echo(f"  {series}")
     for patch_id in data["patches"]:
         click.echo(f"  applied   {patch_id}")
     for path in data["changed_since"]:

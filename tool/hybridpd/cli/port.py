@@ -54,19 +54,25 @@ def port(
         from_version, to_version, repo, go_on, skip, abort, release
     )
     if request.action == "abort":
-        _echo_aborted(port_mod.abort(request.dir), request.dir, as_json)
+        _echo_aborted(port_mod.abort(request.dir, log=log), request.dir, as_json)
         return
     report = port_mod.run(state.series, request, log=quiet if as_json else log)
     steps = port_mod.next_steps(report, state.series_arg)
     if as_json:
-        data = report.to_json()
-        if report.conflict is not None:
-            data["conflict"]["next"] = steps
-        jsonout.emit(data)
+        _emit_json(report, steps)
     else:
         _echo_report(report, steps)
     if report.conflict is not None:
         ctx.exit(1)
+
+
+def _emit_json(report: port_mod.PortReport, steps: list[str]) -> None:
+    if report.recovered:  # said on stderr whatever the output (the run's log was quiet)
+        log(report.recovered)
+    data = report.to_json()
+    if report.conflict is not None:
+        data["conflict"]["next"] = steps
+    jsonout.emit(data)
 
 
 def _echo_aborted(stopped: port_mod.Aborted, repo: Path, as_json: bool) -> None:
@@ -90,6 +96,9 @@ def _echo_report(report: port_mod.PortReport, steps: list[str]) -> None:
     if report.conflict is None:
         for path in report.written:
             click.echo(f"wrote {path}")
+        if report.kept:
+            kept = ", ".join(report.kept)
+            log(f"kept {kept}: no record in series.toml and no commit in the port")
     else:
         _echo_conflict(report, report.conflict, steps)
 
