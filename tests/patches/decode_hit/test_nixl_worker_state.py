@@ -253,10 +253,25 @@ def _pairs(nixl):
     return pairs
 
 
-def _worker_and_read(kv_cache_config):
+def _read_pairs(kv_cache_config, meta, remote_ids):
+    """NIXL's worker posts the READ of ``meta``'s receive; the READ as pairs."""
     if NEW_VLLM:
-        return _worker_v033(kv_cache_config), _read_v033
-    return _worker_v020(kv_cache_config), _read_v020
+        w, read = _worker_v033(kv_cache_config), _read_v033
+    else:
+        w, read = _worker_v020(kv_cache_config), _read_v020
+    w.nixl_wrapper = nixl = _RecordingNixl()
+    read(w, [list(g) for g in meta.local_block_ids], [list(g) for g in remote_ids])
+    return _pairs(nixl)
+
+
+def _assert_prefiller_state_lands_in(pairs, kv_cache_config, p_blocks, p_computed,
+                                     p_state_block, local_block):
+    """Exactly one state moves per Mamba group: P's running state (its block at
+    (T-1)//block_size) into ``local_block(g)``."""
+    for g in range(MAMBA, len(kv_cache_config.kv_cache_groups)):
+        assert pairs[g] == [(p_blocks[g][(p_computed - 1) // BLOCK_SIZE],
+                             local_block(g))], (g, pairs[g])
+    assert pairs[MAMBA][0][0] == p_state_block
 
 
 @pytest.mark.patch(NIXL_READ)
@@ -280,15 +295,9 @@ def test_nixl_worker_reads_prefiller_state_without_local_hit(suffix_blocks):
             # state (v0.23+ clips them at the exchange).
             assert len(remote_ids[g]) > 1, remote_ids[g]
 
-    w, read = _worker_and_read(kv_cache_config)
-    w.nixl_wrapper = nixl = _RecordingNixl()
-    read(w, [list(g) for g in meta.local_block_ids], [list(g) for g in remote_ids])
-    pairs = _pairs(nixl)
-
-    for g in range(MAMBA, len(kv_cache_config.kv_cache_groups)):
-        assert pairs[g] == [(p_blocks[g][(p_computed - 1) // BLOCK_SIZE],
-                             d_blocks[g][resume_block])], (g, pairs[g])
-    assert pairs[MAMBA][0][0] == p_state_block
+    pairs = _read_pairs(kv_cache_config, meta, remote_ids)
+    _assert_prefiller_state_lands_in(pairs, kv_cache_config, p_blocks, p_computed,
+                                     p_state_block, lambda g: d_blocks[g][resume_block])
     num_blocks = -(-resume // BLOCK_SIZE)
     assert pairs[ATTN] == [(p_blocks[ATTN][i], d_blocks[ATTN][i])
                            for i in range(num_blocks)]
@@ -306,23 +315,17 @@ def test_nixl_worker_reads_prefiller_state_into_resume_block(suffix_blocks):
     resume_block = (resume - 1) // BLOCK_SIZE
 
     kv_cache_config = hybrid_kv_cache_config()
-    w, read = _worker_and_read(kv_cache_config)
-    w.nixl_wrapper = nixl = _RecordingNixl()
     local_ids = [list(g) for g in meta.local_block_ids]
     for g in range(MAMBA, len(kv_cache_config.kv_cache_groups)):
         # Both ends name the right blocks: P's list ends at its running state,
         # D's list holds the resume block.
         assert remote_ids[g][-1] == p_blocks[g][(p_computed - 1) // BLOCK_SIZE]
         assert d_blocks[g][resume_block] in local_ids[g]
-    read(w, [list(g) for g in meta.local_block_ids], [list(g) for g in remote_ids])
-    pairs = _pairs(nixl)
+    pairs = _read_pairs(kv_cache_config, meta, remote_ids)
 
-    # Mamba: exactly one state moves per Mamba group, P's running state into D's
-    # block at the resume point.
-    for g in range(MAMBA, len(kv_cache_config.kv_cache_groups)):
-        assert pairs[g] == [(p_blocks[g][(p_computed - 1) // BLOCK_SIZE],
-                             d_blocks[g][resume_block])], (g, pairs[g])
-    assert pairs[MAMBA][0][0] == p_state_block
+    # Mamba: P's running state into D's block at the resume point.
+    _assert_prefiller_state_lands_in(pairs, kv_cache_config, p_blocks, p_computed,
+                                     p_state_block, lambda g: d_blocks[g][resume_block])
 
     # Attention: remote block i -> local block i for the uncached suffix only.
     first_uncached = local_hit // BLOCK_SIZE
