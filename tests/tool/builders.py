@@ -262,3 +262,23 @@ def port_project(
     commit_patch(repo, "feature", FEATURE, "Add doubling")
     export(series, repo)
     return project, load(series.path)
+
+
+def killed_apply(series, repo: Path) -> None:
+    """Run `hybridpd apply` on ``repo`` and SIGKILL it after its first patch: the
+    checkout holds a half-applied series and the apply's journal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hybridpd import guard
+
+    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    killed = subprocess.run(
+        [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(repo)],
+        env={**os.environ, guard.FAULT_ENV: "apply:patch-2"}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (guard.git_dir(repo) / guard.JOURNAL).is_file()

@@ -13,7 +13,7 @@ import git
 import pytest
 
 from hybridpd import build as b
-from builders import make_wheel
+from builders import killed_apply, make_wheel
 from hybridpd import wheel_overlay as wo
 
 STOCK = {
@@ -263,26 +263,6 @@ def test_a_truncated_cached_wheel_is_downloaded_again(tmp_path, monkeypatch):
     assert downloads == ["download"]
     assert zipfile.is_zipfile(wheel) and wheel.read_bytes() == whole.read_bytes()
     assert any("is not a whole wheel" in line and "re-downloading" in line for line in logged)
-
-
-def killed_apply(series, repo: Path) -> None:
-    """Run `hybridpd apply` on ``repo`` and SIGKILL it after its first patch: the
-    checkout holds a half-applied series and the apply's journal."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from hybridpd import guard
-
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
-    killed = subprocess.run(
-        [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(repo)],
-        env={**os.environ, guard.FAULT_ENV: "apply:patch-2"}, capture_output=True, text=True,
-        timeout=120,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert (guard.git_dir(repo) / guard.JOURNAL).is_file()
 
 
 @pytest.mark.usefixtures("isolated")

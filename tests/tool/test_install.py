@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from builders import standard_project
+from builders import killed_apply, standard_project
 from hybridpd import install as install_mod
 from hybridpd.errors import HybridpdError
 
@@ -227,22 +227,9 @@ def test_an_environment_that_requires_nixl_raises_its_failure(
 
 
 def test_install_says_it_recovered_a_killed_apply(tmp_path: Path, built) -> None:
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from hybridpd import guard
-
     project, series = standard_project(tmp_path)
     dest = project.checkout("1.0", "vllm")
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
-    killed = subprocess.run(
-        [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(dest)],
-        env={**os.environ, guard.FAULT_ENV: "apply:patch-2"}, capture_output=True, text=True,
-        timeout=120,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    killed_apply(series, dest)
     said: list[str] = []
     result = install_mod.install(series, "1.0", dest, tmp_path / "venv", variant="cpu",
                                  log=said.append)
