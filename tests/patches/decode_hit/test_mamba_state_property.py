@@ -7,7 +7,7 @@ connector sets (NIXL; MultiConnector with NIXL and DecodeBench, which does not
 restore the Mamba state, in both orders), remote-prefill and plain requests,
 KV loads that fail (and are recomputed),
 prompts that are k blocks or k blocks + 1 of a shared prefix plus a suffix,
-and (NIXL) KV pools small enough to preempt.
+and KV pools small enough to preempt.
 
 Bounded for CI: ``HYBRIDPD_HYPOTHESIS_EXAMPLES`` examples (default 100) per
 connector set, derandomized so every run checks the same workloads; set
@@ -75,17 +75,16 @@ def workload(pools):
 
 
 # KV pools per connector set. 40 and 64 blocks preempt; 400 never runs out.
-# MultiConnector(NIXL, DecodeBench) in either order gets only the pool that
-# never runs out: on a nearly full pool a synchronous DecodeBench load on top of
-# a local hit crashes vLLM itself, stock builds included ("Cannot get 1 free
-# blocks from the pool", see test_upstream_known_issues.py). Preemption with
-# these connector sets is covered by test_mamba_state.py. On v0.20.2
-# DecodeBench does not support the hybrid allocator at all.
+# MultiConnector(NIXL, DecodeBench) in either order gets full pools too: on stock
+# a synchronous DecodeBench load on a nearly full pool crashes vLLM itself
+# ("Cannot get 1 free blocks from the pool"); mamba-align-admission-counts-sync-load
+# fixes it (test_sync_load_admission.py). On v0.20.2 DecodeBench does not support
+# the hybrid allocator at all.
 _MULTI = pytest.mark.vllm_versions(">=0.23")
 KINDS = [
     pytest.param("nixl", [40, 64, 400], id="nixl"),
-    pytest.param("nixl+decodebench", [400], id="nixl+decodebench", marks=_MULTI),
-    pytest.param("decodebench+nixl", [400], id="decodebench+nixl", marks=_MULTI),
+    pytest.param("nixl+decodebench", [40, 64, 400], id="nixl+decodebench", marks=_MULTI),
+    pytest.param("decodebench+nixl", [40, 64, 400], id="decodebench+nixl", marks=_MULTI),
 ]
 
 
