@@ -383,11 +383,13 @@ def test_a_symlinked_file_is_refused_and_nothing_changes(tmp_path: Path) -> None
     assert snapshot(py) == before
 
 
-def build_made_env(tmp_path: Path, project, series) -> tuple[Path, Path, str]:
+def build_made_env(tmp_path: Path, project, series, patched: bool = True
+                   ) -> tuple[Path, Path, str]:
     """A venv as `hybridpd build` (and so `hybridpd install`) leaves it: the release
     installed from its wheel, the checkout's patched files written over it by
-    :func:`wheel_overlay.apply_overlay` with build's manifest (``hybridpd-overlay.json``).
-    Returns its Python, the checkout and the checkout's head."""
+    :func:`wheel_overlay.apply_overlay` with build's manifest (``hybridpd-overlay.json``;
+    ``patched=False``: a stock checkout's build, an overlay of no files, as the e2e's
+    stock venv). Returns its Python, the checkout and the checkout's head."""
     import zipfile
 
     from hybridpd import build as build_mod
@@ -397,7 +399,8 @@ def build_made_env(tmp_path: Path, project, series) -> tuple[Path, Path, str]:
     py = make_env(tmp_path / "venv")
     target = installed.locate(py, "proj")
     repo = project.checkout("1.0", "built")
-    apply(series, repo)
+    if patched:
+        apply(series, repo)
     head = gitops.head(repo)
     wheel = tmp_path / "proj-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -414,6 +417,19 @@ def build_made_env(tmp_path: Path, project, series) -> tuple[Path, Path, str]:
         )
         wo.apply_overlay(target.site, target.dist_info, zf, changes, manifest)
     return py, repo, head
+
+
+def test_a_stock_build_is_the_release_for_status_and_apply_installed(tmp_path: Path) -> None:
+    # The e2e's stock venv: `hybridpd build` of a stock checkout, an overlay of no file.
+    # It holds the release's files, so apply --installed patches it like a release.
+    project, series = standard_project(tmp_path)
+    py, _, _ = build_made_env(tmp_path, project, series, patched=False)
+    data = json.loads(hybridpd(series, "status", "--installed", "--python", str(py),
+                               "--json").stdout)
+    assert (data["applied"], data["patched_by"]) == (False, None)
+    result = hybridpd(series, "apply", "--installed", "--python", str(py), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["action"] == "applied"
 
 
 def test_status_names_a_venv_that_hybridpd_build_patched(tmp_path: Path) -> None:

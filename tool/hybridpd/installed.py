@@ -396,7 +396,9 @@ def _read_manifest(target: Target) -> dict | None:
 
 def _built(target: Target) -> dict | None:
     """The overlay ``hybridpd build`` wrote over this distribution, in the manifest's
-    terms (pin, head, patches, files, checkout); None if build made no overlay here."""
+    terms (pin, head, patches, files, checkout); None if build made no overlay here, or
+    one of no file (the build of a stock checkout, such as the e2e's stock venv: the
+    release's files, which apply --installed patches like any release install)."""
     data = _read_json(target, target.dist_info / wo.MANIFEST_NAME)
     if data is None:
         return None
@@ -405,6 +407,8 @@ def _built(target: Target) -> dict | None:
             f"{target.dist_info / wo.MANIFEST_NAME} is unreadable (not an overlay "
             f"manifest); {_reinstall(target)}"
         )
+    if not data["files"]:
+        return None
     return {
         "pin": str(data.get("version", target.release)).split("+", 1)[0],
         "head": data.get("head"), "patches": data.get("patches", []),
