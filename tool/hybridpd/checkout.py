@@ -97,7 +97,9 @@ def _from_sdist(series: Series, pin: Pin, dest: Path) -> None:
     extract_sdist(archive, dest)
     guard.fault("checkout:extracted")
     gitops.init(dest, BRANCH)
-    gitops.commit_all(dest, f"vLLM {pin.version} (sdist {pin.sdist} sha256 {pin.sha256})")
+    gitops.commit_all(
+        dest, f"{series.project} {pin.version} (sdist {pin.sdist} sha256 {pin.sha256})"
+    )
     guard.fault("checkout:committed")
     gitops.tag(dest, pin.tag)
 

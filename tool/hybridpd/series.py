@@ -103,6 +103,13 @@ class Series:
     default_pin: str
     pins: tuple[Pin, ...]
     patches: tuple[Patch, ...]
+    #: How messages name the project ("vLLM", "LMCache"); the package name if unset.
+    name: str = ""
+
+    @property
+    def project(self) -> str:
+        """The project's display name."""
+        return self.name or self.package
 
     @property
     def dir(self) -> Path:
@@ -232,6 +239,11 @@ class _Parser:
             raise self.fail(where, f'field "{key}" is missing or empty')
         return value
 
+    def optional_text(self, table: Mapping[str, Any], key: str, where: str) -> str:
+        if key not in table:
+            return ""
+        return self.text(table, key, where)
+
     def series(self, data: Mapping[str, Any]) -> Series:
         if data.get("schema") != SCHEMA:
             raise self.fail("top level", f'field "schema" must be {SCHEMA}')
@@ -252,6 +264,7 @@ class _Parser:
             default_pin=default_pin,
             pins=pins,
             patches=self.patches(data.get("patches", []), versions, ported),
+            name=self.optional_text(data, "name", "top level"),
         )
 
     def pins(self, raw: Any) -> tuple[Pin, ...]:

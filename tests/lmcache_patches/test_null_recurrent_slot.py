@@ -1,0 +1,61 @@
+"""A chunk whose Mamba slot holds vLLM's null block is never stored as a state.
+
+Patch: null-recurrent-slot-not-stored. In align mode vLLM puts its null block in the
+Mamba slots of the blocks a multi-block prefill step skips; only the step's last
+block holds a real state. Without ``--separate-object-groups`` (the server default)
+attention and Mamba share one stored object per chunk, and stock LMCache skips a chunk
+only when every block of it is null, so the chunk is stored with the null block's
+bytes as its state. A later prompt sharing a prefix that ends in that chunk then
+resumes from it. Measured end to end on vLLM 0.32.0 (CONTEXT §6): with
+``--max-num-batched-tokens 2048``, a 600-token prompt A prefilled in one step, then a
+prompt sharing 300 tokens with A got a 256-token LMCache hit and wrong tokens from the
+first one. Nothing in it is device-specific.
+
+Asserted with the server's own store and lookup (deployment.py): every chunk LMCache
+would load ends on a real recurrent state. The guards (no patch named) keep the hits
+that are right on stock: prefill steps of one chunk, and ``--separate-object-groups``.
+"""
+
+import pytest
+
+from lmcache_patches import deployment
+
+N = deployment.BLOCK
+A = list(range(1, 2 * N + 1))
+B = A[:300] + list(range(10_000, 10_060))  # shares chunk 0 with A and ends inside chunk 1
+# A in one prefill step: the Mamba groups' block table holds the null block (0) at
+# chunk 0; attention holds real blocks everywhere.
+ONE_STEP = [[0, 2], [0, 4], [0, 7], [8, 9]]
+# A in two steps of one chunk: a real state at every chunk.
+TWO_STEPS = [[1, 2], [3, 4], [6, 7], [8, 9]]
+
+
+def _registered(server):
+    worker = deployment.allocate_worker(deployment.vllm_config(server.port, 8 * N))
+    deployment.register(worker, server)
+    return worker
+
+
+@pytest.mark.patch("null-recurrent-slot-not-stored")
+def test_no_hit_resumes_on_a_null_state(server):
+    _registered(server)
+    stored = server.store(A, ONE_STEP)
+    assert stored[1], "chunk 1 holds a real state: it is stored"
+    # stock: chunk 0 stored with the null block as its state, and B takes it
+    assert server.lookup(B, "b") == 0
+    assert not stored[0]
+
+
+def test_one_chunk_steps_keep_their_hits(server):
+    _registered(server)
+    assert server.store(A, TWO_STEPS) == [True, True]
+    assert server.lookup(A, "a") == 2
+    assert server.lookup(B, "b") == 1
+
+
+def test_separate_object_groups_keep_the_full_hit():
+    with deployment.lmcache_server(["--separate-object-groups"]) as server:
+        _registered(server)
+        server.store(A, ONE_STEP)
+        assert server.lookup(A, "a") == 2
+        assert server.lookup(B, "b") == 0
