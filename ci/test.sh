@@ -3,9 +3,11 @@
 #
 # Installs what it needs by itself, then runs, failing loudly at the first red step:
 #   1. the tool tests (tests/tool, no network);
-#   2. `hybridpd check`: records, patch files and a fresh checkout + apply + export agree;
+#   2. `hybridpd check`: records, patch files and a fresh checkout + apply + export agree
+#      (the vLLM series and the LMCache series);
 #   3. per ported pin, `hybridpd test`: the red->green patch tests (stock / without the
 #      patch / patched) and vLLM's own tests of the touched modules;
+#   3b. the LMCache series' patch tests (`--series patches/lmcache test`);
 #   4. a reduced `hybridpd bench replay` of 0.20.2 (NIXL) and 0.33.0 (NIXL beside a
 #      connector upstream's gate refuses): red if the patched decode-side hit falls below
 #      99 % of the block-rounded limit;
@@ -67,6 +69,7 @@ step "install hybridpd" install
 hpd="$venv/bin/hybridpd"
 step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider
 step "hybridpd check" "$hpd" check
+step "hybridpd check (LMCache series)" "$hpd" --series patches/lmcache check
 
 if [ -z "$pins" ]; then
   pins=$("$hpd" list --json | "$venv/bin/python" -c \
@@ -81,6 +84,11 @@ for pin in $pins; do
       "$hpd" test --pin "$pin" --suite all --stock-baseline
   fi
 done
+
+# The LMCache series' red->green patch tests, in vLLM 0.32.0's test environment (built by
+# the loop above, or here when --pins leaves 0.32.0 out).
+step "hybridpd test, LMCache 0.5.6 series (patch tests in vLLM 0.32.0's environment)" \
+  "$hpd" --series patches/lmcache test --pin 0.5.6 --suite patches
 
 # The seed's workload, scaled down (64 prompts, output 128, concurrency 32) on the
 # default H20-sized pool; docs/benchmarks.md has the full-scale runs. Both pins run

@@ -39,7 +39,7 @@ def test_sdist_checkout_is_one_tagged_reproducible_commit(project: Project, tmp_
     assert gitops.check(repo, "branch", "--show-current").strip() == "hybridpd"
     release = project.releases["1.0"]
     assert gitops.commits(repo, "HEAD")[0].subject == (
-        f"vLLM 1.0 (sdist {release.filename} sha256 {release.sha256})"
+        f"proj 1.0 (sdist {release.filename} sha256 {release.sha256})"  # series.project
     )
     (repo / "proj" / "__pycache__").mkdir()
     (repo / "proj" / "__pycache__" / "core.cpython-311.pyc").write_bytes(b"")

@@ -208,3 +208,14 @@ def test_pytest_env_does_not_inherit_pythonpath(tmp_path: Path) -> None:
     assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path / "m"), str(tmp_path / "t")])
     assert env["PATH"].startswith(str(tmp_path / "v" / "bin"))
     assert env["HF_HOME"] == str(tmp_path / "hf")
+
+
+def test_another_projects_tree_takes_vllms_metadata_from_the_host_tree(tmp_path: Path) -> None:
+    from hybridpd.pytestrun import vllm_tree
+
+    lmcache, layer, host = (tmp_path / n for n in ("lmcache", "layer", "vllm"))
+    for d in (lmcache, layer, host / "vllm.egg-info"):
+        d.mkdir(parents=True)
+    assert vllm_tree(host, [layer]) == host
+    assert vllm_tree(lmcache, [layer, host]) == host
+    assert vllm_tree(lmcache, [layer]) == lmcache  # none: cpu_metadata_overlay says so

@@ -181,3 +181,38 @@ def test_a_relative_series_path_is_made_absolute(tmp_path: Path, monkeypatch) ->
 
 def test_locate_falls_back_to_the_source_checkout(tmp_path: Path) -> None:
     assert locate(cwd=tmp_path) == Path(__file__).parents[2] / "patches" / "series.toml"
+
+
+def test_a_project_tested_inside_another_ones_pin(tmp_path: Path) -> None:
+    """LMCache's series: a display name, cache slugs that cannot collide with vLLM's
+    versions, and a [test] table naming its patch tests and the vLLM pin they run in."""
+    text = VALID.replace('package = "proj"', 'package = "proj"\nname = "Proj"') + """
+[test]
+patch_tests = "../tests/proj_patches"
+host = { series = "../vllm/series.toml", pin = "0.32.0" }
+"""
+    (tmp_path / "p").mkdir()
+    series = load(write(tmp_path / "p", text))
+    assert series.project == "Proj"
+    assert series.slug(series.pin("1.0")) == "proj-1.0"
+    assert series.tests.patch_tests == (tmp_path / "p" / "tests" / "proj_patches").resolve()
+    assert series.tests.host_series == (tmp_path / "p" / "vllm" / "series.toml").resolve()
+    assert series.tests.host_pin == "0.32.0"
+
+
+def test_vllm_keeps_its_defaults(tmp_path: Path) -> None:
+    series = load(write(tmp_path, VALID.replace('package = "proj"', 'package = "vllm"')))
+    assert series.project == "vllm"
+    assert series.slug(series.pin("1.0")) == "1.0"  # the cache paths vLLM pins always had
+    assert series.tests.patch_tests == tmp_path / "tests" / "patches"
+    assert series.tests.host_series is None
+
+
+def test_the_committed_lmcache_series_runs_in_a_ported_vllm_pin() -> None:
+    root = Path(__file__).resolve().parents[2]
+    lmcache = load(root / "patches" / "lmcache" / "series.toml")
+    assert (lmcache.package, lmcache.project) == ("lmcache", "LMCache")
+    assert lmcache.tests.patch_tests == root / "tests" / "lmcache_patches"
+    assert (lmcache.tests.patch_tests / "conftest.py").is_file()
+    host = load(lmcache.tests.host_series)
+    assert host.package == "vllm" and host.pin(lmcache.tests.host_pin).ported

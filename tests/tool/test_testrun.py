@@ -158,7 +158,7 @@ def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) 
 
     _, series = standard_project(tmp_path)
     monkeypatch.setattr(testrun, "_run_locked", lambda *args: "ran")
-    root = cache.cache_dir() / "trees" / "1.0"
+    root = cache.cache_dir() / "trees" / series.slug(series.pin("1.0"))
     root.parent.mkdir(parents=True, exist_ok=True)
     logs: list[str] = []
     results: list[str] = []

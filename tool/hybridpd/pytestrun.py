@@ -232,6 +232,16 @@ def cpu_metadata_overlay(tree: Path, dest: Path) -> Path:
     return Path(dest)
 
 
+def vllm_tree(tree: Path, layers: Sequence[Path] = ()) -> Path:
+    """The vLLM source tree whose metadata the run uses: ``tree``, or, when ``tree``
+    is another project's (LMCache's patch tests), the first layer that is a vLLM tree.
+    """
+    for candidate in (Path(tree), *map(Path, layers)):
+        if (candidate / "vllm.egg-info").is_dir():
+            return candidate
+    return Path(tree)
+
+
 def pytest_env(venv: Path, tree: Path, hf_home: Path,
                base: Mapping[str, str] | None = None,
                overlay: Path | None = None,
@@ -301,7 +311,9 @@ def run_pytest(
     missing = [f for f in files if not (tree / f).exists()]
     files = [f for f in files if (tree / f).exists()]
 
-    overlay = cpu_metadata_overlay(tree, out_dir.resolve() / f"{label}.vllm-meta")
+    overlay = cpu_metadata_overlay(
+        vllm_tree(tree, layers), out_dir.resolve() / f"{label}.vllm-meta"
+    )
     # bin/pytest, not "python -m pytest": -m would put the tree root first on sys.path.
     cmd = [str(venv / "bin" / "pytest"), *files,
            f"--junitxml={junit.resolve()}", "-p", "no:cacheprovider",

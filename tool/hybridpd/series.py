@@ -94,6 +94,21 @@ class Patch:
 
 
 @dataclass(frozen=True)
+class TestSetup:
+    """Where a series' patch tests live and what they run in (``[test]`` table).
+
+    ``patch_tests``: the directory of the red->green patch tests (default
+    ``../tests/patches`` from the series file). ``host_series`` / ``host_pin``: for a
+    project tested inside another one's pin (LMCache's tests run in the test
+    environment of a vLLM pin, with its stock tree on ``PYTHONPATH``); None for vLLM.
+    """
+
+    patch_tests: Path
+    host_series: Path | None = None
+    host_pin: str | None = None
+
+
+@dataclass(frozen=True)
 class Series:
     """A loaded, validated ``series.toml``; ``patches`` are in apply order."""
 
@@ -105,6 +120,7 @@ class Series:
     patches: tuple[Patch, ...]
     #: How messages name the project ("vLLM", "LMCache"); the package name if unset.
     name: str = ""
+    test: TestSetup | None = None
 
     @property
     def project(self) -> str:
@@ -115,6 +131,16 @@ class Series:
     def dir(self) -> Path:
         """The directory holding ``series.toml`` and the per-pin patch directories."""
         return self.path.parent
+
+    def slug(self, pin: Pin) -> str:
+        """``pin``'s name in cache paths: the version for vLLM (the first project),
+        ``<package>-<version>`` for the others."""
+        return pin.version if self.package == "vllm" else f"{self.package}-{pin.version}"
+
+    @property
+    def tests(self) -> TestSetup:
+        """The ``[test]`` table, with its defaults."""
+        return self.test or TestSetup(self.dir.parent / "tests" / "patches")
 
     def pin(self, version: str) -> Pin:
         """The pin for ``version`` ("0.20.2" or "v0.20.2"); UnknownPinError if none."""
@@ -265,6 +291,27 @@ class _Parser:
             pins=pins,
             patches=self.patches(data.get("patches", []), versions, ported),
             name=self.optional_text(data, "name", "top level"),
+            test=self.test_setup(data.get("test")),
+        )
+
+    def test_setup(self, raw: Any) -> TestSetup | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise self.fail("test", "must be a table")
+        here = self.path.parent
+        tests = here / self.text(raw, "patch_tests", "test") if "patch_tests" in raw else (
+            here.parent / "tests" / "patches"
+        )
+        host = raw.get("host")
+        if host is None:
+            return TestSetup(tests.resolve())
+        if not isinstance(host, dict):
+            raise self.fail("test", 'field "host" must be a table {series = ..., pin = ...}')
+        return TestSetup(
+            tests.resolve(),
+            (here / self.text(host, "series", "test.host")).resolve(),
+            self.text(host, "pin", "test.host"),
         )
 
     def pins(self, raw: Any) -> tuple[Pin, ...]:

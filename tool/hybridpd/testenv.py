@@ -139,14 +139,19 @@ class Layer:
 LAYERS: tuple[Layer, ...] = (
     Layer(
         name="lmcache",
-        requirements=("lmcache==0.5.6", "aiofile==3.12.3", "caio==0.12.10"),
+        requirements=(
+            "lmcache==0.5.6", "aiofile==3.12.3", "caio==0.12.10", "numba==0.68.1",
+            "llvmlite==0.50.0",
+        ),
         releases=">=0.20",  # its scheduler side runs on every pin (v0.20.2 included)
         reason=(
             "LMCache's real vLLM adapter for tests/patches/lmcache. lmcache's own pins "
             "would downgrade numpy, protobuf, opentelemetry, prometheus_client and "
             "setuptools below what vLLM's requirements install, so only lmcache and the "
             "two modules its adapter imports that the environment lacks are added. Its "
-            "compiled CUDA ops are stubbed by the tests."
+            "compiled CUDA ops are stubbed by the tests. numba (and its llvmlite): "
+            "lmcache's CPU device ops need it; the LMCache series' patch tests run "
+            "lmcache's server and take lmcache's compiled modules from this layer."
         ),
     ),
 )

@@ -40,6 +40,7 @@ from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
 from hybridpd.pytestrun import Counts, SuiteResult, parse_junit, run_pytest
 from hybridpd.series import Pin, Series
+from hybridpd.series import load as load_series
 
 SUITES = ("patches", "upstream", "all")
 PATCH_PROPERTY = "patch"
@@ -94,6 +95,7 @@ class TestReport:
     patches: list[PatchRow] = dataclasses.field(default_factory=list)
     upstream: upstream.UpstreamReport | None = None
     problems: list[str] = dataclasses.field(default_factory=list)
+    project: str = "vLLM"
 
     @property
     def ok(self) -> bool:
@@ -101,6 +103,7 @@ class TestReport:
 
     def to_json(self) -> dict:
         data: dict = {
+            "project": self.project,
             "pin": self.pin,
             "suite": self.suite,
             "ok": self.ok,
@@ -138,8 +141,8 @@ def upstream_json(report: upstream.UpstreamReport) -> dict:
 
 
 def patch_tests_dir(series: Series) -> Path:
-    """The project's patch tests: ``tests/patches`` beside ``patches/``."""
-    return series.dir.parent / "tests" / "patches"
+    """The series' patch tests (``tests/patches`` for vLLM; see ``[test]``)."""
+    return series.tests.patch_tests
 
 
 def prepare_trees(series: Series, pin: Pin, root: Path, log: Log) -> dict:
@@ -317,7 +320,11 @@ def run(
     pin = series.pin(version)
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite}")
-    root = cache.cache_dir() / "trees" / pin.version
+    if series.tests.host_series is not None and suite == "upstream":
+        raise TestRunError(
+            f"{series.project} has no upstream suite here: run --suite patches"
+        )
+    root = cache.cache_dir() / "trees" / series.slug(pin)
     root.parent.mkdir(parents=True, exist_ok=True)
     # The trees and the run's outputs are rebuilt from scratch: one run per pin at a
     # time (a second waits for the first instead of deleting its trees under it).
@@ -330,21 +337,33 @@ def _run_locked(
     series: Series, pin: Pin, suite: str, root: Path, full_upstream: bool,
     stock_baseline: bool, torch_spec: str | None, log: Log,
 ) -> TestReport:
-    out_dir = cache.cache_dir() / "runs" / pin.version
+    out_dir = cache.cache_dir() / "runs" / series.slug(pin)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     hf_home = out_dir / "hf"
     hfsnap.write_snapshots(hf_home)
     trees = prepare_trees(series, pin, root, log)
+    # A project tested inside a vLLM pin (LMCache) runs in that pin's environment,
+    # with the pin's stock vLLM tree after its own tree on PYTHONPATH.
+    env_pin, env_tree, host_tree = pin.version, trees["stock"], []
+    if series.tests.host_series is not None:
+        host = load_series(series.tests.host_series)
+        env_pin = host.pin(series.tests.host_pin).version
+        env_tree = root / f"host-{host.slug(host.pin(env_pin))}"
+        log(f"test: checking out {host.project} {env_pin} (stock) in {env_tree}")
+        checkout(host, env_pin, env_tree, source="sdist")
+        host_tree = [env_tree]
+        if suite == "all":
+            log(f"test: {series.project} has no upstream suite here; running the patch tests")
+            suite = "patches"
     try:
-        venv = testenv.ensure_test_env(
-            pin.version, trees["stock"], cache.cache_dir(), torch_spec, log
-        )
-        layers = testenv.ensure_layers(venv, pin.version, log) if suite != "upstream" else []
+        venv = testenv.ensure_test_env(env_pin, env_tree, cache.cache_dir(), torch_spec, log)
+        layers = testenv.ensure_layers(venv, env_pin, log) if suite != "upstream" else []
     except testenv.TestEnvError as exc:
-        raise TestRunError(f"test environment for {pin.version}: {exc}") from exc
-    report = TestReport(pin.version, suite)
+        raise TestRunError(f"test environment for {env_pin}: {exc}") from exc
+    layers = host_tree + layers
+    report = TestReport(pin.version, suite, project=series.project)
     if suite in ("patches", "all"):
         report.patches, problems = run_patch_suite(
             series, pin, venv, trees, out_dir, hf_home, log, layers
@@ -388,7 +407,7 @@ def _baseline_covers(version: str, files: Sequence[str]) -> bool:
 
 def format_table(report: TestReport) -> str:
     """The red/green table and the upstream counts, for people."""
-    lines = [f"vLLM {report.pin}: patch tests (passed/failed)"]
+    lines = [f"{report.project} {report.pin}: patch tests (passed/failed)"]
     header = f"  {'patch':<40} {'stock':>9} {'without':>9} {'patched':>9}  red->green"
     lines.append(header)
     for row in report.patches:
