@@ -16,7 +16,10 @@
 #      pair from it takes the decode-side hit; --revert restores every file); the
 #      correctness scenario on the patched build (every
 #      output against a single instance, with preemption on the decode instance), and
-#      the same scenario on a mutant build, where it must go red.
+#      the same scenario on a mutant build, where it must go red; the LMCache gates
+#      (ci/lmcache-gates.sh: the correctness scenario with MultiConnector[LMCacheMP, NIXL]
+#      on the decode instance and its own tool-started lmcache server, patched lmcache
+#      green, and red with lmcache built without its state-binding or its null-slot fix).
 #
 # Tiers. By default step 3 runs the reduced upstream selection on the patched tree and
 # compares it with the committed stock baseline (tool/hybridpd/data/upstream/), which
@@ -115,6 +118,8 @@ if [ "$e2e" = 1 ]; then
       --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
     step "the correctness gate goes red on a mutant that resumes without Mamba state" \
       bash ci/mutant-correctness.sh "$hpd" "${HYBRIDPD_E2E_MUTANT_OUT:-out/e2e-mutant}"
+    step "LMCache gates: MultiConnector[LMCacheMP, NIXL] with a tool-started lmcache server; red without the state binding, red without the null-slot fix" \
+      bash ci/lmcache-gates.sh "$hpd" "${HYBRIDPD_E2E_LMCACHE_OUT:-out/e2e-lmcache}"
   else
     echo "ci/test.sh: hybridpd has no e2e command" >&2
     exit 1

@@ -129,16 +129,47 @@ def prepare(
     *,
     torch: str | None = None,
     root: Path | None = None,
+    lmcache: bool = False,
+    lmcache_without: str | None = None,
 ) -> Env:
-    """Make (or reuse) the ``build`` environment of pin ``version`` for ``device``."""
+    """Make (or reuse) the ``build`` environment of pin ``version`` for ``device``;
+    ``lmcache``: with the LMCache series' lmcache (:mod:`.lmcache`), minus the patch
+    ``lmcache_without``, in its own environment (lmcache pins some of vLLM's
+    dependencies lower)."""
     if build not in BUILDS:
         raise E2EError(f"unknown build {build!r}")
     pin = series.pin(version)
-    root = root or env_root(pin.version, device, build)
+    root = root or env_root(pin.version, device, build + ("+lmcache" if lmcache else ""))
     root.parent.mkdir(parents=True, exist_ok=True)
     # One writer per environment: a second e2e waits, then reuses the first one's.
     with cache.lock(root, log):
-        return _prepare_locked(series, pin, build, device, log, torch, root)
+        env = _prepare_locked(series, pin, build, device, log, torch, root)
+        if lmcache:
+            _with_lmcache(series, env, root, lmcache_without, log)
+        return env
+
+
+def _with_lmcache(series: Series, env: Env, root: Path, without: str | None, log: Log) -> None:
+    """Install the LMCache series' lmcache into ``env`` unless the same tree is in."""
+    from . import lmcache as lm
+
+    lm_series = lm.lmcache_series(series)
+    say = lambda line: log(f"[{env.build}+lmcache] {line}")  # noqa: E731
+    tree = lm.source(lm_series, root / "lmcache-src", without, say)
+    marker = cache.Marker(root / "lmcache.json")
+    want = {"tree": tree, "without": without, "python": str(env.python)}
+    installed = any(env.venv.glob("lib/python*/site-packages/lmcache-*.dist-info"))
+    if installed and (marker.read() or {}) == want:
+        say(f"reusing the lmcache of tree {tree[:12]}")
+        return
+    import time
+
+    t0 = time.monotonic()
+    version = lm_series.pin(lm_series.default_pin).version
+    wheel = lm.wheel(env.python, root / "lmcache-src", tree, version, say)
+    lm.install(env.python, wheel, say)
+    marker.write(want)
+    env.timings["lmcache"] = round(time.monotonic() - t0, 1)
 
 
 def _prepare_locked(

@@ -18,6 +18,7 @@ from hybridpd.errors import Interrupted, UsageError
 from hybridpd.progress import Log
 from hybridpd.series import Series
 
+from . import lmcache as lm
 from . import reap as reap_mod
 from . import report as report_mod
 from . import scenarios as sc
@@ -72,6 +73,7 @@ class E2EOptions:
     ready_timeout: float = _SERVER.ready_timeout
     seed: int = _BENCH.seed
     expect_patched_hit: bool = False
+    lmcache_without: str | None = None
 
     def to_json(self) -> dict:
         return {
@@ -108,9 +110,12 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     t_start = time.monotonic()
 
     # Environments first: a build failure should not cost a server start.
+    with_lmcache = (
+        {"lmcache": True, "lmcache_without": o.lmcache_without} if plan.lmcache else {}
+    )
     envs = {
         b: given(venv, b) if (venv := plan.venv(o, b)) else prepare(
-            series, pin.version, b, o.device, log, torch=o.torch_spec
+            series, pin.version, b, o.device, log, torch=o.torch_spec, **with_lmcache
         )
         for b in plan.builds
     }
@@ -149,6 +154,7 @@ class _Plan:
     connectors: tuple[str, ...]
     gpus: tuple[str, ...]
     builds: tuple[str, ...]
+    lmcache: bool = False  # the connector sets use LMCache: venvs with lmcache
 
     @classmethod
     def of(cls, o: E2EOptions, log: Log) -> _Plan:
@@ -170,7 +176,20 @@ class _Plan:
         builds = (
             ("stock",) if o.stock_only else ("patched", "stock") if o.compare else ("patched",)
         )
-        return cls(connectors, gpus, builds)
+        lmcache = [c for c in connectors if lm.uses_lmcache(c)]
+        if lmcache and len(lmcache) != len(connectors):
+            raise E2EUsageError(
+                f"{', '.join(lmcache)} run in venvs with lmcache, whose dependency pins differ:"
+                " give LMCache connector sets an e2e run of their own"
+            )
+        if o.lmcache_without and not lmcache:
+            raise E2EUsageError("--lmcache-without needs an LMCache connector set")
+        if lmcache and o.device != "cpu":
+            raise E2EUsageError(
+                "LMCache connector sets run on CPU only so far (the lmcache wheel hybridpd "
+                "builds has no GPU extension)"
+            )
+        return cls(connectors, gpus, builds, bool(lmcache))
 
     @staticmethod
     def venv(o: E2EOptions, build: str) -> Path | None:
@@ -302,7 +321,7 @@ class _PairRun:
             return sc.run_correctness(
                 pair, procs, self.vocab,
                 sc.CorrectnessOptions(block_size=o.block_size, max_tokens=o.max_tokens,
-                                      seed=o.seed),
+                                      seed=o.seed, lmcache=lm.uses_lmcache(self.connector)),
                 log,
             )
         return sc.run_prefix_repetition(
@@ -393,6 +412,9 @@ def _correctness_failures(
         out.append(f"{where}: no preemption on the decode instance (the pool is too large)")
     if expect_patched_hit and run.build == "patched" and not checks.get("decode_local_hit"):
         out.append(f"{where}: the decode instance took no local prefix hit for request B")
+    if not checks.get("lmcache_served_a_hit", True):
+        out.append(f"{where}: LMCache served no hit to the decode instance (L2), so the "
+                   "state it restores was not checked")
     return out
 
 

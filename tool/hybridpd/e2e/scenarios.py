@@ -43,6 +43,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import lmcache as lmcache_mod
 from . import metrics
 from .envs import Env
 from .servers import E2EError, Processes, ProcessFailed, StartupFailed, free_port
@@ -69,9 +70,12 @@ CONNECTORS = {
             "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30},
         }
     ],
-    # No LMCache pairing: vLLM refuses a hybrid Mamba model with LMCacheConnectorV1 at
-    # start-up (see the dropped record of lmcache-connector-hma), and LMCacheMPConnector
-    # needs an LMCache server that this tool does not start.
+    # MultiConnector over NIXL and LMCacheMPConnector, in both child orders, with the
+    # decode instance's own `lmcache server` (e2e/lmcache.py). Not LMCacheConnectorV1:
+    # vLLM refuses a hybrid Mamba model with it at start-up (see the dropped record of
+    # lmcache-connector-hma).
+    "nixl+lmcache": [],
+    "lmcache+nixl": [],
 }
 GPU_ONLY_CONNECTORS = ("nixl+offload",)
 
@@ -100,14 +104,29 @@ def nixl_config(role: str, device: str) -> dict:
     return cfg
 
 
-def kv_transfer_config(connector: str, side: str, role: str, device: str) -> dict:
-    """The ``--kv-transfer-config`` of the prefill (``side="P"``) or decode instance."""
+def kv_transfer_config(
+    connector: str, side: str, role: str, device: str, lmcache_port: int | None = None
+) -> dict:
+    """The ``--kv-transfer-config`` of the prefill (``side="P"``) or decode instance;
+    ``lmcache_port``: the decode instance's ``lmcache server`` (LMCache sets)."""
     if connector not in CONNECTORS:
         raise E2EError(f"unknown connector set {connector!r} (choose {', '.join(CONNECTORS)})")
     p_role, d_role = ("kv_both", "kv_both") if role == "kv_both" else ("kv_producer", "kv_consumer")
     own_role = p_role if side == "P" else d_role
     nixl = nixl_config(own_role, device)
     others = CONNECTORS[connector]
+    if side == "D" and lmcache_mod.uses_lmcache(connector):
+        if lmcache_port is None:
+            raise E2EError(f"{connector} needs the decode instance's lmcache server port")
+        # kv_both: the decode instance stores what it computes into its LMCache (a
+        # consumer's LMCacheMPConnector would only load).
+        lm = lmcache_mod.connector_config(lmcache_port, "kv_both")
+        children = [nixl, lm] if connector.startswith("nixl+") else [lm, nixl]
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": own_role,
+            "kv_connector_extra_config": {"connectors": children},
+        }
     if side == "P" or not others:
         return nixl
     children = [nixl] + [{**c, "kv_role": own_role} for c in others]
@@ -213,7 +232,7 @@ def start_pair(
             if not exc.port_in_use or attempt == START_ATTEMPTS:
                 raise
             progress(f"{exc}; starting the pair again on new ports ({attempt + 1}/{START_ATTEMPTS})")
-            for name in ("proxy", "decode", "prefill"):
+            for name in ("proxy", "decode", "prefill", "lmcache"):
                 if name in procs.procs:
                     procs.stop(name)
     raise AssertionError("unreachable")
@@ -231,13 +250,26 @@ def _start_pair_once(
     ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
     nixl_ports = {"prefill": free_port(), "decode": free_port()}
     commands = {}
+    ready: dict = {}
+    lmcache_port = None
+    if lmcache_mod.uses_lmcache(connector):
+        # The decode instance registers its KV cache with its server at start-up.
+        lmcache_port, http_port = free_port(), free_port()
+        cmd = lmcache_mod.server_command(env.python, lmcache_port, http_port)
+        procs.start("lmcache", cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=procs.log_dir)
+        commands["lmcache"] = cmd
+        ready |= procs.wait_ready(
+            {"lmcache": f"http://127.0.0.1:{http_port}/status"}, opts.ready_timeout, progress
+        )
     for name, side in (("prefill", "P"), ("decode", "D")):
-        cfg = kv_transfer_config(connector, side, role, opts.device)
+        cfg = kv_transfer_config(connector, side, role, opts.device, lmcache_port)
         caching = True if side == "P" else opts.decode_prefix_caching
         cmd = server_command(env, model, ports[name], cfg, opts, caching)
         if side == "D" and opts.decode_num_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(opts.decode_num_blocks)]
-        procs.start(name, cmd, server_env(opts, side, nixl_ports[name]), cwd=procs.log_dir)
+        shm = lmcache_mod.SHM_GLOBS if side == "D" and lmcache_port is not None else ()
+        procs.start(name, cmd, server_env(opts, side, nixl_ports[name]), cwd=procs.log_dir,
+                    shm=shm)
         commands[name] = cmd
     urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
     proxy_cmd = [
@@ -246,7 +278,7 @@ def _start_pair_once(
     ]
     procs.start("proxy", proxy_cmd, {**os.environ, "PYTHONUNBUFFERED": "1"})
     commands["proxy"] = proxy_cmd
-    ready = procs.wait_ready(
+    ready |= procs.wait_ready(
         {
             "prefill": urls["prefill"] + "/v1/models",
             "decode": urls["decode"] + "/v1/models",
@@ -547,6 +579,8 @@ class CorrectnessOptions:
     concurrent_max_tokens: int = 64
     concurrent_suffix: int = 216
     seed: int = 0
+    # LMCache sets: requests the decode instance's LMCache serves (see lmcache_cases).
+    lmcache: bool = False
 
 
 #: Nats. Two runs' logprobs of the same token must agree within this, and a different
@@ -654,6 +688,8 @@ def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
         {"label": "D plain request to the decode instance", "via": "decode",
          "prompt": prefix + tokens(bs // 2 + 3), "max_tokens": n},
     ]
+    if opts.lmcache:
+        cases += lmcache_cases(tokens, n)
     cases = [{**c, "group": 0} for c in cases]
     cases += [
         {"label": f"E{i} concurrent", "via": "pd",
@@ -662,6 +698,37 @@ def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
         for i in range(opts.concurrent)
     ]
     return cases
+
+
+def lmcache_cases(tokens, max_tokens: int) -> list[dict]:
+    """Requests the decode instance's LMCache serves: plain requests to D, each second
+    one after D's prefix cache was reset (``reset_decode``), so that its prefix comes
+    from LMCache, not from D's own blocks. vLLM runs the tiny model with block 256 (=
+    LMCache's chunk) and stores the Mamba state only at the last block of each prefill
+    step and the one before it (align mode): a 300-token prompt, one step of two
+    blocks, leaves a real state at block 0; a 600-token prompt, one step of three,
+    leaves vLLM's null block in block 0's Mamba slot.
+
+    - L: the state LMCache stores and loads must be the one vLLM computes with
+      (cpu-shm-vllm-state-binding): L2 takes a 256-token LMCache hit of L1's prefix;
+    - N: a chunk with a null Mamba slot must not be served as a state
+      (null-recurrent-slot-not-stored): N2 shares 300 tokens with N1 and takes no hit.
+    """
+    chunk = 256
+    l1 = tokens(300)
+    n1 = tokens(600)
+    return [
+        {"label": "L1 plain request D computes and stores in LMCache", "via": "decode",
+         "prompt": l1, "max_tokens": max_tokens, "lmcache": "store"},
+        {"label": "L2 L1's first chunk from LMCache (D's prefix cache reset)",
+         "via": "decode", "prompt": l1[:chunk] + tokens(200), "max_tokens": max_tokens,
+         "reset_decode": True, "lmcache": "hit"},
+        {"label": "N1 600 tokens in one prefill step (a null Mamba slot at chunk 0)",
+         "via": "decode", "prompt": n1, "max_tokens": max_tokens, "lmcache": "store"},
+        {"label": "N2 shares 300 tokens with N1 (D's prefix cache reset)", "via": "decode",
+         "prompt": n1[:300] + tokens(60), "max_tokens": max_tokens, "reset_decode": True,
+         "lmcache": "null-slot"},
+    ]
 
 
 def run_correctness(
@@ -690,13 +757,21 @@ def run_correctness(
     first: dict[int, Completion] = {}
     before = settled_scrape(pair.decode, wait=0.5)
     for case in (c for c in cases if c["group"] == 0):
+        if case.get("reset_decode"):
+            post(f"{pair.decode}/reset_prefix_cache")
+            before = settled_scrape(pair.decode, wait=0.5)
         out = first[id(case)] = run(url(case), case)
         after = settled_scrape(pair.decode)
         rows.append({**_correctness_row(case, out),
                      "decode_local_hit_tokens": int(after.delta(before, metrics.PREFIX_CACHE_HITS)),
+                     # vLLM counts one external hit per request, whichever child served it:
+                     # NIXL for a remote prefill, LMCache for a plain request to D.
+                     "decode_external_hit_tokens": int(
+                         after.delta(before, metrics.EXTERNAL_PREFIX_CACHE_HITS)),
                      "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES))})
         before = after
         log(f"  {case['label']}: decode local hit {rows[-1]['decode_local_hit_tokens']} tokens, "
+            f"external {rows[-1]['decode_external_hit_tokens']}, "
             f"{'equal to' if rows[-1]['equal'] else 'parts from'} the free-running reference "
             f"{rows[-1]['note']}".rstrip())
     group = [c for c in cases if c["group"] == 1]
@@ -728,6 +803,12 @@ def run_correctness(
         "decode_local_hit": rows[1]["decode_local_hit_tokens"] > 0,
         "preemption_forced": preemptions > 0,
     }
+    if opts.lmcache:
+        lm = {c["label"]: c["lmcache"] for c in cases if c.get("lmcache")}
+        # L2 must take its prefix from LMCache (else the state binding is not exercised).
+        checks["lmcache_served_a_hit"] = all(
+            r["decode_external_hit_tokens"] > 0 for r in rows if lm.get(r["label"]) == "hit"
+        )
     return {
         "requests": rows,
         "decode_preemptions": preemptions,

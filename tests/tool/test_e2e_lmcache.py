@@ -1,0 +1,102 @@
+"""The LMCache connector sets of the e2e: configs, servers, cases, option checks (no
+vLLM, no lmcache: what a run would start and ask)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hybridpd.e2e import lmcache as lm
+from hybridpd.e2e import run as run_mod
+from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e.servers import E2EError
+
+
+def _children(cfg: dict) -> list[str]:
+    return [c["kv_connector"] for c in cfg["kv_connector_extra_config"]["connectors"]]
+
+
+@pytest.mark.parametrize(
+    ("connector", "order"),
+    [("nixl+lmcache", ["NixlConnector", "LMCacheMPConnector"]),
+     ("lmcache+nixl", ["LMCacheMPConnector", "NixlConnector"])],
+)
+def test_the_decode_instance_runs_both_children_in_the_named_order(connector, order) -> None:
+    d = sc.kv_transfer_config(connector, "D", "kv_producer/kv_consumer", "cpu", 6555)
+    assert d["kv_connector"] == "MultiConnector" and d["kv_role"] == "kv_consumer"
+    assert _children(d) == order
+    child = next(c for c in d["kv_connector_extra_config"]["connectors"]
+                 if c["kv_connector"] == "LMCacheMPConnector")
+    # kv_both: a consumer's LMCacheMPConnector would never store what D computes.
+    assert child["kv_role"] == "kv_both"
+    assert child["kv_connector_extra_config"] == {
+        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 6555}
+    # The prefill instance stays on NIXL alone: its cold reference never hits LMCache.
+    p = sc.kv_transfer_config(connector, "P", "kv_producer/kv_consumer", "cpu")
+    assert p["kv_connector"] == "NixlConnector"
+
+
+def test_a_decode_config_without_its_server_is_refused() -> None:
+    with pytest.raises(E2EError, match="lmcache server port"):
+        sc.kv_transfer_config("nixl+lmcache", "D", "kv_both", "cpu")
+
+
+def test_the_server_command_is_lmcaches_own_on_loopback() -> None:
+    cmd = lm.server_command(Path("/v/bin/python"), 6555, 6556)
+    assert cmd[:2] == ["/v/bin/lmcache", "server"]
+    args = dict(zip(cmd[2::2], cmd[3::2]))
+    assert args["--host"] == "127.0.0.1" and args["--port"] == "6555"
+    assert args["--http-port"] == "6556" and args["--chunk-size"] == "256"
+    # lmcache exits when --l1-size-gb comes without --eviction-policy.
+    assert "--l1-size-gb" in args and "--eviction-policy" in args
+    assert "--separate-object-groups" not in cmd  # LMCache's default layout
+
+
+def test_lmcache_cases_reset_the_decode_cache_before_each_load() -> None:
+    rng = random.Random(0)
+    cases = sc.lmcache_cases(lambda n: [rng.randrange(2, 100) for _ in range(n)], 16)
+    by_kind = {c["lmcache"]: c for c in cases}
+    assert [c.get("reset_decode", False) for c in cases] == [False, True, False, True]
+    assert all(c["via"] == "decode" for c in cases)  # plain requests: LMCache serves them
+    store, hit = cases[0]["prompt"], by_kind["hit"]["prompt"]
+    assert hit[:256] == store[:256] and hit[256] != store[256]
+    n1, n2 = cases[2]["prompt"], by_kind["null-slot"]["prompt"]
+    assert len(n1) == 600 and n2[:300] == n1[:300] and len(n2) == 360
+
+
+def test_correctness_adds_the_lmcache_cases_only_for_lmcache_sets() -> None:
+    plain = sc.correctness_cases(1000, sc.CorrectnessOptions())
+    with_lm = sc.correctness_cases(1000, sc.CorrectnessOptions(lmcache=True))
+    assert not any("lmcache" in c for c in plain)
+    assert [c["lmcache"] for c in with_lm if "lmcache" in c] == [
+        "store", "hit", "store", "null-slot"]
+
+
+def test_lmcache_sets_run_on_their_own(tmp_path: Path) -> None:
+    from builders import standard_project
+
+    _, series = standard_project(tmp_path)
+    opts = dict(version="1.0", tiny=True, out_dir=tmp_path / "out")
+    with pytest.raises(run_mod.E2EUsageError, match="e2e run of their own"):
+        run_mod.run(series, run_mod.E2EOptions(
+            connectors=("nixl", "nixl+lmcache"), **opts), [], print)
+    with pytest.raises(run_mod.E2EUsageError, match="needs an LMCache connector set"):
+        run_mod.run(series, run_mod.E2EOptions(lmcache_without="x", **opts), [], print)
+    with pytest.raises(run_mod.E2EUsageError, match="CPU only"):
+        run_mod.run(series, run_mod.E2EOptions(
+            connectors=("nixl+lmcache",), device="cuda", **opts), [], print)
+
+
+def test_the_lmcache_series_is_found_beside_the_vllm_one(tmp_path: Path) -> None:
+    from builders import standard_project
+
+    _, series = standard_project(tmp_path)
+    with pytest.raises(E2EError, match="no LMCache series"):
+        lm.lmcache_series(series)
+    root = Path(__file__).resolve().parents[2]
+    from hybridpd.series import load
+
+    found = lm.lmcache_series(load(root / "patches" / "series.toml"))
+    assert found.package == "lmcache"
+    assert all(found.patch(p) for p in ("cpu-shm-vllm-state-binding", "null-recurrent-slot-not-stored"))

@@ -1,0 +1,154 @@
+"""LMCache in an e2e run: the patched lmcache in the venv, and one server per instance.
+
+The decode instance of an LMCache connector set (``nixl+lmcache``, ``lmcache+nixl``)
+runs ``MultiConnector`` over NIXL and ``LMCacheMPConnector`` and talks to its own
+``lmcache server`` on loopback, as LMCache's disaggregated-prefill and hybrid-model
+guides describe; the prefill instance stays on NIXL alone, so that the single-instance
+reference it computes is cold.
+
+- lmcache goes only into e2e venvs hybridpd builds, never into a user's environment: a
+  wheel built here from the LMCache series' verified sdist (``patches/lmcache`` beside
+  the vLLM series), patched (or with one patch left out, for the gate that must go
+  red), with lmcache's no-GPU-extension build (``NO_GPU_EXT=1``): that wheel needs
+  neither cupy nor cuda-python, whose CUDA 13 packages made NIXL look for its CUDA 13
+  variant. The wheel is cached by the tree it was built from.
+- the server is one more process of the run (:class:`.servers.Processes`): its own
+  process group, its log beside the vLLM logs, ready when its HTTP ``/status``
+  answers, reaped with the run. LMCache's shared-memory segments
+  (``/dev/shm/lmcache_kv_<pid>_*``, made by the vLLM worker that registers its KV cache)
+  are named in the decode instance's record, so they are removed with it, also after
+  a SIGKILLed run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from hybridpd import cache, gitops, proc
+from hybridpd.apply import patch_commits
+from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log
+from hybridpd.series import Series
+from hybridpd.series import load as load_series
+
+from .servers import E2EError
+
+#: Connector sets of the decode instance that use LMCache, and their child order.
+CONNECTORS = ("nixl+lmcache", "lmcache+nixl")
+#: LMCache's chunk: vLLM raises the tiny hybrid model's block size to 256 on CPU, and
+#: LMCache's chunk must be a multiple of it.
+CHUNK_SIZE = 256
+#: What each ``lmcache server`` gets: LMCache's defaults otherwise (one object per
+#: chunk for attention and Mamba together, no --separate-object-groups).
+L1_SIZE_GB = 0.5
+#: The shared-memory files a vLLM instance registered with LMCache may leave.
+SHM_GLOBS = ("lmcache_kv_{pid}_*",)
+#: lmcache's ``[build-system] requires`` (its sdist's pyproject.toml) but torch, which
+#: the venv already holds as the CPU build: a build without isolation uses them.
+BUILD_REQUIREMENTS = (
+    "ninja", "packaging>=24.2", "setuptools>=77.0.3,<81.0.0", "setuptools_scm>=8",
+    "grpcio==1.78.0", "grpcio-tools==1.78.0", "wheel",
+)
+
+
+def uses_lmcache(connector: str) -> bool:
+    return connector in CONNECTORS
+
+
+def lmcache_series(vllm_series: Series) -> Series:
+    """The LMCache series beside the vLLM one (``patches/lmcache/series.toml``)."""
+    path = vllm_series.dir / "lmcache" / "series.toml"
+    if not path.is_file():
+        raise E2EError(f"no LMCache series at {path}")
+    return load_series(path)
+
+
+def source(series: Series, src: Path, without: str | None, log: Log) -> str:
+    """Make ``src`` the patched LMCache tree (minus ``without``); its tree hash."""
+    from hybridpd import releasetree
+
+    pin = series.pin(series.default_pin)
+    if without is not None and series.patch(without) is None:
+        raise E2EError(f"--lmcache-without {without}: no such patch in the LMCache series")
+    try:
+        releasetree.prepare(series, pin, src, patched=True, log=log)
+    except HybridpdError as exc:
+        raise E2EError(f"cannot make the patched LMCache {pin.version}: {exc.message}") from None
+    if without is not None:
+        commit = dict(patch_commits(src, pin)).get(without)
+        if commit is None:
+            raise E2EError(f"--lmcache-without {without}: the patch is not applied in {src}")
+        log(f"leaving {without} out of LMCache {pin.version}")
+        done = gitops.run(src, "revert", "--no-edit", commit.sha)
+        if not done.ok:
+            raise E2EError(
+                f"cannot leave {without} out of LMCache: {gitops.first_error_line(done.stderr)}"
+            )
+    return gitops.check(src, "rev-parse", "HEAD^{tree}").strip()
+
+
+def wheel(python: Path, src: Path, tree: str, version: str, log: Log) -> Path:
+    """lmcache's CPU wheel of ``src`` (cached by ``tree``), built with ``python``."""
+    out = cache.cache_dir() / "wheels" / "lmcache" / tree[:16]
+    found = sorted(out.glob("lmcache-*.whl")) if out.is_dir() else []
+    if found:
+        return found[0]
+    log(f"building lmcache's CPU wheel (NO_GPU_EXT=1) from {src}")
+    pip = [str(python), "-m", "pip"]
+    done = proc.run([*pip, "install", "-q", *BUILD_REQUIREMENTS])
+    if not done.ok:
+        raise E2EError(f"pip could not install lmcache's build requirements: {done.tail()}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = {
+        **os.environ,
+        "NO_GPU_EXT": "1",
+        # The version of the release, not one setuptools_scm derives from our commits.
+        "SETUPTOOLS_SCM_PRETEND_VERSION": f"{version}+hybridpd",
+    }
+    built = proc.run(
+        [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(src)],
+        env=env,
+    )
+    if not built.ok or not list(tmp.glob("lmcache-*.whl")):
+        raise E2EError(f"building lmcache's wheel from {src} failed: {built.tail()}")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return sorted(out.glob("lmcache-*.whl"))[0]
+
+
+def install(python: Path, wheel_path: Path, log: Log) -> None:
+    """Install the wheel and its dependencies into the venv of ``python``."""
+    log(f"installing {wheel_path.name}")
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    for done in (
+        proc.run([*pip, "--force-reinstall", "--no-deps", str(wheel_path)]),
+        proc.run([*pip, str(wheel_path)]),  # its dependencies (some pinned below vLLM's)
+    ):
+        if not done.ok:
+            raise E2EError(f"pip could not install {wheel_path.name} into {python}: {done.tail()}")
+
+
+def server_command(python: Path, port: int, http_port: int) -> list[str]:
+    """``lmcache server`` on loopback (it exits without --eviction-policy when given
+    --l1-size-gb)."""
+    return [
+        str(Path(python).parent / "lmcache"), "server",
+        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+        "--chunk-size", str(CHUNK_SIZE), "--l1-size-gb", str(L1_SIZE_GB),
+        "--eviction-policy", "LRU",
+    ]
+
+
+def connector_config(port: int, role: str) -> dict:
+    """``LMCacheMPConnector``'s child entry of the decode instance's MultiConnector."""
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": port,
+        },
+    }
