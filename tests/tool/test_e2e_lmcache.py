@@ -100,3 +100,31 @@ def test_the_lmcache_series_is_found_beside_the_vllm_one(tmp_path: Path) -> None
     found = lm.lmcache_series(load(root / "patches" / "series.toml"))
     assert found.package == "lmcache"
     assert all(found.patch(p) for p in ("cpu-shm-vllm-state-binding", "null-recurrent-slot-not-stored"))
+
+
+def test_the_server_starts_before_the_decode_instance_whose_record_names_its_shm(
+    tmp_path: Path,
+) -> None:
+    """The decode instance registers its KV cache with its server at start-up, so the
+    server is ready first; LMCache's segments of the decode instance's processes are
+    in its record, so they are removed with it (also by a later reap)."""
+    started: list[tuple[str, tuple]] = []
+
+    class Procs:
+        log_dir = tmp_path
+        procs: dict = {}
+
+        def start(self, name, cmd, env=None, cwd=None, shm=()):
+            started.append((name, tuple(shm)))
+
+        def wait_ready(self, urls, timeout, progress):
+            assert [n for n, _ in started][-1] == ("lmcache" if "lmcache" in urls else "proxy")
+            return {n: 1.0 for n in urls}
+
+    class Env:
+        python = Path("/v/bin/python")
+
+    sc._start_pair_once(Procs(), Env(), "m", "lmcache+nixl", "kv_both",
+                        sc.ServerOptions(), print)
+    assert [n for n, _ in started] == ["lmcache", "prefill", "decode", "proxy"]
+    assert dict(started)["decode"] == lm.SHM_GLOBS and dict(started)["prefill"] == ()
