@@ -16,6 +16,7 @@ it (the build, then NixlConnector's NIXL, which here must install). The e2e adds
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -143,10 +144,33 @@ def prepare(
     root.parent.mkdir(parents=True, exist_ok=True)
     # One writer per environment: a second e2e waits, then reuses the first one's.
     with cache.lock(root, log):
+        if lmcache:
+            # The same build without lmcache, when it is current, is copied with hard
+            # links instead of being built again (pip replaces files, never edits them).
+            _clone_if_current(series, pin, build, device, log, torch, root)
         env = _prepare_locked(series, pin, build, device, log, torch, root)
         if lmcache:
             _with_lmcache(series, env, root, lmcache_without, log)
         return env
+
+
+def _clone_if_current(
+    series: Series, pin: Pin, build: str, device: str, log: Log, torch: str | None, root: Path
+) -> None:
+    plain = env_root(pin.version, device, build)
+    want = (cache.Marker(plain / MARKER).read() or {}).get("want")
+    if (root / "venv" / "bin" / "python").exists() or want is None:
+        return
+    if not (plain / "venv" / "bin" / "python").exists() or want.get("torch") != torch:
+        return
+    log(f"[{build}+lmcache] copying {plain / 'venv'} (hard links)")
+    root.mkdir(parents=True, exist_ok=True)
+    if not proc.run(["cp", "-al", str(plain / "venv"), str(root / "venv")]).ok:
+        shutil.rmtree(root / "venv", ignore_errors=True)
+        return
+    # Same want as the copied venv: _prepare_locked reuses it once its own checkout
+    # has the same head.
+    cache.Marker(root / MARKER).write({"want": want, "timings_s": {"copied": True}})
 
 
 def _with_lmcache(series: Series, env: Env, root: Path, without: str | None, log: Log) -> None:
