@@ -59,3 +59,21 @@ def test_separate_object_groups_keep_the_full_hit():
         server.store(A, ONE_STEP)
         assert server.lookup(A, "a") == 2
         assert server.lookup(B, "b") == 0
+
+
+@pytest.mark.patch("null-recurrent-slot-not-stored")
+def test_a_chunk_of_two_blocks_ending_on_a_null_state_is_not_served():
+    """A hit ending at a chunk resumes from the state in the chunk's last block. With
+    a chunk of two blocks (--chunk-size 512, a multiple of vLLM's 256 as LMCache allows),
+    a local hit of block 0 then a multi-block step leaves chunk 0 as [real, null] in the
+    Mamba groups: not all null, and still no state to resume from at its end."""
+    with deployment.lmcache_server(["--chunk-size", str(2 * N)]) as server:
+        _registered(server)
+        a = list(range(1, 4 * N + 1))
+        b = a[: 2 * N + 100] + list(range(20_000, 20_060))  # its only whole chunk is 0
+        # Per Mamba group: block 0 real (the earlier local hit), 1-2 null, 3 the state
+        # the step ended on; attention holds real blocks everywhere.
+        block_ids = [[1, 0, 0, 2], [7, 0, 0, 8], [9, 0, 0, 10], [3, 4, 5, 6]]
+        stored = server.store(a, block_ids)
+        assert stored[1], "chunk 1 ends on a real state: it is stored"
+        assert server.lookup(b, "b") == 0

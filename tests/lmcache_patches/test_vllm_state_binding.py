@@ -51,6 +51,7 @@ def test_attention_kv_is_shared(server):
     for block in SRC[group]:
         kv[block].copy_(torch.randn(kv[block].shape).to(kv.dtype))
     assert server.store(TOKENS, SRC) == [True, True]
-    assert server.retrieve(TOKENS, DST, "load") if server.lookup(TOKENS, "load") else False
+    assert server.lookup(TOKENS, "load") == 2
+    assert server.retrieve(TOKENS, DST, "load")
     for a, b in zip(SRC[group], DST[group]):
         assert torch.equal(kv[a], kv[b])
