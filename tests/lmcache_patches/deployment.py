@@ -43,14 +43,7 @@ from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (
 from lmcache.v1.multiprocess.modules.lookup import LookupModule
 from lmcache.v1.multiprocess.server import run_cache_server
 from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -62,6 +55,8 @@ from vllm.v1.attention.backends.utils import (
 from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache_to_layers
+
+from patches import builders  # the patch tests' builders (tests/ is the rootdir)
 
 BLOCK = 256  # vLLM's block (raised to 256 by vLLM on CPU) = LMCache's chunk
 CPU = torch.device("cpu")
@@ -153,32 +148,18 @@ def _free_port() -> int:
 def vllm_config(port: int, max_num_batched_tokens: int = 2 * BLOCK) -> VllmConfig:
     """A decode-or-prefill instance's config with LMCacheMPConnector (kv_both), in
     LMCache's shared-memory transfer mode (the only one that serves several KV groups)."""
-    from patches.builders import tiny_model_dir  # the patch tests' offline model
-
-    max_len = 8 * BLOCK
-    return VllmConfig(
-        model_config=ModelConfig(
-            model=tiny_model_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
-            max_model_len=max_len,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_len, enable_chunked_prefill=True, is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(
-            block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
-            enable_prefix_caching=True, mamba_cache_mode="align",
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheMPConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "lmcache.mp.host": "tcp://127.0.0.1",
-                "lmcache.mp.port": port,
-                "lmcache.mp.mp_transfer_mode": "lmcache_driven",
-            },
-        ),
-        device_config=DeviceConfig("cpu"),
+    return builders.vllm_config(
+        kv_role="kv_both",
+        kv_connector="LMCacheMPConnector",
+        kv_connector_extra_config={
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": port,
+            "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+        },
+        block_size=BLOCK,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=4,
+        max_model_len=8 * BLOCK,
     )
 
 

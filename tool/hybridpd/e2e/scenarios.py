@@ -714,7 +714,7 @@ def lmcache_cases(tokens, max_tokens: int) -> list[dict]:
     - N: a chunk with a null Mamba slot must not be served as a state
       (null-recurrent-slot-not-stored): N2 shares 300 tokens with N1 and takes no hit.
     """
-    chunk = 256
+    chunk = lmcache_mod.CHUNK_SIZE
     l1 = tokens(300)
     n1 = tokens(600)
     return [
