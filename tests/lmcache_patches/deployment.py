@@ -163,8 +163,16 @@ def vllm_config(port: int, max_num_batched_tokens: int = 2 * BLOCK) -> VllmConfi
     )
 
 
-def allocate_worker(config: VllmConfig, num_blocks: int = 32) -> Worker:
-    """Allocate and bind the KV cache the way vLLM's CPU worker does."""
+def allocate_worker(
+    config: VllmConfig, num_blocks: int = 32, pool_context: bool = True
+) -> Worker:
+    """Create the LMCache connector, then allocate and bind the KV cache the way
+    vLLM's CPU worker does (``Worker.initialize_from_config``): inside the memory
+    pool context the connector returns from ``get_mem_pool_context``. With
+    ``pool_context=False`` the allocation ignores it, as vLLM releases whose worker
+    does not ask the connector (0.20.2) allocate."""
+    from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+
     specs: dict[str, Any] = {}
     layers: dict[str, AttentionLayerBase] = {}
     for i in range(NUM_LAYERS):
@@ -185,13 +193,16 @@ def allocate_worker(config: VllmConfig, num_blocks: int = 32) -> Worker:
     layout = resolve_kv_cache_layout(config, [[l.name for l in layouts]], specs.values())
     page = max(spec.page_size_bytes for spec in specs.values())
     kv_cache_config = get_kv_cache_configs(config, [specs], [num_blocks * page])[0]
-    kv_caches = allocate_kv_cache(
-        kv_cache_config, CPU, layout,
-        [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups],
-    )
+    connector = LMCacheMPConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    context = connector.get_mem_pool_context() if pool_context else None
+    with context or contextlib.nullcontext():
+        kv_caches = allocate_kv_cache(
+            kv_cache_config, CPU, layout,
+            [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups],
+        )
     bind_kv_cache_to_layers(kv_caches, layers)
     config.compilation_config.static_forward_context.update(layers)
-    return Worker(config, kv_cache_config, kv_caches, layers)
+    return Worker(config, kv_cache_config, kv_caches, layers, connector)
 
 
 @dataclass
@@ -307,11 +318,6 @@ def lmcache_server(extra: Sequence[str] = ()) -> Iterator[Server]:
 
 def register(worker: Worker, server: Server) -> Any:
     """vLLM's LMCacheMPConnector (worker role) registers the worker's KV cache."""
-    from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
-
-    worker.connector = LMCacheMPConnector(
-        worker.vllm_config, KVConnectorRole.WORKER, worker.kv_cache_config
-    )
     worker.connector.register_kv_caches(worker.kv_caches)
     server.model_name = worker.vllm_config.model_config.model
     return worker.connector

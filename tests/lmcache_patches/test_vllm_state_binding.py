@@ -25,7 +25,12 @@ TOKENS = list(range(1, 2 * deployment.BLOCK + 1))
 
 
 def _worker(server):
-    worker = deployment.allocate_worker(deployment.vllm_config(server.port))
+    # Allocated outside the connector's memory pool context, as vLLM releases whose
+    # CPU worker does not ask the connector allocate it (0.20.2): registration then
+    # moves the KV cache (cpu-shm-kv-cache-allocation covers the others).
+    worker = deployment.allocate_worker(
+        deployment.vllm_config(server.port), pool_context=False
+    )
     deployment.register(worker, server)
     return worker
 

@@ -82,7 +82,7 @@ def test_lmcache_sets_run_on_their_own(tmp_path: Path) -> None:
         run_mod.run(series, run_mod.E2EOptions(
             connectors=("nixl", "nixl+lmcache"), **opts), [], print)
     with pytest.raises(run_mod.E2EUsageError, match="needs an LMCache connector set"):
-        run_mod.run(series, run_mod.E2EOptions(lmcache_without="x", **opts), [], print)
+        run_mod.run(series, run_mod.E2EOptions(lmcache_without=("x",), **opts), [], print)
     with pytest.raises(run_mod.E2EUsageError, match="CPU only"):
         run_mod.run(series, run_mod.E2EOptions(
             connectors=("nixl+lmcache",), device="cuda", **opts), [], print)

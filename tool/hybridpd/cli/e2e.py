@@ -124,9 +124,9 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
               help="Extra argument for both servers (repeatable).")
 @click.option("--ready-timeout", type=float, default=_D.ready_timeout, show_default=True, help="Seconds.")
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
-@click.option("--lmcache-without", metavar="PATCH_ID",
+@click.option("--lmcache-without", "lmcache_without", multiple=True, metavar="PATCH_ID",
               help="LMCache sets: build lmcache from the LMCache series without this patch "
-              "(a gate that must go red).")
+              "(repeatable; a gate that must go red).")
 @click.option("--expect-patched-hit", is_flag=True,
               help="Exit 1 unless every patched run gives the decode instance a local hit "
               "on the shared-prefix request and all outputs match (the CI gate).")

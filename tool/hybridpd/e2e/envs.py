@@ -17,6 +17,7 @@ it (the build, then NixlConnector's NIXL, which here must install). The e2e adds
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -131,10 +132,10 @@ def prepare(
     torch: str | None = None,
     root: Path | None = None,
     lmcache: bool = False,
-    lmcache_without: str | None = None,
+    lmcache_without: Sequence[str] = (),
 ) -> Env:
     """Make (or reuse) the ``build`` environment of pin ``version`` for ``device``;
-    ``lmcache``: with the LMCache series' lmcache (:mod:`.lmcache`), minus the patch
+    ``lmcache``: with the LMCache series' lmcache (:mod:`.lmcache`), minus the patches
     ``lmcache_without``, in its own environment (lmcache pins some of vLLM's
     dependencies lower)."""
     if build not in BUILDS:
@@ -173,7 +174,9 @@ def _clone_if_current(
     cache.Marker(root / MARKER).write({"want": want, "timings_s": {"copied": True}})
 
 
-def _with_lmcache(series: Series, env: Env, root: Path, without: str | None, log: Log) -> None:
+def _with_lmcache(
+    series: Series, env: Env, root: Path, without: Sequence[str], log: Log
+) -> None:
     """Install the LMCache series' lmcache into ``env`` unless the same tree is in."""
     from . import lmcache as lm
 
@@ -181,7 +184,7 @@ def _with_lmcache(series: Series, env: Env, root: Path, without: str | None, log
     say = lambda line: log(f"[{env.build}+lmcache] {line}")  # noqa: E731
     tree = lm.source(lm_series, root / "lmcache-src", without, say)
     marker = cache.Marker(root / "lmcache.json")
-    want = {"tree": tree, "without": without, "python": str(env.python)}
+    want = {"tree": tree, "without": list(without), "python": str(env.python)}
     installed = any(env.venv.glob("lib/python*/site-packages/lmcache-*.dist-info"))
     if installed and (marker.read() or {}) == want:
         say(f"reusing the lmcache of tree {tree[:12]}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from hybridpd import cache, gitops, proc
@@ -65,26 +66,32 @@ def lmcache_series(vllm_series: Series) -> Series:
     return load_series(path)
 
 
-def source(series: Series, src: Path, without: str | None, log: Log) -> str:
-    """Make ``src`` the patched LMCache tree (minus ``without``); its tree hash."""
+def source(series: Series, src: Path, without: Sequence[str], log: Log) -> str:
+    """Make ``src`` the patched LMCache tree (minus the patches ``without``); its tree
+    hash."""
     from hybridpd import releasetree
 
     pin = series.pin(series.default_pin)
-    if without is not None and series.patch(without) is None:
-        raise E2EError(f"--lmcache-without {without}: no such patch in the LMCache series")
+    for patch_id in without:
+        if series.patch(patch_id) is None:
+            raise E2EError(f"--lmcache-without {patch_id}: no such patch in the LMCache series")
     try:
         releasetree.prepare(series, pin, src, patched=True, log=log)
     except HybridpdError as exc:
         raise E2EError(f"cannot make the patched LMCache {pin.version}: {exc.message}") from None
-    if without is not None:
-        commit = dict(patch_commits(src, pin)).get(without)
-        if commit is None:
-            raise E2EError(f"--lmcache-without {without}: the patch is not applied in {src}")
-        log(f"leaving {without} out of LMCache {pin.version}")
-        done = gitops.run(src, "revert", "--no-edit", commit.sha)
+    commits = dict(patch_commits(src, pin))
+    for patch_id in without:
+        if patch_id not in commits:
+            raise E2EError(f"--lmcache-without {patch_id}: the patch is not applied in {src}")
+    # Latest first: a later patch may change the lines of an earlier one.
+    for patch_id in reversed([p for p in commits if p in without]):
+        log(f"leaving {patch_id} out of LMCache {pin.version}")
+        done = gitops.run(src, "revert", "--no-edit", commits[patch_id].sha)
         if not done.ok:
+            gitops.run(src, "revert", "--abort")
             raise E2EError(
-                f"cannot leave {without} out of LMCache: {gitops.first_error_line(done.stderr)}"
+                f"cannot leave {patch_id} out of LMCache: "
+                f"{gitops.first_error_line(done.stderr)}"
             )
     return gitops.check(src, "rev-parse", "HEAD^{tree}").strip()
 

@@ -73,7 +73,7 @@ class E2EOptions:
     ready_timeout: float = _SERVER.ready_timeout
     seed: int = _BENCH.seed
     expect_patched_hit: bool = False
-    lmcache_without: str | None = None
+    lmcache_without: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {
