@@ -5,10 +5,13 @@
 #      orders ([LMCacheMP, NIXL] and the seed's [NIXL, LMCacheMP]): every output equals
 #      the single instance's, the decode instance takes its local prefix hit and
 #      LMCache serves it a hit (request L2);
-#   2. [NIXL, LMCacheMP] with lmcache built without cpu-shm-kv-cache-allocation must go
+#   2. the correctness gate on a mutant of the patched vLLM build that resumes without
+#      the Mamba state (ci/mutant-correctness.sh) goes red on [LMCacheMP, NIXL], the
+#      order where the series' decode-side decision runs on LMCache's loads too;
+#   3. [NIXL, LMCacheMP] with lmcache built without cpu-shm-kv-cache-allocation must go
 #      red: LMCache's CPU registration moves the KV cache NIXL registered first, and
 #      every remote prefill decodes garbage (request A, the first one);
-#   3. lmcache built without cpu-shm-kv-cache-allocation and cpu-shm-vllm-state-binding
+#   4. lmcache built without cpu-shm-kv-cache-allocation and cpu-shm-vllm-state-binding
 #      (LMCache's own state-binding bug: nothing left keeps vLLM's Mamba views on the
 #      memory LMCache registers) must go red. The registration leaves vLLM's Mamba
 #      tensors on their private storage and moves the rest into shared memory: the KV
@@ -16,7 +19,7 @@
 #      memory regions where the prefill instance has one, and the decode instance dies
 #      at the first remote prefill
 #      (`assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)`);
-#   4. lmcache built without null-recurrent-slot-not-stored must go red on request N2:
+#   5. lmcache built without null-recurrent-slot-not-stored must go red on request N2:
 #      LMCache serves it a chunk whose Mamba state is vLLM's null block.
 #
 # Usage: ci/lmcache-gates.sh HYBRIDPD OUT_DIR
@@ -30,6 +33,8 @@ e2e=(e2e --pin 0.32.0 --device cpu --tiny --scenario correctness
 
 "$hpd" "${e2e[@]}" --connector lmcache+nixl --out "$out/patched"
 "$hpd" "${e2e[@]}" --connector nixl+lmcache --out "$out/patched-nixl-first"
+# While the e2e venv holds the patched lmcache (the runs below rebuild it without patches).
+bash "$(dirname "$0")/mutant-correctness.sh" "$hpd" "$out/mutant" lmcache+nixl
 
 must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT: red, and FILE holds TEXT (FILE:
                # "stderr", the command's, or a path under the run's --out); WITHOUT: the

@@ -6,16 +6,19 @@
 # patched, NIXL pulls the last block and the state) resumes from a missing state.
 # Passes only if the gate goes red on request C.
 #
-# Usage: ci/mutant-correctness.sh HYBRIDPD OUT_DIR (after the correctness step, which
-# prepared the patched environment).
+# Usage: ci/mutant-correctness.sh HYBRIDPD OUT_DIR [CONNECTOR] (after a correctness run
+# of CONNECTOR, default nixl, which prepared the patched environment; for an LMCache set,
+# run it while that environment holds the patched lmcache: ci/lmcache-gates.sh does).
 set -euo pipefail
 
 hpd="$1"
 out="$2"
+connector="${3:-nixl}"
+case "$connector" in *lmcache*) env=0.32.0-cpu-patched+lmcache ;; *) env=0.32.0-cpu-patched ;; esac
 mkdir -p "$(dirname "$out")"
 cache="${HYBRIDPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hybridpd}"
-patched="$cache/e2e/0.32.0-cpu-patched/venv"
-mutant="$cache/e2e/0.32.0-cpu-mutant/venv"
+patched="$cache/e2e/$env/venv"
+mutant="$cache/e2e/${env/patched/mutant}/venv"
 [ -x "$patched/bin/python" ] || { echo "mutant: no patched environment at $patched" >&2; exit 1; }
 
 rm -rf "$(dirname "$mutant")"
@@ -33,12 +36,12 @@ mutate "the reconciliation" '                        if hit_diverged and not ('
 
 set +e
 "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
-  --role kv_producer/kv_consumer --connector nixl --max-model-len 1024 \
+  --role kv_producer/kv_consumer --connector "$connector" --max-model-len 1024 \
   --patched-venv "$mutant" --expect-patched-hit --out "$out" 2>"$out.stderr"
 rc=$?
 set -e
 cat "$out.stderr" >&2
-expected="FAILED: patched / nixl: C A's prefix + 1 token differs from the single-instance reference"
+expected="FAILED: patched / $connector: C A's prefix + 1 token differs from the single-instance reference"
 if [ "$rc" = 1 ] && grep -qF "$expected" "$out.stderr"; then
   echo "mutant: the correctness gate is red on the mutant, as it must be"
 else
