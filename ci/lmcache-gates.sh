@@ -20,7 +20,10 @@
 #      at the first remote prefill
 #      (`assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)`);
 #   5. lmcache built without null-recurrent-slot-not-stored must go red on request N2:
-#      LMCache serves it a chunk whose Mamba state is vLLM's null block.
+#      LMCache serves it a chunk whose Mamba state is vLLM's null block;
+#   6. `apply --installed` of the LMCache series on the index's lmcache 0.5.6 wheel (in a
+#      hard-linked copy of the e2e venv): patched (the allocation patch's class imports),
+#      then reverted byte for byte (pip's RECORD hashes check every file).
 #
 # Usage: ci/lmcache-gates.sh HYBRIDPD OUT_DIR
 set -euo pipefail
@@ -63,3 +66,35 @@ must_fail lmcache+nixl cpu-shm-kv-cache-allocation,cpu-shm-vllm-state-binding \
   "assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)"
 must_fail lmcache+nixl null-recurrent-slot-not-stored stderr \
   "FAILED: patched / lmcache+nixl: N2 "
+
+# 6. apply --installed on the released lmcache wheel.
+cache="${HYBRIDPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hybridpd}"
+venv="$out/installed-venv"
+rm -rf "$venv"
+cp -al "$cache/e2e/0.32.0-cpu-patched+lmcache/venv" "$venv"
+py="$venv/bin/python"
+"$py" -m pip install -q --force-reinstall --no-deps lmcache==0.5.6
+probe='import lmcache.v1.platform.devices.cpu.shm as s; print(hasattr(s, "ShmAllocationMode"))'
+"$hpd" --series patches/lmcache apply --installed --python "$py"
+[ "$("$py" -c "$probe" 2>/dev/null | tail -1)" = True ] \
+  || { echo "lmcache gates: apply --installed did not patch lmcache" >&2; exit 1; }
+"$hpd" --series patches/lmcache apply --installed --revert --python "$py"
+[ "$("$py" -c "$probe" 2>/dev/null | tail -1)" = False ] \
+  || { echo "lmcache gates: apply --installed --revert left lmcache patched" >&2; exit 1; }
+"$py" - <<'PY'
+import base64, hashlib, sys
+from importlib.metadata import distribution
+dist = distribution("lmcache")
+bad = []
+for f in dist.files:
+    if f.hash is None or not str(f).startswith("lmcache/"):
+        continue
+    data = f.locate().read_bytes()
+    digest = base64.urlsafe_b64encode(hashlib.new(f.hash.mode, data).digest()).rstrip(b"=").decode()
+    if digest != f.hash.value:
+        bad.append(str(f))
+if bad:
+    sys.exit(f"lmcache gates: after --revert {len(bad)} file(s) differ from the wheel's RECORD: {bad[:3]}")
+print("lmcache gates: apply --installed patched lmcache 0.5.6 and --revert restored every file")
+PY
+rm -rf "$venv"

