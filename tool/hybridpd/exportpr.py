@@ -594,11 +594,10 @@ def series_option(series: Series) -> str:
     return ""
 
 
-def _checkout_hint(pin: str, patch_id: str, series: Series | None = None) -> str:
-    tree = f"{series.package if series is not None else 'vllm'}-{pin}"
-    option = series_option(series) if series is not None else ""
+def _checkout_hint(pin: str, patch_id: str, series: Series) -> str:
+    tree = f"{series.package}-{pin}"
     return (
-        f"hybridpd {option}checkout {pin} --dir {tree} && cd {tree} && "
+        f"hybridpd {series_option(series)}checkout {pin} --dir {tree} && cd {tree} && "
         f"git am --keep-non-patch ../{patch_id}/0*.patch"
     )
 
@@ -608,13 +607,11 @@ def render_pr(
     patch: Patch,
     reports: Sequence[Report],
     stale: Sequence[str],
-    series: Series | None = None,
+    series: Series,
 ) -> str:
-    """The PR body of ``export`` (Markdown), for ``series``' project (vLLM's when
-    None)."""
+    """The PR body of ``export`` (Markdown), for ``series``' project."""
     pin, own = export.pin, export.own
-    upstream = upstream_of(series) if series is not None else VLLM
-    option = series_option(series) if series is not None else ""
+    upstream, option = upstream_of(series), series_option(series)
     out = [f"# {own.subject}", ""]
     out += [
         f"> Exported by `hybridpd export-pr` from the hybridpd series (patch `{export.patch_id}`, "
@@ -649,8 +646,7 @@ def render_pr(
         out += ["Tests edited: " + ", ".join(f"`{t}`" for t in own.edited) + "."]
     out += ["", "## Why", "", _text(patch.why), "", "## Design", "", _text(patch.design), ""]
     out += ["## Alternatives considered", ""]
-    key = series.slug(series.pin(pin)) if series is not None else pin
-    kept = material(key, export.patch_id, export.material_root)
+    kept = material(series.slug(series.pin(pin)), export.patch_id, export.material_root)
     out += [kept.alternatives or "(none recorded for this patch yet)", ""]
     out += ["## Related", "", f"- Upstream reference: {patch.upstream}"]
     out += [f"- {paragraph}" for paragraph in overlap]
