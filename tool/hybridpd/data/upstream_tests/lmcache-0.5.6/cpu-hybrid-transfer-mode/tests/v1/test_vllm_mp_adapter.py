@@ -291,7 +291,7 @@ def _patch_transfer_context_factory(
         instance_id: int,
         req_client: RequestClient,
         mode: str,
-        num_kv_groups: int,
+        num_kv_groups: int = 1,
     ) -> MagicMock:
         del kv_caches, instance_id, req_client, mode, num_kv_groups
         ctx = MagicMock(name=f"transfer_ctx_{len(contexts)}")
@@ -1138,7 +1138,7 @@ def test_isolated_ipc_is_set_before_transfer_context_creation(
         instance_id: int,
         req_client: RequestClient,
         mode: str | None,
-        num_kv_groups: int,
+        num_kv_groups: int = 1,
     ) -> MagicMock:
         del instance_id, req_client, num_kv_groups
         calls.append(("create_transfer_context", is_isolated_ipc(), mode))

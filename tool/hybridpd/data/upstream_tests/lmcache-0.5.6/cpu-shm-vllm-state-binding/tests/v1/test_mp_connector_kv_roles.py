@@ -107,7 +107,6 @@ def _config(transfer_config: KVTransferConfig) -> VllmConfig:
             ),
             cache_config=SimpleNamespace(block_size=4, enable_prefix_caching=True),
             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
-            compilation_config=SimpleNamespace(static_forward_context={}),
             kv_transfer_config=transfer_config,
         ),
     )
@@ -256,8 +255,12 @@ def test_cpu_registration_repoints_vllm_layer_views(
     config = _config(
         KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both")
     )
-    config.compilation_config.static_forward_context["layer"] = SimpleNamespace(
-        kv_cache=[layer_view]
+    # vLLM's attention and Mamba layers hold their KV cache views here.
+    config.compilation_config = cast(
+        Any,
+        SimpleNamespace(
+            static_forward_context={"layer": SimpleNamespace(kv_cache=[layer_view])}
+        ),
     )
     worker = LMCacheMPConnector(config, KVConnectorRole.WORKER)
     try:

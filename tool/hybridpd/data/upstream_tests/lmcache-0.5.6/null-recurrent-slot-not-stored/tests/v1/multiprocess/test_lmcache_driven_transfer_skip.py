@@ -3,7 +3,7 @@
 ``lmcache_driven_transfer``.
 
 - ``all_null_chunk_masks`` (store side): mark chunks whose block ids are all the
-  null block, or whose recurrent-state slot is, so ``store`` never commits them.
+  null block so ``store`` never commits them.
 - ``retrieve`` (read side): read/transfer only each object group's in-window
   suffix, None-padding the skipped prefix so the transfer path is unchanged.
 """
@@ -96,41 +96,31 @@ def test_object_group_null_only_when_all_its_kernel_groups_null():
     assert masks == [[True, False]]
 
 
-def test_zero_is_real_with_negative_null_block() -> None:
-    masks = all_null_chunk_masks([[0, 0]], [_og([0])], [1], 2, -1)
-    assert masks == [[False, False]]
-
-
-def test_negative_null_marker_preserves_checkpoint_zero() -> None:
-    masks = all_null_chunk_masks([[-1, 0, -1, 1]], [_og([0])], [1], 4, -1)
-    assert masks == [[True, False, True, False]]
-
-
-def test_shared_object_skips_chunk_with_null_recurrent_state() -> None:
-    # Attention (kernel group 0) and Mamba (kernel group 1) share one object.
-    # A multi-block prefill step leaves the Mamba slots of its earlier chunks
-    # null: storing them would restore a null state on a later prefix hit.
+def test_recurrent_group_with_a_null_last_block_skips_the_shared_chunk():
+    # Attention (kernel group 0) and Mamba (1) share one object group. A hit
+    # ending at a chunk resumes from the Mamba state in its last block: a chunk
+    # whose last Mamba block is null must not be stored, whatever attention
+    # holds there.
     masks = all_null_chunk_masks(
-        block_ids=[[1, 2, 3], [0, 0, 5]],
-        object_groups=[_og([0, 1])],
-        blocks_per_chunk=[1, 1],
-        num_chunks=3,
-        recurrent_kernel_groups=[1],
-    )
-    assert masks == [[True, True, False]]
-
-
-def test_recurrent_state_needs_one_real_block_per_chunk() -> None:
-    # Two blocks per chunk: the chunk is stored once one of its recurrent
-    # blocks holds a real state.
-    masks = all_null_chunk_masks(
-        block_ids=[[1, 2, 3, 4], [0, 0, 0, 8]],
+        block_ids=[[5, 6, 7, 8], [1, 0, 0, 2]],
         object_groups=[_og([0, 1])],
         blocks_per_chunk=[2, 2],
         num_chunks=2,
         recurrent_kernel_groups=[1],
     )
     assert masks == [[True, False]]
+
+
+def test_a_null_block_of_a_non_recurrent_group_does_not_skip_the_chunk():
+    # A sliding-window group's blocks before its window are null: the chunk
+    # still holds real attention KV and no state to resume from.
+    masks = all_null_chunk_masks(
+        block_ids=[[5, 6], [0, 4]],
+        object_groups=[_og([0, 1])],
+        blocks_per_chunk=[1, 1],
+        num_chunks=2,
+    )
+    assert masks == [[False, False]]
 
 
 def test_null_non_recurrent_kernel_group_keeps_shared_chunk() -> None:
@@ -160,12 +150,21 @@ def test_separate_recurrent_object_group_masks_only_itself() -> None:
     assert masks == [[False, False, False], [True, True, False]]
 
 
+def test_zero_is_real_with_negative_null_block() -> None:
+    masks = all_null_chunk_masks([[0, 0]], [_og([0])], [1], 2, -1)
+    assert masks == [[False, False]]
+
+
+def test_negative_null_marker_preserves_checkpoint_zero() -> None:
+    masks = all_null_chunk_masks([[-1, 0, -1, 1]], [_og([0])], [1], 4, -1)
+    assert masks == [[True, False, True, False]]
+
+
 def _staging_context(
     num_kernel_groups: int,
     object_groups: list[ObjectGroupInfo],
     *,
     window_tokens: int = 2,
-    recurrent_kernel_groups: tuple[int, ...] = (),
 ) -> MagicMock:
     """Build a CPU-only context that captures staged block IDs."""
     context = MagicMock()
@@ -175,8 +174,7 @@ def _staging_context(
         num_kernel_groups=num_kernel_groups,
         object_groups=object_groups,
         kernel_groups=[
-            SimpleNamespace(recurrent_state=i in recurrent_kernel_groups)
-            for i in range(num_kernel_groups)
+            SimpleNamespace(recurrent_state=False) for _ in range(num_kernel_groups)
         ],
         get_subchunk_sw_size_tokens=lambda group: window_tokens,
     )
