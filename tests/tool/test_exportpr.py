@@ -597,6 +597,39 @@ def test_a_test_file_the_tree_has_is_edited_in_the_commit(tmp_path):
     ) in (result.dir / "PR.md").read_text()
 
 
+def test_material_of_a_test_file_the_patch_edits_only_adds_to_it(tmp_path):
+    """A patch may edit the project's own tests itself (LMCache's series does): the
+    material of that file is the patched file with tests added, so the commit edits it
+    once, as the patch does; material that rewrites the patch's lines is refused."""
+    project = Project(tmp_path)
+    stub = "# requires: proj/core.py def add\n"
+    project.release("1.0", {"tests/test_core.py": stub})
+    project.record("fix-add", {"1.0": "carried"})
+    series = project.write()
+    author = project.checkout("1.0", "author")
+    patched = "# requires: proj/core.py total = a + b\n"
+    commit_patch(
+        author, "fix-add", {**FIX_ADD, "tests/test_core.py": patched},
+        "[Core] Keep the sum in a local",
+    )
+    export(series, author)
+    material = tmp_path / "material" / f"{PACKAGE}-1.0" / "fix-add" / "tests"
+    material.mkdir(parents=True)
+    (material / "test_core.py").write_text(patched + "# one more test\n")
+
+    series, stock, (result,), _ = _export(project, tmp_path / "material", ["fix-add"], tmp_path)
+    assert result.own.edited == ("tests/test_core.py",)
+    patch = (result.dir / "0001-fix-add.patch").read_text()
+    assert f"-{stub}+{patched}+# one more test\n" in patch
+
+    (material / "test_core.py").write_text(stub + "# one more test\n")
+    with pytest.raises(exportpr.ExportPrError, match="start it from the patched file"):
+        exportpr.export_prs(
+            series, series.pin("1.0"), ["fix-add"], stock, tmp_path / "again",
+            tests_root=tmp_path / "material",
+        )
+
+
 def test_lmcache_pr_body(tmp_path):
     """A PR to LMCache names and links LMCache, its base branch and its hybridpd
     commands, keeps its test plan, and carries none of vLLM's GPU plan, rules or
@@ -627,7 +660,7 @@ def test_lmcache_pr_body(tmp_path):
     assert "hybridpd" not in plan
     results = pr.split("\n## Results\n", 1)[1]
     assert "No end-to-end measurement of this change is committed" in results
-    assert "start no LMCache server yet" in results
+    assert "no such run is committed" in results
     for vllm_only in ("vllm bench", "NixlConnector", "OffloadingConnector", "GPU plan",
                       "run_mamba_prefix_cache_test", "vLLM's contributing guide",
                       "pure agent PRs", "vllm-1.0", "reports/e2e/report.json", "1 280"):

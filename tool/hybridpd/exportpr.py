@@ -29,7 +29,8 @@ test environment ``hybridpd test`` gives the series (:func:`hybridpd.testrun.pin
 Measured numbers come only from committed ``report.json`` files of ``hybridpd e2e``
 under ``reports/`` (and ``benchmarks/``) of the project; none are ever made up. A
 report committed before the newest of the exported patch files is called stale. Those
-reports are runs of vLLM's series: a PR to another project cites none.
+reports measure vLLM's series (no run with LMCache's is committed): a PR to another
+project cites none.
 
 :func:`upstream_candidates` answers the other question of the upstreaming work: which
 carried patches have no upstream release yet, and which can be dropped where.
@@ -38,6 +39,7 @@ carried patches have no upstream release yet, and which can be dropped where.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import importlib.machinery
 import json
@@ -340,6 +342,30 @@ def prerequisites(repo: Path, base: str, series: Series, pin: Pin, patch_id: str
     return ordered
 
 
+def _check_adds_to_patch(
+    repo: Path, series: Series, pin: Pin, patch_id: str, tests: dict[str, bytes]
+) -> None:
+    """Refuse material that rewrites a test file the patch itself changes.
+
+    A patch may edit the project's own tests (a fake that must take a new argument);
+    the material of such a file is the patched file with tests added, so the PR
+    changes it once, as the patch does. ExportPrError when the material drops or
+    changes a line of the patched file (checked right after ``git am`` of the patch).
+    """
+    changed = set(gitops.files_of(repo, gitops.head(repo)))
+    for rel, content in tests.items():
+        if rel not in changed:
+            continue
+        patched = (repo / rel).read_bytes().splitlines()
+        matcher = difflib.SequenceMatcher(None, patched, content.splitlines(), autojunk=False)
+        if any(tag not in ("equal", "insert") for tag, *_ in matcher.get_opcodes()):
+            raise ExportPrError(
+                f"data/upstream_tests/{series.slug(pin)}/{patch_id}/{rel} changes lines "
+                f"patch {patch_id} makes or keeps in {rel}: start it from the patched "
+                "file and only add to it"
+            )
+
+
 def build_commits(
     repo: Path,
     base: str,
@@ -362,6 +388,7 @@ def build_commits(
                     f"{gitops.first_error_line(result.stderr)}"
                 )
             tests = material(series.slug(pin), patch_id, tests_root).tests
+            _check_adds_to_patch(repo, series, pin, patch_id, tests)
             edited = tuple(rel for rel in tests if (repo / rel).exists())
             for rel, content in tests.items():
                 (repo / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -567,8 +594,10 @@ LMCACHE = Upstream(
     vllm_e2e=False,
     no_results=(
         "No end-to-end measurement of this change is committed in the hybridpd "
-        "repository (its e2e runs start no LMCache server yet), so this PR states no "
-        "numbers; the Why section says what was observed. Besides the tests above, "
+        "repository as a report (its e2e serves vLLM through `LMCacheMPConnector` and "
+        "an `lmcache server`, `hybridpd e2e --connector lmcache+nixl`, but no such run "
+        "is committed), so this PR states no numbers; the Why section says what was "
+        "observed. Besides the tests above, "
         "hybridpd's patch tests run a vLLM release's own KV cache allocation and layer "
         "binding against a real `lmcache server` (`tests/lmcache_patches/` in hybridpd): "
         "red on the stock release, green with its series."
