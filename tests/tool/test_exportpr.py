@@ -10,18 +10,23 @@ when the tree's file contains the text.
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import json
 import shlex
 from pathlib import Path
 
 import pytest
-from builders import FEATURE, FIX_ADD, Project, commit_patch
+from builders import FEATURE, FIX_ADD, PACKAGE, Project, commit_patch
 from click.testing import CliRunner
-from hybridpd import exportpr, gitops
+from hybridpd import exportpr, gitops, hfsnap, pytestrun, testenv, testrun
 from hybridpd.cli import main
 from hybridpd.export import export
 from hybridpd.pytestrun import SuiteResult
 from hybridpd.series import load
+from hybridpd.series import TestSetup as Setup  # not a test class
+
+#: The committed vLLM series (the host of LMCache's tests).
+VLLM_SERIES = Path(__file__).resolve().parents[2] / "patches" / "series.toml"
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -56,11 +61,12 @@ def _project(root: Path, with_git: bool = True) -> tuple[Project, Path]:
         )
     material = root / "material"
     for version in ("1.0", "2.0"):
+        key = series.slug(series.pin(version))  # proj-<version>
         for patch_id, (rel, text) in TESTS.items():
-            path = material / version / patch_id / rel
+            path = material / key / patch_id / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-        (material / version / "fix-add" / "alternatives.md").write_text(
+        (material / key / "fix-add" / "alternatives.md").write_text(
             "- **Return a + b directly.** Loses the local.\n"
         )
     if with_git:
@@ -384,6 +390,7 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
     assert report["patched"] == {**report["patched"], "passed": 2, "failed": 0}
     saved = json.loads((result.dir / "verify.json").read_text())
     assert saved["ok"] and saved["applies"]
+    assert "edited" not in saved  # the tests are new files
     assert (result.dir / "verify-logs" / "stock.log").is_file()
     assert not gitops.is_dirty(stock)
     exportpr.write_pr(result, series, [], [])
@@ -393,7 +400,7 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
 def test_verify_fails_when_nothing_is_red_on_stock(tmp_path):
     project, material = _project(tmp_path)
     # A test that passes without the patch proves nothing.
-    (material / "1.0" / "feature" / "tests" / "test_feature.py").write_text(
+    (material / f"{PACKAGE}-1.0" / "feature" / "tests" / "test_feature.py").write_text(
         "# requires: proj/core.py def add\n"
     )
     series, stock, (result,), _ = _export(project, material, ["feature"], tmp_path)
@@ -495,7 +502,7 @@ def test_cli_export_pr_all_defaults_to_newest_pin(tmp_path, monkeypatch):
     out = tmp_path / "cli-out"
     calls: list = []
     monkeypatch.setattr(
-        exportpr, "pytest_runner", lambda pin, stock, work, log: _fake_runner(calls)
+        exportpr, "pytest_runner", lambda series, pin, stock, work, log: _fake_runner(calls)
     )
     result = CliRunner().invoke(
         main,
@@ -525,3 +532,243 @@ def test_cli_export_pr_usage(tmp_path):
 def test_strip_trailer_keeps_other_trailers():
     message = "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\nHybridpd-Patch: x\n"
     assert exportpr.strip_trailer(message) == "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\n"
+
+
+# Another project's series (LMCache) ---------------------------------------------------
+
+
+def _as_lmcache(series, hosted: bool = False):
+    """``series`` as the LMCache series would read (package, name; a [test] table
+    that runs it in vLLM 0.32.0's environment)."""
+    test = Setup(series.dir / "tests", VLLM_SERIES, "0.32.0") if hosted else None
+    return dataclasses.replace(series, package="lmcache", name="LMCache", test=test)
+
+
+def test_material_is_kept_per_series_slug(tmp_path):
+    """A pin's material sits under the series' slug (``proj-1.0``, LMCache's
+    ``lmcache-0.5.6``): a vLLM version's directory of the same number is not read."""
+    project, material = _project(tmp_path)
+    (material / "1.0").mkdir()
+    (material / f"{PACKAGE}-1.0").rename(material / "1.0" / "moved")
+    _, _, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
+    assert result.own.tests == ()
+    assert result.warnings[0] == (
+        "no upstream-style test kept for fix-add on 1.0 "
+        f"(data/upstream_tests/{PACKAGE}-1.0/fix-add/tests/)"
+    )
+
+
+def test_a_test_file_the_tree_has_is_edited_in_the_commit(tmp_path):
+    """Material at the path of an existing test file replaces it: the commit edits
+    it, PR.md says so, and verify says which of its tests are red on stock."""
+    project = Project(tmp_path)
+    project.release("1.0", {"tests/test_core.py": "# requires: proj/core.py def add\n"})
+    project.record("fix-add", {"1.0": "carried"})
+    series = project.write()
+    author = project.checkout("1.0", "author")
+    commit_patch(author, "fix-add", FIX_ADD, "[Core] Keep the sum in a local")
+    export(series, author)
+    material = tmp_path / "material" / f"{PACKAGE}-1.0" / "fix-add" / "tests"
+    material.mkdir(parents=True)
+    (material / "test_core.py").write_text("# requires: proj/core.py total = a + b\n")
+    (material / "test_new.py").write_text("# requires: proj/core.py return total\n")
+
+    series, stock, (result,), _ = _export(project, tmp_path / "material", ["fix-add"], tmp_path)
+
+    assert result.own.tests == ("tests/test_core.py", "tests/test_new.py")
+    assert result.own.edited == ("tests/test_core.py",)
+    patch = (result.dir / "0001-fix-add.patch").read_text()
+    sections = {d.split(" b/", 1)[0]: d for d in patch.split("diff --git a/")[1:]}
+    assert "new file mode" not in sections["tests/test_core.py"]
+    assert "-# requires: proj/core.py def add" in sections["tests/test_core.py"]
+    assert "new file mode" in sections["tests/test_new.py"]
+    pr = (result.dir / "PR.md").read_text()
+    assert "Tests added: `tests/test_new.py`.\nTests edited: `tests/test_core.py`." in pr
+    assert "Unit tests added or edited by this PR" in pr
+
+    report = exportpr.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
+    assert report["ok"], report["problems"]
+    assert report["edited"] == ["tests/test_core.py"]
+    exportpr.write_pr(result, series, [], [])
+    assert (
+        "- the counts include the tests `tests/test_core.py` already had (this PR edits "
+        "those files); red on stock: `tests/test_core.py::test_it`, "
+        "`tests/test_new.py::test_it`\n"
+    ) in (result.dir / "PR.md").read_text()
+
+
+def test_material_of_a_test_file_the_patch_edits_only_adds_to_it(tmp_path):
+    """A patch may edit the project's own tests itself (LMCache's series does): the
+    material of that file is the patched file with tests added, so the commit edits it
+    once, as the patch does; material that rewrites the patch's lines is refused."""
+    project = Project(tmp_path)
+    stub = "# requires: proj/core.py def add\n"
+    project.release("1.0", {"tests/test_core.py": stub})
+    project.record("fix-add", {"1.0": "carried"})
+    series = project.write()
+    author = project.checkout("1.0", "author")
+    patched = "# requires: proj/core.py total = a + b\n"
+    commit_patch(
+        author, "fix-add", {**FIX_ADD, "tests/test_core.py": patched},
+        "[Core] Keep the sum in a local",
+    )
+    export(series, author)
+    material = tmp_path / "material" / f"{PACKAGE}-1.0" / "fix-add" / "tests"
+    material.mkdir(parents=True)
+    (material / "test_core.py").write_text(patched + "# one more test\n")
+
+    series, stock, (result,), _ = _export(project, tmp_path / "material", ["fix-add"], tmp_path)
+    assert result.own.edited == ("tests/test_core.py",)
+    patch = (result.dir / "0001-fix-add.patch").read_text()
+    assert f"-{stub}+{patched}+# one more test\n" in patch
+
+    (material / "test_core.py").write_text(stub + "# one more test\n")
+    with pytest.raises(exportpr.ExportPrError, match="start it from the patched file"):
+        exportpr.export_prs(
+            series, series.pin("1.0"), ["fix-add"], stock, tmp_path / "again",
+            tests_root=tmp_path / "material",
+        )
+
+
+def test_lmcache_pr_body(tmp_path):
+    """A PR to LMCache names and links LMCache, its base branch and its hybridpd
+    commands, keeps its test plan, and carries none of vLLM's GPU plan, rules or
+    e2e reports."""
+    project, material = _project(tmp_path)
+    _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z")
+    series, _, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
+    kept = material / "lmcache-1.0" / "fix-add"
+    kept.mkdir(parents=True)
+    (kept / "alternatives.md").write_text("- **Another way.** Worse.\n")
+    (kept / "test_plan.md").write_text("Also run `pytest -v tests/v1/multiprocess`.\n")
+    lmcache = _as_lmcache(series)
+    logged: list[str] = []
+
+    reports, stale = exportpr.pr_evidence(lmcache, lmcache.pin("1.0"), result, logged.append)
+    assert (reports, stale, logged) == ([], [], [])
+    pr = exportpr.render_pr(result, lmcache.patch("fix-add"), reports, stale, lmcache)
+
+    assert "(patch `fix-add`, [LMCache](https://github.com/LMCache/LMCache) v1.0)" in pr
+    assert "`hybridpd checkout 1.0 --dir lmcache-1.0 && cd lmcache-1.0 && git am" in pr
+    assert "LMCache takes pull requests against `dev`" in pr
+    assert "DCO" in pr and "--signoff" in pr
+    assert "- **Another way.** Worse." in pr
+    plan = pr.split("\n## Test plan\n", 1)[1].split("\n## Results\n", 1)[0]
+    assert "(CPU only, from the LMCache tree root)" in plan
+    assert "pytest -v tests/test_add.py" in plan
+    assert "Also run `pytest -v tests/v1/multiprocess`." in plan
+    assert "hybridpd" not in plan
+    results = pr.split("\n## Results\n", 1)[1]
+    assert "No end-to-end measurement of this change is committed" in results
+    assert "no such run is committed" in results
+    for vllm_only in ("vllm bench", "NixlConnector", "OffloadingConnector", "GPU plan",
+                      "run_mamba_prefix_cache_test", "vLLM's contributing guide",
+                      "pure agent PRs", "vllm-1.0", "reports/e2e/report.json", "1 280"):
+        assert vllm_only not in pr, vllm_only
+    assert "AI assistance was used" in pr
+
+
+def test_series_option_names_a_series_beside_the_default_one(tmp_path):
+    project, _ = _project(tmp_path, with_git=False)
+    series = load(project.series_path)
+    assert exportpr.series_option(series) == ""
+    other = series.dir / "lmcache" / "series.toml"
+    other.parent.mkdir()
+    other.write_text(project.series_path.read_text())
+    assert exportpr.series_option(load(other)) == "--series patches/lmcache "
+    assert exportpr._checkout_hint("1.0", "x", _as_lmcache(load(other))) == (
+        "hybridpd --series patches/lmcache checkout 1.0 --dir lmcache-1.0 && "
+        "cd lmcache-1.0 && git am --keep-non-patch ../x/0*.patch"
+    )
+
+
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _layer(root: Path, version: str = "1.0") -> Path:
+    """A test-environment layer holding lmcache ``version``'s release build."""
+    (root / "lmcache").mkdir(parents=True)
+    (root / "lmcache" / "__init__.py").write_text("")
+    (root / "lmcache" / f"lmcache_native{SUFFIX}").write_bytes(b"\x7fELF")
+    (root / f"lmcache-{version}.dist-info").mkdir()
+    return root
+
+
+def test_link_compiled_takes_the_release_build_of_the_same_version(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "lmcache").mkdir(parents=True)
+    host, layer = tmp_path / "host-vllm", _layer(tmp_path / "layer")
+    host.mkdir()
+    native = f"lmcache_native{SUFFIX}"
+
+    made = exportpr.link_compiled(tree, "lmcache", "1.0", [host, layer])
+
+    assert made == [tree / "lmcache" / native]
+    assert (tree / "lmcache" / native).resolve() == layer / "lmcache" / native
+    assert exportpr.link_compiled(tree, "lmcache", "1.0", [host, layer]) == []
+    with pytest.raises(exportpr.ExportPrError, match="holds lmcache 1.0, not 2.0"):
+        exportpr.link_compiled(tree, "lmcache", "2.0", [layer])
+    with pytest.raises(exportpr.ExportPrError, match="no layer .* lmcache 1.0 build"):
+        exportpr.link_compiled(tree, "lmcache", "1.0", [host])
+
+
+def _fake_environment(monkeypatch, tmp_path: Path):
+    """Stand-ins for the test environment: what was checked out, built, run."""
+    seen: dict = {"checkouts": [], "runs": []}
+
+    def checkout(series, version, dest, source):
+        seen["checkouts"].append((series.package, version, dest, source))
+        dest.mkdir(parents=True)
+
+    def ensure_test_env(version, tree, cache_dir, torch_spec=None, log=None):
+        seen["env"] = (version, tree)
+        return tmp_path / "venv"
+
+    def run_pytest(venv, tree, files, out, **kw):
+        seen["runs"].append((venv, tree, list(files), kw["layers"]))
+        return SuiteResult(status="ok")
+
+    monkeypatch.setattr(testrun, "checkout", checkout)
+    monkeypatch.setattr(testenv, "ensure_test_env", ensure_test_env)
+    monkeypatch.setattr(testenv, "ensure_layers", lambda venv, version, log: [
+        _layer(tmp_path / "layers" / "lmcache")
+    ])
+    monkeypatch.setattr(hfsnap, "write_snapshots", lambda home: None)
+    monkeypatch.setattr(pytestrun, "run_pytest", run_pytest)
+    return seen
+
+
+def test_verify_runs_lmcache_in_its_host_pins_environment(tmp_path, monkeypatch):
+    """As ``hybridpd test`` does: vLLM 0.32.0's environment, its stock tree and the
+    layers after the LMCache tree, and the release's compiled modules in the tree."""
+    project, _ = _project(tmp_path, with_git=False)
+    lmcache = _as_lmcache(load(project.series_path), hosted=True)
+    seen = _fake_environment(monkeypatch, tmp_path)
+    work, tree = tmp_path / "work", tmp_path / "verify" / "lmcache"
+    (tree / "lmcache").mkdir(parents=True)
+
+    run = exportpr.pytest_runner(lmcache, lmcache.pin("1.0"), tmp_path / "stock", work)
+    run(tree, ["tests/v1/test_x.py"], "stock")
+
+    host = work / "host-0.32.0"
+    assert seen["checkouts"] == [("vllm", "0.32.0", host, "sdist")]
+    assert seen["env"] == ("0.32.0", host)
+    layer = tmp_path / "layers" / "lmcache"
+    assert seen["runs"] == [(tmp_path / "venv", tree, ["tests/v1/test_x.py"], [host, layer])]
+    assert (tree / "lmcache" / f"lmcache_native{SUFFIX}").is_symlink()
+
+
+def test_verify_runs_vllm_in_its_own_pins_environment(tmp_path, monkeypatch):
+    project, _ = _project(tmp_path, with_git=False)
+    series = load(project.series_path)
+    seen = _fake_environment(monkeypatch, tmp_path)
+    stock, tree = tmp_path / "stock", tmp_path / "verify" / "vllm"
+    tree.mkdir(parents=True)
+
+    run = exportpr.pytest_runner(series, series.pin("1.0"), stock, tmp_path / "work")
+    run(tree, ["tests/test_add.py"], "stock")
+
+    assert seen["checkouts"] == []
+    assert seen["env"] == ("1.0", stock)
+    assert seen["runs"] == [(tmp_path / "venv", tree, ["tests/test_add.py"], [])]
+    assert not (tmp_path / "layers").exists()

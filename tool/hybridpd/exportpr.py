@@ -1,12 +1,14 @@
 """Export carried patches as upstream pull requests, with their evidence.
 
 For one pin, every carried patch becomes a directory ``<out>/<id>/`` that a
-contributor can turn into a vLLM pull request as it is:
+contributor can turn into a pull request to the series' project (vLLM, or LMCache for
+``patches/lmcache``) as it is:
 
 * ``0001-<id>.patch`` ... : ``git format-patch`` files that ``git am`` applies to a
   stock checkout of the pin (``hybridpd checkout V``). The last one is the patch's own
   commit: its message without the ``Hybridpd-Patch`` trailer, plus the upstream-style
-  unit test added under vLLM's ``tests/`` tree in the same commit, as a PR carries it.
+  unit test added under the project's ``tests/`` tree in the same commit, as a PR
+  carries it.
   A patch that does not apply alone on stock is preceded by the earlier carried
   patches it needs (each with its own test), so the directory is self-contained.
 * ``PR.md``: the PR body (what, why, design, alternatives, test plan, results).
@@ -17,12 +19,18 @@ contributor can turn into a vLLM pull request as it is:
   or with ``--force``.
 
 The upstream-style tests are data, kept per pin and patch in
-``data/upstream_tests/<pin>/<id>/``: the files under ``tests/`` there land at the same
-paths in vLLM's tree; ``alternatives.md`` holds the PR's "Alternatives considered".
+``data/upstream_tests/<slug>/<id>/`` (``<slug>``: :meth:`Series.slug`, the version
+for vLLM, ``lmcache-<version>`` for LMCache): the files under ``tests/`` there land at
+the same paths in the project's tree (a file the tree already has is replaced: the PR
+edits it); ``alternatives.md`` holds the PR's "Alternatives considered" and
+``test_plan.md``, where present, more of its test plan. ``--verify`` runs them in the
+test environment ``hybridpd test`` gives the series (:func:`hybridpd.testrun.pin_environment`).
 
 Measured numbers come only from committed ``report.json`` files of ``hybridpd e2e``
 under ``reports/`` (and ``benchmarks/``) of the project; none are ever made up. A
-report committed before the newest of the exported patch files is called stale.
+report committed before the newest of the exported patch files is called stale. Those
+reports measure vLLM's series (no run with LMCache's is committed): a PR to another
+project cites none.
 
 :func:`upstream_candidates` answers the other question of the upstreaming work: which
 carried patches have no upstream release yet, and which can be dropped where.
@@ -31,7 +39,9 @@ carried patches have no upstream release yet, and which can be dropped where.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
+import importlib.machinery
 import json
 import re
 import shlex
@@ -49,11 +59,12 @@ from hybridpd.e2e import report as e2e_report
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
 from hybridpd.pytestrun import FINISHED, Counts
-from hybridpd.series import Patch, Pin, Series
+from hybridpd.series import SERIES_FILE, Patch, Pin, Series
 
-#: Where the upstream-style tests live: ``<pin>/<patch id>/tests/...``.
+#: Where the upstream-style tests live: ``<series slug of the pin>/<patch id>/tests/...``.
 UPSTREAM_TESTS_DIR = Path(__file__).parent / "data" / "upstream_tests"
 ALTERNATIVES_FILE = "alternatives.md"
+TEST_PLAN_FILE = "test_plan.md"
 #: Directories of the project searched for e2e / benchmark ``report.json`` files.
 REPORT_DIRS = ("reports", "benchmarks")
 VERIFY_FILE = "verify.json"
@@ -188,21 +199,28 @@ def format_candidates(candidates: Sequence[Candidate]) -> list[str]:
 class Material:
     """The upstream-style material of one patch on one pin."""
 
-    tests: dict[str, bytes]  # path in vLLM's tree -> content
+    tests: dict[str, bytes]  # path in the project's tree -> content
     alternatives: str | None
+    test_plan: str | None = None
 
 
-def material(pin: str, patch_id: str, root: Path | None = None) -> Material:
-    """The tests (files under ``tests/``) and alternatives of ``patch_id`` on ``pin``."""
-    base = (root or UPSTREAM_TESTS_DIR) / pin / patch_id
+def material(key: str, patch_id: str, root: Path | None = None) -> Material:
+    """The tests (files under ``tests/``), alternatives and test plan of ``patch_id``
+    on the pin whose series slug is ``key``."""
+    base = (root or UPSTREAM_TESTS_DIR) / key / patch_id
     tests = {}
     if (base / "tests").is_dir():
         for path in sorted((base / "tests").rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
                 tests[path.relative_to(base).as_posix()] = path.read_bytes()
-    alternatives = base / ALTERNATIVES_FILE
-    text = alternatives.read_text(encoding="utf-8").strip() if alternatives.is_file() else None
-    return Material(tests, text or None)
+
+    def text(name: str) -> str | None:
+        path = base / name
+        if not path.is_file():
+            return None
+        return path.read_text(encoding="utf-8").strip() or None
+
+    return Material(tests, text(ALTERNATIVES_FILE), text(TEST_PLAN_FILE))
 
 
 # Building the commits ---------------------------------------------------------------
@@ -218,6 +236,8 @@ class PrCommit:
     body: str
     tests: tuple[str, ...]
     files: tuple[str, ...]  # every path the commit changes, tests included
+    #: The test files of ``tests`` the stock tree already has (the commit edits them).
+    edited: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -322,6 +342,30 @@ def prerequisites(repo: Path, base: str, series: Series, pin: Pin, patch_id: str
     return ordered
 
 
+def _check_adds_to_patch(
+    repo: Path, series: Series, pin: Pin, patch_id: str, tests: dict[str, bytes]
+) -> None:
+    """Refuse material that rewrites a test file the patch itself changes.
+
+    A patch may edit the project's own tests (a fake that must take a new argument);
+    the material of such a file is the patched file with tests added, so the PR
+    changes it once, as the patch does. ExportPrError when the material drops or
+    changes a line of the patched file (checked right after ``git am`` of the patch).
+    """
+    changed = set(gitops.files_of(repo, gitops.head(repo)))
+    for rel, content in tests.items():
+        if rel not in changed:
+            continue
+        patched = (repo / rel).read_bytes().splitlines()
+        matcher = difflib.SequenceMatcher(None, patched, content.splitlines(), autojunk=False)
+        if any(tag not in ("equal", "insert") for tag, *_ in matcher.get_opcodes()):
+            raise ExportPrError(
+                f"data/upstream_tests/{series.slug(pin)}/{patch_id}/{rel} changes lines "
+                f"patch {patch_id} makes or keeps in {rel}: start it from the patched "
+                "file and only add to it"
+            )
+
+
 def build_commits(
     repo: Path,
     base: str,
@@ -343,7 +387,9 @@ def build_commits(
                     f"patch {patch_id} does not apply with git am to stock {pin.version}: "
                     f"{gitops.first_error_line(result.stderr)}"
                 )
-            tests = material(pin.version, patch_id, tests_root).tests
+            tests = material(series.slug(pin), patch_id, tests_root).tests
+            _check_adds_to_patch(repo, series, pin, patch_id, tests)
+            edited = tuple(rel for rel in tests if (repo / rel).exists())
             for rel, content in tests.items():
                 (repo / rel).parent.mkdir(parents=True, exist_ok=True)
                 (repo / rel).write_bytes(content)
@@ -359,6 +405,7 @@ def build_commits(
                 body.strip(),
                 tuple(tests),
                 tuple(gitops.files_of(repo, sha)),
+                edited,
             )
             out.append((commit, gitops.format_patch(repo, sha)))
     finally:
@@ -476,9 +523,110 @@ def _report_table(report: Report) -> list[str]:
 # PR.md ------------------------------------------------------------------------------
 
 
-def _checkout_hint(pin: str, patch_id: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class Upstream:
+    """What PR.md says that depends on the project the PR goes to: the rules its
+    contributing guide sets, its test plan beyond the added tests, and whether
+    hybridpd's e2e reports measure it."""
+
+    name: str
+    #: The project's name in PR.md, linked to its repository where that is set.
+    link: str
+    #: A subject prefix its commit messages use (what ``--keep-non-patch`` keeps).
+    prefix: str
+    #: Quoted notes to the submitter after the DCO one.
+    notes: tuple[str, ...]
+    #: The "AI assistance" section.
+    ai: str
+    #: Whether the test plan carries vLLM's GPU plan and PR.md cites ``hybridpd e2e``
+    #: reports (runs of vLLM's series).
+    vllm_e2e: bool
+    #: The Results section when no measurement is cited.
+    no_results: str
+
+
+VLLM = Upstream(
+    name="vLLM",
+    link="vLLM",
+    prefix="[Core]",
+    notes=(
+        "> **AI attribution:** each commit ends with an `Assisted-by:` trailer placeholder; "
+        "name the assisting tool there (or use `Co-authored-by:`, as vLLM's contributing "
+        "guide shows) and tick \"AI assistance was used\" in the PR template.",
+        "> **Before submitting:** a person must review every changed line, run the test "
+        "plan below (GPU plan included) and be able to defend the change; vLLM does not "
+        "accept pure agent PRs. Delete these quoted notes from the PR text.",
+    ),
+    ai=(
+        "AI assistance was used to prepare this change, its tests and this description "
+        "(vLLM's contributing guide, \"AI Assisted Contributions\"). The commits carry "
+        "an `Assisted-by:` trailer. The submitter has reviewed every changed line and run "
+        "the test plan above."
+    ),
+    vllm_e2e=True,
+    no_results=(
+        "No GPU measurement of this change is committed in the hybridpd repository "
+        "yet, so this PR states none. Run the GPU plan above on `main` and on this "
+        "branch and paste `vllm bench serve`'s summaries here."
+    ),
+)
+
+LMCACHE = Upstream(
+    name="LMCache",
+    link="[LMCache](https://github.com/LMCache/LMCache)",
+    prefix="[MP]",
+    notes=(
+        "> **Base branch:** LMCache takes pull requests against `dev` (its contributing "
+        "guide); these commits apply to the release named above: rebase them onto `dev` "
+        "and run the test plan there before opening the PR.",
+        "> **AI attribution:** each commit ends with an `Assisted-by:` trailer placeholder; "
+        "name the assisting tool there (or use `Co-authored-by:`). LMCache's contributing "
+        "guide sets no attribution rule; the \"AI assistance\" section below discloses it.",
+        "> **Before submitting:** a person must review every changed line, run the test "
+        "plan below and be able to defend the change. Delete these quoted notes from the "
+        "PR text.",
+    ),
+    ai=(
+        "AI assistance was used to prepare this change, its tests and this description. "
+        "The commits carry an `Assisted-by:` trailer. The submitter has reviewed every "
+        "changed line and run the test plan above."
+    ),
+    vllm_e2e=False,
+    no_results=(
+        "No end-to-end measurement of this change is committed in the hybridpd "
+        "repository as a report (its e2e serves vLLM through `LMCacheMPConnector` and "
+        "an `lmcache server`, `hybridpd e2e --connector lmcache+nixl`, but no such run "
+        "is committed), so this PR states no numbers; the Why section says what was "
+        "observed. Besides the tests above, "
+        "hybridpd's patch tests run a vLLM release's own KV cache allocation and layer "
+        "binding against a real `lmcache server` (`tests/lmcache_patches/` in hybridpd): "
+        "red on the stock release, green with its series."
+    ),
+)
+
+
+def upstream_of(series: Series) -> Upstream:
+    """The conventions of ``series``' project: LMCache's for its series, else vLLM's
+    (the project hybridpd was made for, and the tool tests' fixture project)."""
+    return LMCACHE if series.package == "lmcache" else VLLM
+
+
+def series_option(series: Series) -> str:
+    """``--series <dir> `` for hybridpd commands on ``series``, relative to the
+    project that holds it; empty for the project's default series
+    (``patches/series.toml``)."""
+    for root in series.dir.parents:
+        if (root / "patches" / SERIES_FILE).is_file():
+            if series.path == root / "patches" / SERIES_FILE:
+                return ""
+            return f"--series {series.dir.relative_to(root).as_posix()} "
+    return ""
+
+
+def _checkout_hint(pin: str, patch_id: str, series: Series) -> str:
+    tree = f"{series.package}-{pin}"
     return (
-        f"hybridpd checkout {pin} --dir vllm-{pin} && cd vllm-{pin} && "
+        f"hybridpd {series_option(series)}checkout {pin} --dir {tree} && cd {tree} && "
         f"git am --keep-non-patch ../{patch_id}/0*.patch"
     )
 
@@ -488,24 +636,22 @@ def render_pr(
     patch: Patch,
     reports: Sequence[Report],
     stale: Sequence[str],
+    series: Series,
 ) -> str:
-    """The PR body of ``export`` (Markdown)."""
+    """The PR body of ``export`` (Markdown), for ``series``' project."""
     pin, own = export.pin, export.own
+    upstream, option = upstream_of(series), series_option(series)
     out = [f"# {own.subject}", ""]
     out += [
         f"> Exported by `hybridpd export-pr` from the hybridpd series (patch `{export.patch_id}`, "
-        f"vLLM v{pin}). Apply: `{_checkout_hint(pin, export.patch_id)}` "
-        "(`--keep-non-patch` keeps the `[Core]`-style subject prefixes). Re-check the "
-        f"directory: `hybridpd export-pr {export.patch_id} --pin {pin} --to DIR --verify`.",
+        f"{upstream.link} v{pin}). Apply: `{_checkout_hint(pin, export.patch_id, series)}` "
+        f"(`--keep-non-patch` keeps the `{upstream.prefix}`-style subject prefixes). Re-check the "
+        f"directory: `hybridpd {option}export-pr {export.patch_id} --pin {pin} --to DIR "
+        "--verify`.",
         "> **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
         "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards). "
         "The sign-off certifies the person who submits.",
-        "> **AI attribution:** each commit ends with an `Assisted-by:` trailer placeholder; "
-        "name the assisting tool there (or use `Co-authored-by:`, as vLLM's contributing "
-        "guide shows) and tick \"AI assistance was used\" in the PR template.",
-        "> **Before submitting:** a person must review every changed line, run the test "
-        "plan below (GPU plan included) and be able to defend the change; vLLM does not "
-        "accept pure agent PRs. Delete these quoted notes from the PR text.",
+        *upstream.notes,
     ]
     if export.prerequisites:
         deps = ", ".join(f"`{i}`" for i in export.prerequisites)
@@ -522,26 +668,21 @@ def render_pr(
     out += [body or patch.title + ".", ""]
     changed = [f for f in own.files if f not in own.tests]
     out += ["Changed: " + ", ".join(f"`{f}`" for f in changed) + "."]
-    if own.tests:
-        out += ["Tests added: " + ", ".join(f"`{t}`" for t in own.tests) + "."]
+    added = [t for t in own.tests if t not in own.edited]
+    if added:
+        out += ["Tests added: " + ", ".join(f"`{t}`" for t in added) + "."]
+    if own.edited:
+        out += ["Tests edited: " + ", ".join(f"`{t}`" for t in own.edited) + "."]
     out += ["", "## Why", "", _text(patch.why), "", "## Design", "", _text(patch.design), ""]
     out += ["## Alternatives considered", ""]
-    alternatives = material(pin, export.patch_id, export.material_root).alternatives
-    out += [alternatives or "(none recorded for this patch yet)", ""]
+    kept = material(series.slug(series.pin(pin)), export.patch_id, export.material_root)
+    out += [kept.alternatives or "(none recorded for this patch yet)", ""]
     out += ["## Related", "", f"- Upstream reference: {patch.upstream}"]
     out += [f"- {paragraph}" for paragraph in overlap]
     out += [f"- Carried downstream (hybridpd) until: {_text(patch.removal)}", ""]
-    out += _test_plan(export)
-    out += _results(export, reports)
-    out += [
-        "## AI assistance",
-        "",
-        "AI assistance was used to prepare this change, its tests and this description "
-        "(vLLM's contributing guide, \"AI Assisted Contributions\"). The commits carry "
-        "an `Assisted-by:` trailer. The submitter has reviewed every changed line and run "
-        "the test plan above.",
-        "",
-    ]
+    out += _test_plan(export, upstream, kept.test_plan)
+    out += _results(export, reports, upstream)
+    out += ["## AI assistance", "", upstream.ai, ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -618,12 +759,15 @@ def _gpu_plan() -> list[str]:
     ]
 
 
-def _test_plan(export: PrExport) -> list[str]:
+def _test_plan(
+    export: PrExport, upstream: Upstream = VLLM, more: str | None = None
+) -> list[str]:
     out = ["## Test plan", ""]
     if export.own.tests:
         files = " ".join(export.own.tests)
         out += [
-            "Unit tests added by this PR (CPU only, from the vLLM tree root):",
+            f"Unit tests {'added or edited' if export.own.edited else 'added'} by this PR "
+            f"(CPU only, from the {upstream.name} tree root):",
             "",
             "```bash",
             f"pytest -v {files}",
@@ -632,7 +776,10 @@ def _test_plan(export: PrExport) -> list[str]:
         ]
     else:
         out += ["No upstream-style unit test is kept for this patch on this pin yet.", ""]
-    out += _gpu_plan()
+    if more:
+        out += [more, ""]
+    if upstream.vllm_e2e:
+        out += _gpu_plan()
     verification = export.verification
     if verification:
         out += [
@@ -646,19 +793,27 @@ def _test_plan(export: PrExport) -> list[str]:
                     f"- {run['tree']}: {run['passed']} passed, {run['failed']} failed, "
                     f"{run['errors']} errors, {run['skipped']} skipped"
                 )
+        edited = verification.get("edited")
+        if edited and verification.get("stock"):
+            red = [
+                test for test, outcome in verification["stock"]["tests"].items()
+                if outcome in ("failed", "error")
+            ]
+            out.append(
+                "- the counts include the tests " + ", ".join(f"`{f}`" for f in edited)
+                + " already had (this PR edits those files); red on stock: "
+                + (", ".join(f"`{t}`" for t in red) or "none")
+            )
         out += [f"- verdict: {'ok' if verification.get('ok') else 'FAILED'}", ""]
     return out
 
 
-def _results(export: PrExport, reports: Sequence[Report]) -> list[str]:
+def _results(
+    export: PrExport, reports: Sequence[Report], upstream: Upstream = VLLM
+) -> list[str]:
     out = ["## Results", ""]
     if not reports:
-        return out + [
-            "No GPU measurement of this change is committed in the hybridpd repository "
-            "yet, so this PR states none. Run the GPU plan above on `main` and on this "
-            "branch and paste `vllm bench serve`'s summaries here.",
-            "",
-        ]
+        return out + [upstream.no_results, ""]
     for report in reports:
         other = "" if report.pin == export.pin else f" (measured on v{report.pin})"
         out += [
@@ -763,7 +918,7 @@ def export_prs(
                 if not export.own.tests:
                     export.warnings.append(
                         f"no upstream-style test kept for {patch_id} on {pin.version} "
-                        f"(data/upstream_tests/{pin.version}/{patch_id}/tests/)"
+                        f"(data/upstream_tests/{series.slug(pin)}/{patch_id}/tests/)"
                     )
                 chosen, stale = pr_evidence(series, pin, export, log)
                 export.warnings += stale
@@ -819,6 +974,8 @@ def pr_evidence(
     series: Series, pin: Pin, export: PrExport, log: Log = quiet
 ) -> tuple[list[Report], list[str]]:
     """The reports ``export``'s PR.md shows, and the warnings about their age."""
+    if not upstream_of(series).vllm_e2e:
+        return [], []  # hybridpd e2e reports are runs of vLLM's series
     project = series.dir.parent
     found = []
     for report in find_reports(project, log):
@@ -837,7 +994,9 @@ def write_pr(
     """(Re)write ``PR.md`` of ``export``."""
     patch = series.patch(export.patch_id)
     assert patch is not None
-    (export.dir / "PR.md").write_text(render_pr(export, patch, reports, stale), encoding="utf-8")
+    (export.dir / "PR.md").write_text(
+        render_pr(export, patch, reports, stale, series), encoding="utf-8"
+    )
 
 
 # Verification -----------------------------------------------------------------------
@@ -897,13 +1056,15 @@ def verify(
     Three runs in a detached worktree of ``stock`` at the pin: the directory's added
     tests on stock (at least one must fail); for a directory with prerequisites, the
     patch's own tests with only the prerequisites applied (at least one must fail);
-    after ``git am`` of every file, all of them (all must pass).
+    after ``git am`` of every file, all of them (all must pass). A test file the stock
+    tree already has (the PR edits it) runs with its existing tests: ``edited`` lists
+    those files.
     """
     started = datetime.now(timezone.utc)
     base = gitops.resolve(stock, pin.tag) or gitops.head(stock)
     tests = {}
     for commit in export.commits:
-        tests.update(material(pin.version, commit.patch_id, export.material_root).tests)
+        tests.update(material(series.slug(pin), commit.patch_id, export.material_root).tests)
     files = list(tests)
     own = list(export.own.tests)
     report: dict[str, Any] = {
@@ -918,7 +1079,7 @@ def verify(
     if logs.exists():
         shutil.rmtree(logs)
     with tempfile.TemporaryDirectory(prefix="hybridpd-verify-") as tmp:
-        tree = Path(tmp) / "vllm"
+        tree = Path(tmp) / series.package
         with gitops.worktree(stock, base, tree):
 
             def place(paths: Sequence[str]) -> None:
@@ -934,6 +1095,9 @@ def verify(
             if not files:
                 problems.append("the directory adds no test")
             else:
+                edited = [rel for rel in files if (tree / rel).exists()]
+                if edited:
+                    report["edited"] = edited
                 place(files)
                 log(f"verify {export.patch_id}: added tests on stock {pin.version}")
                 report["stock"] = _run(
@@ -1003,19 +1167,67 @@ def format_verification(report: dict[str, Any]) -> str:
     return f"verify ({report.get('seconds')} s): {', '.join(parts)} -> {verdict}"
 
 
-def pytest_runner(pin: Pin, stock: Path, work: Path, log: Log = quiet) -> Runner:
-    """A :data:`Runner` on the pin's CPU test environment (built or reused)."""
-    from hybridpd import cache, hfsnap, pytestrun, testenv
+def pytest_runner(
+    series: Series, pin: Pin, stock: Path, work: Path, log: Log = quiet
+) -> Runner:
+    """A :data:`Runner` on the CPU test environment ``hybridpd test`` runs ``series``
+    on ``pin`` in (built or reused). A project tested inside a vLLM pin (LMCache) gets
+    that pin's environment, its stock vLLM tree and the layers after the tree on
+    ``PYTHONPATH`` (its own dependencies live there), and its compiled modules from the
+    layer's release build (:func:`link_compiled`)."""
+    from hybridpd import hfsnap, pytestrun, testrun
 
-    venv = testenv.ensure_test_env(pin.version, stock, cache.cache_dir(), log=log)
+    hosted = series.tests.host_series is not None
+    venv, layers = testrun.pin_environment(series, pin, stock, work, log, with_layers=hosted)
     hf_home = work / "hf"
     hfsnap.write_snapshots(hf_home)
 
     def run(tree: Path, files: Sequence[str], label: str):
+        if hosted:
+            link_compiled(tree, series.package, pin.version, layers)
         out = work / "runs" / tree.parent.name
-        return pytestrun.run_pytest(venv, tree, files, out, hf_home=hf_home, label=label, log=log)
+        return pytestrun.run_pytest(
+            venv, tree, files, out, hf_home=hf_home, label=label, layers=layers, log=log
+        )
 
     return run
+
+
+def link_compiled(tree: Path, package: str, version: str, layers: Sequence[Path]) -> list[Path]:
+    """Link into ``tree``'s ``package`` the compiled modules of the first layer that
+    installs ``package``; return the links made.
+
+    A source tree has no compiled modules (``pip install -e .`` builds them in place).
+    The series' patches change Python files only, so the release's own build of the
+    same version stands in: ExportPrError when the layer holds another version, or no
+    layer holds a build with compiled modules.
+    """
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    for layer in layers:
+        modules = sorted(
+            p for p in (Path(layer) / package).glob("*")
+            if p.is_file() and p.name.endswith(suffixes)
+        )
+        if not modules:
+            continue
+        found = sorted(Path(layer).glob(f"{package}-*.dist-info"))
+        built = found[0].name[len(package) + 1: -len(".dist-info")] if found else None
+        if built != version:
+            raise ExportPrError(
+                f"{layer} holds {package} {built or '(no version)'}, not {version}: "
+                "its compiled modules cannot stand in for the tree's"
+            )
+        links = []
+        for module in modules:
+            link = Path(tree) / package / module.name
+            if not link.exists():
+                link.symlink_to(module)
+                links.append(link)
+        return links
+    raise ExportPrError(
+        f"no layer of the test environment holds a {package} {version} build with "
+        "compiled modules"
+    )
 
 
 # The command ------------------------------------------------------------------------
@@ -1057,7 +1269,7 @@ def run(
         checkout(series, pin.version, stock, source="sdist")
         exports = export_prs(series, pin, ids, stock, out_dir, log=log, force=force)
         if verify_them:
-            runner = pytest_runner(pin, stock, Path(tmp), log=log)
+            runner = pytest_runner(series, pin, stock, Path(tmp), log=log)
             for export in exports:
                 verify(export, stock, runner, series, pin, log=log)
                 write_pr(export, series, *pr_evidence(series, pin, export))

@@ -154,6 +154,17 @@ LAYERS: tuple[Layer, ...] = (
             "lmcache's server and take lmcache's compiled modules from this layer."
         ),
     ),
+    Layer(
+        name="lmcache-tests",
+        requirements=("redis==8.1.0",),
+        releases=">=0.20",
+        reason=(
+            "LMCache's own test suite: its tests/conftest.py patches redis in autouse "
+            "fixtures, so the upstream-style LMCache tests export-pr --verify runs "
+            "(data/upstream_tests/lmcache-*) need it. A layer of its own, so that the "
+            "lmcache layer the patch tests use does not change for it."
+        ),
+    ),
 )
 
 

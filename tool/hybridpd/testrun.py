@@ -333,6 +333,39 @@ def run(
                            torch_spec, log)
 
 
+def pin_environment(
+    series: Series,
+    pin: Pin,
+    stock: Path,
+    root: Path,
+    log: Log = quiet,
+    torch_spec: str | None = None,
+    with_layers: bool = True,
+) -> tuple[Path, list[Path]]:
+    """The test environment of ``pin`` (its venv, built or reused) and what goes after
+    the tree under test on ``PYTHONPATH``.
+
+    ``stock`` is the pin's stock tree. A project tested inside a vLLM pin (LMCache)
+    runs in that pin's environment, with the pin's stock vLLM tree (checked out under
+    ``root``) first after its own tree; ``with_layers`` adds the environment's
+    :data:`~hybridpd.testenv.LAYERS` after it.
+    """
+    env_pin, env_tree, host_tree = pin.version, stock, []
+    if series.tests.host_series is not None:
+        host = load_series(series.tests.host_series)
+        env_pin = host.pin(series.tests.host_pin).version
+        env_tree = root / f"host-{host.slug(host.pin(env_pin))}"
+        log(f"test: checking out {host.project} {env_pin} (stock) in {env_tree}")
+        checkout(host, env_pin, env_tree, source="sdist")
+        host_tree = [env_tree]
+    try:
+        venv = testenv.ensure_test_env(env_pin, env_tree, cache.cache_dir(), torch_spec, log)
+        layers = testenv.ensure_layers(venv, env_pin, log) if with_layers else []
+    except testenv.TestEnvError as exc:
+        raise TestRunError(f"test environment for {env_pin}: {exc}") from exc
+    return venv, host_tree + layers
+
+
 def _run_locked(
     series: Series, pin: Pin, suite: str, root: Path, full_upstream: bool,
     stock_baseline: bool, torch_spec: str | None, log: Log,
@@ -344,25 +377,12 @@ def _run_locked(
     hf_home = out_dir / "hf"
     hfsnap.write_snapshots(hf_home)
     trees = prepare_trees(series, pin, root, log)
-    # A project tested inside a vLLM pin (LMCache) runs in that pin's environment,
-    # with the pin's stock vLLM tree after its own tree on PYTHONPATH.
-    env_pin, env_tree, host_tree = pin.version, trees["stock"], []
-    if series.tests.host_series is not None:
-        host = load_series(series.tests.host_series)
-        env_pin = host.pin(series.tests.host_pin).version
-        env_tree = root / f"host-{host.slug(host.pin(env_pin))}"
-        log(f"test: checking out {host.project} {env_pin} (stock) in {env_tree}")
-        checkout(host, env_pin, env_tree, source="sdist")
-        host_tree = [env_tree]
-        if suite == "all":
-            log(f"test: {series.project} has no upstream suite here; running the patch tests")
-            suite = "patches"
-    try:
-        venv = testenv.ensure_test_env(env_pin, env_tree, cache.cache_dir(), torch_spec, log)
-        layers = testenv.ensure_layers(venv, env_pin, log) if suite != "upstream" else []
-    except testenv.TestEnvError as exc:
-        raise TestRunError(f"test environment for {env_pin}: {exc}") from exc
-    layers = host_tree + layers
+    if series.tests.host_series is not None and suite == "all":
+        log(f"test: {series.project} has no upstream suite here; running the patch tests")
+        suite = "patches"
+    venv, layers = pin_environment(
+        series, pin, trees["stock"], root, log, torch_spec, with_layers=suite != "upstream"
+    )
     report = TestReport(pin.version, suite, project=series.project)
     if suite in ("patches", "all"):
         report.patches, problems = run_patch_suite(

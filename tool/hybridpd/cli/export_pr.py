@@ -28,7 +28,8 @@ from .options import State, json_flag, log
     "--verify",
     is_flag=True,
     help="Prove each directory on a stock checkout: the added tests fail, then pass "
-    "after git am (verify.json; needs the pin's CPU test environment).",
+    "after git am (verify.json; in the CPU test environment `hybridpd test` uses for "
+    "the pin: for LMCache, its host vLLM pin's).",
 )
 @click.option(
     "--force",
@@ -48,7 +49,8 @@ def export_pr(
     force: bool,
     as_json: bool,
 ) -> None:
-    """Export carried patches as upstream pull requests.
+    """Export carried patches as upstream pull requests (to vLLM, or to LMCache
+    with --series patches/lmcache).
 
     For each patch, DIR/<id>/ gets git format-patch files that `git am` applies to a
     stock checkout of the pin (the patch without its Hybridpd-Patch trailer, with
