@@ -132,3 +132,32 @@ def test_prefill_request_rules() -> None:
     req = proxy.prefill_request({"max_completion_tokens": 9, "stream": True, "min_completion_tokens": 2})
     assert req["max_completion_tokens"] == 1 and req["max_tokens"] == 1
     assert "min_completion_tokens" not in req and req["stream"] is False
+
+
+def test_the_harness_runs_the_proxys_two_steps_apart(setup) -> None:
+    """The correctness scenario's concurrent requests: every prefill, then every decode
+    (so that they reach the decode instance together), with the proxy's own rules."""
+    from hybridpd.e2e import scenarios
+
+    p, d, _ = setup
+    p_url, d_url = (f"http://127.0.0.1:{s.server_port}" for s in (p, d))
+    params = scenarios.prefill_for_remote_decode(p_url, [1, 2, 3], "rid-1")
+    assert params == PARAMS_FROM_P
+    out = scenarios.complete(d_url, [1, 2, 3], 3, extra={"kv_transfer_params": params},
+                             headers={"X-Request-Id": "rid-1"})
+    assert out.token_ids == [0, 1, 2]
+    (_, p_headers, p_body), = p.seen
+    (_, d_headers, d_body), = d.seen
+    assert p_body == proxy.prefill_request({**d_body, "kv_transfer_params": None})
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True and p_body["max_tokens"] == 1
+    assert d_body["kv_transfer_params"] == PARAMS_FROM_P and d_body["stream"] is True
+    assert p_headers["X-Request-Id"] == d_headers["X-Request-Id"] == "rid-1"
+
+
+@pytest.mark.parametrize("setup", ["prefill"], indirect=True)
+def test_a_failed_remote_decode_prefill_is_one_error(setup) -> None:
+    from hybridpd.e2e import scenarios
+
+    p, _, _ = setup
+    with pytest.raises(scenarios.E2EError, match="prefill request to .* failed"):
+        scenarios.prefill_for_remote_decode(f"http://127.0.0.1:{p.server_port}", [1], "rid")

@@ -40,11 +40,12 @@ import random
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import lmcache as lmcache_mod
-from . import metrics
+from . import metrics, proxy
 from .envs import Env
 from .servers import E2EError, Processes, ProcessFailed, StartupFailed, free_port
 from hybridpd.progress import Log
@@ -306,16 +307,8 @@ class Completion:
     top_logprobs: list[dict[str, float]] = field(default_factory=list)
 
 
-def complete(
-    base_url: str,
-    prompt: list[int],
-    max_tokens: int,
-    procs: Processes | None = None,
-    timeout: float = 600.0,
-    extra: dict | None = None,
-) -> Completion:
-    """A greedy streamed completion; TTFT is the first chunk carrying a token."""
-    body = {
+def _completion_body(prompt: list[int], max_tokens: int, extra: dict | None) -> dict:
+    return {
         "model": "e2e",
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -326,10 +319,22 @@ def complete(
         "return_token_ids": True,
         **(extra or {}),
     }
+
+
+def complete(
+    base_url: str,
+    prompt: list[int],
+    max_tokens: int,
+    procs: Processes | None = None,
+    timeout: float = 600.0,
+    extra: dict | None = None,
+    headers: dict | None = None,
+) -> Completion:
+    """A greedy streamed completion; TTFT is the first chunk carrying a token."""
     req = urllib.request.Request(
         f"{base_url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        data=json.dumps(_completion_body(prompt, max_tokens, extra)).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     t0 = time.monotonic()
     ttft = None
@@ -381,6 +386,34 @@ def complete(
         token_lps,
         [dict(t or {}) for t in top_lps],
     )
+
+
+def prefill_for_remote_decode(
+    prefill_url: str,
+    prompt: list[int],
+    request_id: str,
+    procs: Processes | None = None,
+    timeout: float = 600.0,
+) -> dict:
+    """The proxy's first step on its own: the prefill instance computes ``prompt``'s KV
+    and keeps it for the decode instance to pull; returns the ``kv_transfer_params`` the
+    decode request carries (the proxy's second step)."""
+    body = proxy.prefill_request(_completion_body(prompt, 1, None))
+    req = urllib.request.Request(
+        f"{prefill_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            params = json.load(resp).get("kv_transfer_params")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        if procs is not None:
+            procs.check_soon()
+        raise E2EError(f"prefill request to {prefill_url} failed: {exc}") from None
+    if not params:
+        raise E2EError(f"{prefill_url} answered a remote-decode prefill without kv_transfer_params")
+    return params
 
 
 def post(url: str, timeout: float = 60.0) -> None:
@@ -775,8 +808,25 @@ def run_correctness(
             f"{'equal to' if rows[-1]['equal'] else 'parts from'} the free-running reference "
             f"{rows[-1]['note']}".rstrip())
     group = [c for c in cases if c["group"] == 1]
+    # The concurrent requests reach D together, so that they exhaust its pool whatever
+    # the two instances' speeds: the proxy's two steps run here, every prefill first (P
+    # keeps each prompt's KV until D pulls it), then every decode at once. Through the
+    # proxy each decode left when its own prefill ended, and a D that decoded faster
+    # than P prefilled held one request at a time: a CI run saw 0 preemptions.
     with ThreadPoolExecutor(len(group)) as pool:
-        outs = list(pool.map(lambda c: run(url(c), c), group))
+        ids = [f"hybridpd-concurrent-{i}-{uuid.uuid4().hex}" for i in range(len(group))]
+        params = list(pool.map(
+            lambda c, rid: prefill_for_remote_decode(pair.prefill, c["prompt"], rid, procs)
+            if c["via"] == "pd" else None, group, ids))
+
+        def decode(c: dict, rid: str, kv: dict | None) -> Completion:
+            if kv is None:
+                return run(url(c), c)
+            return complete(pair.decode, c["prompt"], c["max_tokens"], procs,
+                            extra={**extra, "kv_transfer_params": kv},
+                            headers={"X-Request-Id": rid})
+
+        outs = list(pool.map(decode, group, ids, params))
     after = settled_scrape(pair.decode)
     preemptions = int(after.delta(before, metrics.NUM_PREEMPTIONS))
     rows += [_correctness_row(c, o) for c, o in zip(group, outs)]
