@@ -84,10 +84,13 @@ def test_segment_is_released_with_the_last_view() -> None:
     "allocate",
     [
         lambda: torch.zeros(2, 3, 4, dtype=torch.int8, device="cpu"),
-        lambda: torch.zeros((2, 3, 4), dtype=torch.int8),
+        lambda: torch.zeros((2, 3, 4), dtype=torch.int8, device="cpu"),
         lambda: torch.empty([2, 3, 4], dtype=torch.int8, device=torch.device("cpu")),
+        lambda: torch.zeros(
+            2, 3, 4, dtype=torch.int8, device="cpu", pin_memory=False
+        ),
     ],
-    ids=["sizes", "tuple", "list"],
+    ids=["sizes", "tuple", "list", "default-kwargs"],
 )
 def test_allocation_mode_allocates_cpu_tensors_in_shm(allocate) -> None:
     """``torch.empty`` / ``torch.zeros`` in the mode allocate in SHM, zeroed."""
@@ -104,17 +107,30 @@ def test_allocation_mode_allocates_cpu_tensors_in_shm(allocate) -> None:
     assert (wrapper.shm_name, kv_cache.data_ptr()) == (segment, address)
 
 
+def test_allocated_segment_pages_are_reserved() -> None:
+    """A /dev/shm too small for the KV cache fails at allocation (ENOSPC),
+    not with SIGBUS at the first write past its limit while serving."""
+    before = _segments()
+    kv_cache = cpu_shm.allocate_in_shm((256, 1024), torch.float32)
+    (segment,) = _segments() - before
+    st = os.stat("/dev/shm" + segment)
+    assert st.st_blocks * 512 >= kv_cache.numel() * kv_cache.element_size()
+
+
 def test_allocation_mode_leaves_other_calls_alone() -> None:
-    """Other factories, other devices and other arguments are not changed."""
+    """Other factories, other devices and other arguments are not changed,
+    nor are calls that name no device (a buffer of the engine's own)."""
     buffer = torch.empty(4)
     before = _segments()
     with cpu_shm.ShmAllocationMode():
-        ones = torch.ones(4)
+        ones = torch.ones(4, device="cpu")
         meta = torch.empty(4, device="meta")
-        pinned = torch.zeros(4, pin_memory=False)
-        out = torch.zeros(4, out=buffer)
+        unnamed = torch.zeros(4)
+        grad = torch.zeros(4, device="cpu", requires_grad=True)
+        out = torch.zeros(4, device="cpu", out=buffer)
     assert _segments() == before
     assert torch.equal(ones, torch.ones(4))
     assert meta.device.type == "meta"
-    assert torch.equal(pinned, torch.zeros(4))
+    assert torch.equal(unnamed, torch.zeros(4))
+    assert grad.requires_grad
     assert torch.equal(out, torch.zeros(4))
