@@ -66,9 +66,40 @@ def test_the_gate_flag_also_asks_for_the_decode_hit() -> None:
 def test_table_lists_every_request_and_the_preemptions() -> None:
     report = {"scenario": "correctness", "runs": [_run("patched", equal=False).to_json()]}
     lines = report_mod.table(report_mod.E2EReport.from_json(report))
-    assert "| patched | nixl | A | 0 | NO | 0/16 |" in lines
-    assert "| patched | nixl | B | 512 | yes | 16/16 |" in lines
-    assert lines[-1] == "| patched | nixl | preemptions on D | 2 | | |"
+    assert "| patched | nixl | A | 0 |  |  | NO | 0/16 |" in lines
+    assert "| patched | nixl | B | 512 |  |  | yes | 16/16 |" in lines
+    assert lines[-1] == "| patched | nixl | preemptions on D | 2 | | | | |"
+
+
+def test_table_splits_external_hits_per_child_where_measured() -> None:
+    run = _run("patched").to_json()
+    run["connector"] = "lmcache+nixl"
+    run["requests"][0] |= {"decode_external_hit_tokens": 575, "kv_bytes_transferred": 599040,
+                           "decode_external_hit_tokens_nixl": 575,
+                           "decode_external_hit_tokens_lmcache": 0}
+    run["requests"][1] |= {"decode_external_hit_tokens": 256, "kv_bytes_transferred": 0}
+    lines = report_mod.table(report_mod.E2EReport.from_json(
+        {"scenario": "correctness", "runs": [run]}))
+    assert "| patched | lmcache+nixl | A | 0 | 575 (NIXL 575, LMCache 0) | 599040 | yes | 16/16 |" in lines
+    assert "| patched | lmcache+nixl | B | 512 | 256 | 0 | yes | 16/16 |" in lines
+
+
+def test_lmcache_loads_are_read_from_the_servers_log(tmp_path) -> None:
+    from hybridpd.e2e import lmcache as lm
+
+    log = tmp_path / "lmcache.log"
+    log.write_text("LMCache INFO: Stored 512 tokens in 0.003 seconds\n"
+                   "LMCache INFO: Retrieved 256 tokens in 0.002 seconds (x.py:1)\n")
+    loads = lm.RetrievedTokens(log)  # loads before it was made are not counted
+    with log.open("a") as f:
+        f.write("LMCache INFO: Retrieved 256 tokens in 0.002 seconds\n"
+                "LMCache INFO: Retrieved 512 tokens in 0.004 seconds\nLMCache INFO: Retr")
+    assert loads.take() == 768
+    assert loads.take() == 0
+    with log.open("a") as f:
+        f.write("ieved 256 tokens in 0.1 seconds\n")
+    assert loads.take() == 256
+    assert lm.RetrievedTokens(tmp_path / "none.log").take() == 0
 
 
 def _c(ids, lps, tops=None) -> sc.Completion:

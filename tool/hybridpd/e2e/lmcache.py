@@ -23,6 +23,7 @@ reference it computes is cold.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,6 +57,34 @@ BUILD_REQUIREMENTS = (
 
 def uses_lmcache(connector: str) -> bool:
     return connector in CONNECTORS
+
+
+class RetrievedTokens:
+    """The tokens an ``lmcache server`` loaded into vLLM, read from its log.
+
+    vLLM counts one external hit per request, whichever MultiConnector child served it,
+    and both NixlConnector and LMCacheMPConnector report it as an unspecified source; the
+    server logs each load (``Retrieved N tokens in S seconds``), so LMCache's share is
+    counted there. :meth:`take` returns the tokens of the loads logged since the last
+    call (whole lines only).
+    """
+
+    LINE = re.compile(r"Retrieved (\d+) tokens in ")
+
+    def __init__(self, log: Path):
+        self.log = Path(log)
+        self.offset = self.log.stat().st_size if self.log.exists() else 0
+
+    def take(self) -> int:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        whole = data[: data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        return sum(int(n) for n in self.LINE.findall(whole.decode(errors="replace")))
 
 
 def lmcache_series(vllm_series: Series) -> Series:

@@ -209,23 +209,41 @@ def bench_table(report: E2EReport) -> list[str]:
     return lines
 
 
+def _external_hit(r: dict) -> str:
+    """D's external hit tokens, split per MultiConnector child where the run measured it."""
+    total = r.get("decode_external_hit_tokens")
+    if total is None:
+        return ""
+    if "decode_external_hit_tokens_lmcache" not in r:
+        return str(total)
+    return (f"{total} (NIXL {r['decode_external_hit_tokens_nixl']}, "
+            f"LMCache {r['decode_external_hit_tokens_lmcache']})")
+
+
 def correctness_table(report: E2EReport) -> list[str]:
     lines = [
-        "| build | connector | request | decode hit | every token agrees (teacher-forced) "
+        "| build | connector | request | decode hit | external hit | KV bytes "
+        "| every token agrees (teacher-forced) "
         "| common prefix with the free-running reference |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in report.runs:
         for r in run.requests:
             hit = r.get("decode_local_hit_tokens")
+            moved = r.get("kv_bytes_transferred")
             lines.append(
                 f"| {run.build} | {run.connector} | {r['label']} | "
-                f"{'' if hit is None else hit} | {'yes' if r['equal'] else 'NO'} | "
+                f"{'' if hit is None else hit} | {_external_hit(r)} | "
+                f"{'' if moved is None else moved} | {'yes' if r['equal'] else 'NO'} | "
                 f"{r['common_prefix_tokens']}/{len(r['reference_token_ids'])} |"
             )
         if "decode_preemptions" in run.figures:
             lines.append(f"| {run.build} | {run.connector} | preemptions on D | "
-                         f"{run.figures['decode_preemptions']} | | |")
+                         f"{run.figures['decode_preemptions']} | | | | |")
+        if "decode_lmcache_tokens_concurrent" in run.figures:
+            lines.append(f"| {run.build} | {run.connector} | LMCache loads on D while "
+                         f"concurrent | | {run.figures['decode_lmcache_tokens_concurrent']} "
+                         "| | | |")
     return lines
 
 
@@ -241,7 +259,9 @@ def markdown(report: E2EReport) -> str:
         "",
         f"Model: `{report.model}`. OFF = stock vLLM {report.pin}, ON = patched. "
         "hit = tokens the decode instance took from its own prefix cache "
-        "(Δ `vllm:prefix_cache_hits`); KV bytes = Δ `vllm:nixl_bytes_transferred_sum` "
+        "(Δ `vllm:prefix_cache_hits`); external hit = Δ `vllm:external_prefix_cache_hits` "
+        "(LMCache's share from its server's log, NIXL's the rest); KV bytes = "
+        "Δ `vllm:nixl_bytes_transferred_sum` "
         "on the decode instance; TTFT measured at the client through the proxy.",
         "",
         *table(report),

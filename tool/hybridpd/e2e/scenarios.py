@@ -788,6 +788,9 @@ def run_correctness(
 
     rows = []
     first: dict[int, Completion] = {}
+    lmcache_loads = (
+        lmcache_mod.RetrievedTokens(procs.log_dir / "lmcache.log") if opts.lmcache else None
+    )
     before = settled_scrape(pair.decode, wait=0.5)
     for case in (c for c in cases if c["group"] == 0):
         if case.get("reset_decode"):
@@ -803,8 +806,17 @@ def run_correctness(
                          after.delta(before, metrics.EXTERNAL_PREFIX_CACHE_HITS)),
                      "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES))})
         before = after
+        by_child = ""
+        if lmcache_loads is not None:
+            # LMCache's share from its server's log, NIXL's the rest of vLLM's count.
+            lm = rows[-1]["decode_external_hit_tokens_lmcache"] = lmcache_loads.take()
+            rows[-1]["decode_external_hit_tokens_nixl"] = (
+                rows[-1]["decode_external_hit_tokens"] - lm)
+            by_child = f" (NIXL {rows[-1]['decode_external_hit_tokens_nixl']}, LMCache {lm})"
         log(f"  {case['label']}: decode local hit {rows[-1]['decode_local_hit_tokens']} tokens, "
-            f"external {rows[-1]['decode_external_hit_tokens']}, "
+            f"external {rows[-1]['decode_external_hit_tokens']}{by_child}, "
+            f"KV bytes {rows[-1]['kv_bytes_transferred']}, "
+            f"{out.latency_ms / 1e3:.2f} s, "
             f"{'equal to' if rows[-1]['equal'] else 'parts from'} the free-running reference "
             f"{rows[-1]['note']}".rstrip())
     group = [c for c in cases if c["group"] == 1]
@@ -829,6 +841,10 @@ def run_correctness(
         outs = list(pool.map(decode, group, ids, params))
     after = settled_scrape(pair.decode)
     preemptions = int(after.delta(before, metrics.NUM_PREEMPTIONS))
+    figures = {"decode_preemptions": preemptions}
+    if lmcache_loads is not None:
+        # Resumed requests may load from LMCache what D stored of them before.
+        figures["decode_lmcache_tokens_concurrent"] = lmcache_loads.take()
     rows += [_correctness_row(c, o) for c, o in zip(group, outs)]
     # Every output is then scored on its own tokens by the prefill instance alone, cold
     # (compare_teacher_forced): the free-running comparison stops checking at the first
@@ -847,7 +863,9 @@ def run_correctness(
             log(f"  {case['label']}: free-running: {row['free_running']['note'] or 'equal'}; "
                 f"teacher-forced: {note}")
     log(f"  {len(group)} concurrent requests: {preemptions} preemptions on the decode instance, "
-        f"{sum(r['equal'] for r in rows[-len(group):])} agree with the model teacher-forced")
+        + (f"{figures['decode_lmcache_tokens_concurrent']} tokens loaded from LMCache, "
+           if lmcache_loads is not None else "")
+        + f"{sum(r['equal'] for r in rows[-len(group):])} agree with the model teacher-forced")
     checks = {
         "outputs_equal_reference": all(r["equal"] for r in rows),
         "decode_local_hit": rows[1]["decode_local_hit_tokens"] > 0,
@@ -857,11 +875,12 @@ def run_correctness(
         lm = {c["label"]: c["lmcache"] for c in cases if c.get("lmcache")}
         # L2 must take its prefix from LMCache (else the state binding is not exercised).
         checks["lmcache_served_a_hit"] = all(
-            r["decode_external_hit_tokens"] > 0 for r in rows if lm.get(r["label"]) == "hit"
+            r["decode_external_hit_tokens_lmcache"] > 0
+            for r in rows if lm.get(r["label"]) == "hit"
         )
     return {
         "requests": rows,
-        "decode_preemptions": preemptions,
+        **figures,
         "outputs_match_baseline": checks["outputs_equal_reference"],
         "checks": checks,
     }
@@ -881,6 +900,8 @@ def _correctness_row(case: dict, out: Completion) -> dict:
         "equal": equal,
         "note": note,
         "common_prefix_tokens": common_prefix(out.token_ids, ref.token_ids),
+        "ttft_ms": out.ttft_ms,
+        "latency_ms": out.latency_ms,
     }
 
 
