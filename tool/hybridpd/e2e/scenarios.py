@@ -442,9 +442,15 @@ def settled_scrape(base_url: str, previous: metrics.Snapshot | None = None,
     return last
 
 
+#: Seconds a /metrics read may take. An instance's first answer can take long: a CI run's
+#: first scrape of an idle decode instance (LMCacheMP + NIXL) timed out after 10 s while
+#: the prefill instance computed the references on the same two cores.
+SCRAPE_TIMEOUT = 60.0
+
+
 def _scrape(base_url: str) -> metrics.Snapshot:
     try:
-        return metrics.scrape(base_url)
+        return metrics.scrape(base_url, timeout=SCRAPE_TIMEOUT)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise E2EError(f"cannot read {base_url}/metrics: {exc}") from None
 
