@@ -68,6 +68,27 @@ def decode_request(body: dict, prefill_response: dict) -> dict:
     return req
 
 
+def prefill(upstream: "Upstream", path: str, body: dict, headers: dict) -> dict:
+    """Step 1: ``body`` (the client's request) sent to the prefill instance with
+    :func:`prefill_request`'s rules; returns its JSON answer (``kv_transfer_params``
+    for step 2). UpstreamError if it fails."""
+    conn = upstream.connect()
+    try:
+        conn.request("POST", path, json.dumps(prefill_request(body)).encode(), headers)
+        resp = conn.getresponse()
+        data = resp.read()
+    except OSError as exc:
+        raise UpstreamError(upstream.role, 0, str(exc).encode()) from None
+    finally:
+        conn.close()
+    if resp.status >= 400:
+        raise UpstreamError(upstream.role, resp.status, data)
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise UpstreamError(upstream.role, resp.status, b"answer is not JSON: " + data[:200])
+
+
 class Upstream:
     def __init__(self, url: str, role: str, timeout: float):
         parts = urlsplit(url if "//" in url else f"http://{url}")
@@ -198,21 +219,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         )
 
     def _prefill(self, body: dict, headers: dict) -> dict:
-        conn = self.server.prefill.connect()
-        try:
-            conn.request("POST", self.path, json.dumps(prefill_request(body)).encode(), headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        except OSError as exc:
-            raise UpstreamError("prefill", 0, str(exc).encode()) from None
-        finally:
-            conn.close()
-        if resp.status >= 400:
-            raise UpstreamError("prefill", resp.status, data)
-        try:
-            return json.loads(data)
-        except ValueError:
-            raise UpstreamError("prefill", resp.status, b"answer is not JSON: " + data[:200])
+        return prefill(self.server.prefill, self.path, body, headers)
 
     def _fail(self, exc: UpstreamError) -> None:
         with self.server.stats_lock:

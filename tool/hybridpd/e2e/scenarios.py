@@ -395,22 +395,19 @@ def prefill_for_remote_decode(
     procs: Processes | None = None,
     timeout: float = 600.0,
 ) -> dict:
-    """The proxy's first step on its own: the prefill instance computes ``prompt``'s KV
-    and keeps it for the decode instance to pull; returns the ``kv_transfer_params`` the
-    decode request carries (the proxy's second step)."""
-    body = proxy.prefill_request(_completion_body(prompt, 1, None))
-    req = urllib.request.Request(
-        f"{prefill_url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
-    )
+    """The proxy's first step (:func:`proxy.prefill`) on its own: the prefill instance
+    computes ``prompt``'s KV and keeps it for the decode instance to pull; returns the
+    ``kv_transfer_params`` the decode request carries (the proxy's second step)."""
+    upstream = proxy.Upstream(prefill_url, "prefill", timeout)
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            params = json.load(resp).get("kv_transfer_params")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        answer = proxy.prefill(upstream, "/v1/completions", _completion_body(prompt, 1, None),
+                               headers)
+    except proxy.UpstreamError as exc:
         if procs is not None:
             procs.check_soon()
         raise E2EError(f"prefill request to {prefill_url} failed: {exc}") from None
+    params = answer.get("kv_transfer_params")
     if not params:
         raise E2EError(f"{prefill_url} answered a remote-decode prefill without kv_transfer_params")
     return params
