@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests for removing the CPU KV segments of a worker that exited.
+
+A worker unlinks the POSIX SHM segments it created when it exits cleanly.
+One killed first (on SIGTERM, vLLM's API server kills its engine core and
+workers within a second) cannot, so the server removes them when it
+releases the registration (``CPUCacheContext.close``): those whose creator
+it verified at registration and that has exited since.
+"""
+
+# Standard
+import os
+import subprocess
+import sys
+
+# Third Party
+import pytest
+import torch
+
+# First Party
+from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
+from lmcache.v1.platform.cache_context import create_cache_context
+from lmcache.v1.platform.devices.cpu import shm as cpu_shm
+from lmcache.v1.platform.devices.cpu.shm import (
+    CpuShmTensorWrapper,
+    migrate_to_shm_and_wrap,
+)
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/dev/shm"), reason="POSIX SHM segments live in /dev/shm"
+)
+
+# A worker that shares vLLM-style KV tensors, prints their wire descriptors,
+# waits until the server has registered them (its stdin closes), then exits
+# the way a killed one does: no atexit handler, no finalizer.
+_WORKER = """
+import os, sys
+import torch
+from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
+from lmcache.v1.platform.devices.cpu.shm import migrate_to_shm_and_wrap
+kv = [torch.zeros(2, 8, 16, 4, 32, dtype=torch.float16) for _ in range(2)]
+for tensor in kv:
+    print(DeviceIPCWrapper.Serialize(migrate_to_shm_and_wrap(tensor)).hex())
+print("", flush=True)
+sys.stdin.read()
+os._exit(0)
+"""
+
+
+def _path(wrapper: CpuShmTensorWrapper) -> str:
+    return "/dev/shm/" + wrapper.shm_name.lstrip("/")
+
+
+def test_close_removes_an_exited_workers_segments() -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wrappers: list[DeviceIPCWrapper] = []
+    try:
+        for line in iter(worker.stdout.readline, "\n"):
+            wrappers.append(DeviceIPCWrapper.Deserialize(bytes.fromhex(line)))
+        assert wrappers
+        # Registered while the worker runs, as the server registers it.
+        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        worker.stdin.close()
+        assert worker.wait(timeout=60) == 0
+        assert all(os.path.exists(_path(w)) for w in wrappers)
+
+        context.close()
+
+        assert not any(os.path.exists(_path(w)) for w in wrappers)
+    finally:
+        worker.kill()
+        worker.wait()
+        for w in wrappers:
+            if os.path.exists(_path(w)):
+                os.unlink(_path(w))
+
+
+def test_close_keeps_a_live_workers_segments() -> None:
+    kv = [torch.zeros(2, 8, 16, 4, 32, dtype=torch.float16) for _ in range(2)]
+    wrappers = [migrate_to_shm_and_wrap(t) for t in kv]
+    received = [
+        DeviceIPCWrapper.Deserialize(DeviceIPCWrapper.Serialize(w)) for w in wrappers
+    ]
+    context = create_cache_context(received, lmcache_tokens_per_chunk=16)
+
+    context.close()
+
+    assert all(os.path.exists(_path(w)) for w in wrappers)
+    # A restarted server maps them again by name.
+    kv[0].fill_(1.0)
+    assert torch.equal(received[0].to_tensor(), kv[0])
+
+
+def test_close_keeps_a_segment_whose_creator_it_cannot_verify() -> None:
+    """A name's PID that names no process proves nothing (the server may run
+    in another PID namespace than a live worker): the segment stays."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = "%s%d_0" % (CpuShmTensorWrapper.SHM_NAME_PREFIX, dead.pid)
+    cpu_shm.shm_create_readwrite(name, 2 * 8 * 16 * 4 * 32 * 2)
+    try:
+        wrapper = CpuShmTensorWrapper(
+            torch.empty(2, 8, 16, 4, 32, dtype=torch.float16), name
+        )
+        context = create_cache_context([wrapper], lmcache_tokens_per_chunk=16)
+
+        context.close()
+
+        assert os.path.exists(_path(wrapper))
+    finally:
+        cpu_shm.shm_unlink(name)
+
+
+def test_segment_creator_and_process_gone() -> None:
+    tensor = torch.zeros(4)
+    wrapper = migrate_to_shm_and_wrap(tensor)
+    creator = cpu_shm.segment_creator(wrapper.shm_name)
+    assert creator is not None and creator[0] == os.getpid()
+    assert not cpu_shm.process_gone(*creator)
+    # Another process with this PID (a reused one) is not the creator.
+    assert cpu_shm.process_gone(creator[0], creator[1] + 1)
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    prefix = CpuShmTensorWrapper.SHM_NAME_PREFIX
+    assert cpu_shm.process_gone(dead.pid, creator[1])
+    assert cpu_shm.segment_creator("%s%d_0" % (prefix, dead.pid)) is None
+    for name in ("/lmcache_test_1", "%s%d" % (prefix, os.getpid()), "%sx_0" % prefix,
+                 "%s\u00b2_0" % prefix, "%s%s_0" % (prefix, "9" * 20)):
+        assert cpu_shm.segment_creator(name) is None
