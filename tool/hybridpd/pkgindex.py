@@ -344,6 +344,19 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
             raise
 
 
+def download_sha256(url: str, settings: PipSettings) -> str:
+    """The sha256 of the file at ``url``, streamed and not kept (for an index that
+    lists a file without its hash)."""
+    with _open(url, settings) as response:
+        size = int(response.headers.get("Content-Length") or 0)
+        digest = hashlib.sha256()
+        with _progress(url.rsplit("/", 1)[-1].split("#", 1)[0], size) as advance:
+            for chunk in iter(lambda: response.read(_CHUNK), b""):
+                digest.update(chunk)
+                advance(len(chunk))
+    return digest.hexdigest()
+
+
 @contextlib.contextmanager
 def _progress(name: str, size: int) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr when it is a terminal, else a one-line message."""

@@ -149,7 +149,10 @@ class Series:
             if pin.version == wanted:
                 return pin
         known = ", ".join(p.version for p in self.pins)
-        raise UnknownPinError(f"{version} is not a pinned version (pins: {known})")
+        raise UnknownPinError(
+            f"{version} is not a pinned version (pins: {known}; "
+            f"`hybridpd pin add {wanted}` makes it one)"
+        )
 
     def patch(self, patch_id: str) -> Patch | None:
         """The record with ``patch_id``, or None."""
