@@ -505,3 +505,32 @@ def test_resume_needs_the_series_the_port_started_with(
     )
     assert result.exit_code == 1
     assert f"was started with the series {series.path}" in result.output
+
+
+def _stopped_report(series: Series, dest: Path, patch_id: str, merged: bool):
+    conflict = port_mod.Conflict(patch_id, (port_mod.ConflictFile("README.txt", ()),), merged)
+    return port_mod.PortReport("1.0", "2.0", dest, (), conflict=conflict)
+
+
+def test_the_skip_hint_names_the_release_the_record_knows(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path, extra={"landed": "upstream:0.9", "later": "upstream:3.1"})
+    dest = tmp_path / "port"
+    steps = port_mod.next_steps(_stopped_report(series, dest, "landed", True), None, series)
+    assert steps[1] == f"hybridpd port --skip --upstream 0.9 --dir {dest}"
+    # A release after the target, or no upstream state at all: nothing to fill in.
+    for patch_id in ("later", "feature"):
+        steps = port_mod.next_steps(_stopped_report(series, dest, patch_id, True), None, series)
+        assert steps[1] == f"hybridpd port --skip --upstream RELEASE --dir {dest}"
+
+
+def test_a_patch_git_could_not_merge_gets_its_file_and_the_apply_commands(
+    tmp_path: Path,
+) -> None:
+    _, series = port_project(tmp_path)
+    dest = tmp_path / "port"
+    patch = series.patch_path(series.pin("1.0"), "feature").resolve()
+    assert port_mod.apply_by_hand(_stopped_report(series, dest, "feature", False), series) == [
+        f"git -C {dest} apply --3way {patch}",
+        f"git -C {dest} apply --reject {patch}",
+    ]
+    assert port_mod.apply_by_hand(_stopped_report(series, dest, "feature", True), series) == []

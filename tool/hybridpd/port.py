@@ -404,18 +404,51 @@ def run(series: Series, request: PortRequest, log: Log = quiet) -> PortReport:
     return resume(series, request.dir, request.action, upstream=request.upstream, log=log)
 
 
-def next_steps(report: PortReport, series_option: Path | None = None) -> list[str]:
+def next_steps(
+    report: PortReport, series_option: Path | None = None, series: Series | None = None
+) -> list[str]:
     """The commands that go on from a conflict: continue, skip, abort (with ``--series
-    series_option`` where the port was started with one)."""
+    series_option`` where the port was started with one). The skip names the first
+    release with the change where the patch's record knows one (an upstream state on
+    some pin, no later than the target), else ``RELEASE``."""
     prefix = "hybridpd"
     if series_option is not None:
         prefix += f" --series {shlex.quote(str(series_option))}"
     where = shlex.quote(str(report.dir))
+    release = "RELEASE"
+    if series is not None and report.conflict is not None:
+        release = _recorded_release(series, report.conflict.id, report.to_version) or release
     return [
         f"{prefix} port --continue --dir {where}",
-        f"{prefix} port --skip --upstream RELEASE --dir {where}",
+        f"{prefix} port --skip --upstream {release} --dir {where}",
         f"{prefix} port --abort --dir {where}",
     ]
+
+
+def apply_by_hand(report: PortReport, series: Series) -> list[str]:
+    """For a patch git could not merge: the source pin's patch file, and the commands
+    that apply it in the port's directory (3-way where the blobs allow, else with
+    ``.rej`` files of the hunks that do not apply)."""
+    if report.conflict is None or report.conflict.merged:
+        return []
+    path = series.patch_path(series.pin(report.from_version), report.conflict.id).resolve()
+    where, patch = shlex.quote(str(report.dir)), shlex.quote(str(path))
+    return [
+        f"git -C {where} apply --3way {patch}",
+        f"git -C {where} apply --reject {patch}",
+    ]
+
+
+def _recorded_release(series: Series, patch_id: str, target: str) -> str | None:
+    patch = series.patch(patch_id)
+    if patch is None:
+        return None
+    releases = [
+        state.release for state in patch.pins.values()
+        if state.state == "upstream" and state.release
+        and Version(state.release) <= Version(target)
+    ]
+    return min(releases, key=Version) if releases else None
 
 
 @dataclass(frozen=True)
