@@ -534,3 +534,32 @@ def test_a_patch_git_could_not_merge_gets_its_file_and_the_apply_commands(
         f"git -C {dest} apply --reject {patch}",
     ]
     assert port_mod.apply_by_hand(_stopped_report(series, dest, "feature", True), series) == []
+
+
+def test_a_patch_on_top_of_an_earlier_one_is_merged_against_its_real_pre_image(
+    tmp_path: Path,
+) -> None:
+    """fix-sub changes core.py after fix-add did: its pre-image is 1.0 + fix-add, a
+    blob of no release. 2.0 changed a line of its context, so only a 3-way merge
+    applies it, and only with the source pin's patched commits in the port."""
+    from builders import commit_patch
+    from hybridpd.export import export
+
+    changed = {"proj/core.py": CORE.replace("def mul(a, b):", "def mul(a, b):  # times")}
+    project, series = port_project(tmp_path, changed)
+    project.record("fix-sub", {"1.0": "carried"})
+    series = project.write()
+    repo = tmp_path / "work" / "author"
+    after_fix_add = (repo / "proj" / "core.py").read_text()
+    commit_patch(repo, "fix-sub", {"proj/core.py": after_fix_add.replace(
+        "    return a - b\n", "    diff = a - b\n    return diff\n")}, "[Core] Keep the difference")
+    export(series, repo)
+    series = load(series.path)
+
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+
+    assert report.conflict is None, report.conflict
+    assert results(report) == [
+        ("fix-add", "clean", None), ("feature", "clean", None), ("fix-sub", "3way", None)]
+    core = (tmp_path / "port" / "proj" / "core.py").read_text()
+    assert "diff = a - b" in core and "total = a + b" in core and "# times" in core

@@ -22,9 +22,11 @@ Invariants:
 
 * The port directory is a checkout of V2 (on branch ``hybridpd``, tag ``v<V2>``) whose
   commits after the tag are the replayed patches, each with its ``Hybridpd-Patch``
-  trailer, in series order. V1's release commit is fetched into it (under
-  :data:`BASE_REF`) so that ``git am --3way`` finds the pre-image blobs the V1 patches
-  name; without them a patch whose context changed could not be merged.
+  trailer, in series order. V1's patched commits (its release commit and one commit
+  per patch carried on V1) are fetched into it (under :data:`BASE_REF`) so that ``git
+  am --3way`` finds the pre-image blob every V1 patch names: the release's file, or,
+  for a patch that changes a file an earlier patch changed, the file as that patch left
+  it. Without them a patch whose context changed could not be merged.
 * While a port is under way its state lives in ``<dir>/.git/hybridpd-port.json``
   (:class:`PortState`). It is written before the first patch is replayed and after
   every patch, so any later call knows where the port stands. A stopped port is
@@ -60,6 +62,7 @@ from typing import Any, Literal
 from packaging.version import InvalidVersion, Version
 
 from hybridpd import cache, gitops, guard, seriesedit
+from hybridpd import apply as apply_mod
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
 from hybridpd.errors import CheckoutError, HybridpdError, UsageError
@@ -274,7 +277,7 @@ def start(
             # ends: a `port --continue` started meanwhile is refused, never let in
             # between the state file and the first patch.
             held.enter_context(guard.operation(dest, "port"))
-            log(f"fetching {v1.version}'s release commit for 3-way merges")
+            log(f"fetching {v1.version}'s patched commits for 3-way merges")
             _fetch_base(series, v1, dest)
             state = PortState(
                 from_version=v1.version,
@@ -746,10 +749,12 @@ def _tree(dest: Path, rev: str) -> str:
 
 
 def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
-    """Put V1's release commit (and so its blobs) into ``dest`` under BASE_REF."""
+    """Put V1's patched commits (and so every blob its patches name) into ``dest``
+    under BASE_REF."""
     with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
         base = Path(tmp) / "src"
         checkout_mod.checkout(series, v1.version, base, source="sdist")
+        apply_mod.apply(series, base)
         gitops.fetch_ref(dest, base, BASE_REF)
 
 
