@@ -117,8 +117,8 @@ def test_the_proposed_source_is_the_pin_whose_hunks_apply_best(
     out = json.loads(result.stdout)
     assert out["proposed_from"] == "2.0"
     assert out["candidates"] == [
-        {"version": "2.0", "hunks_applying": 2, "hunks": 2},
-        {"version": "1.0", "hunks_applying": 1, "hunks": 2},
+        {"version": "2.0", "hunks_applying": 2, "hunks": 2, "would_lose": []},
+        {"version": "1.0", "hunks_applying": 1, "hunks": 2, "would_lose": []},
     ]
     assert out["reason"] == ("2 of the 2 hunks of its patches apply to 0.9 as they are "
                              "(other pins: 1.0 1/2)")
@@ -166,4 +166,47 @@ def test_commands_on_a_release_that_is_not_a_pin_say_how_to_add_it(tmp_path: Pat
     result = run(series.path, "port", "--from", "2.0", "--to", "2.1")
     assert result.exit_code == 1
     assert result.stderr == ("Error: 2.1 is not a pinned version (pins: 1.0, 2.0; "
-                             "`hybridpd pin add 2.1` makes it one)\n")
+                             "`hybridpd --series patches/series.toml pin add 2.1` makes it one)\n")
+
+
+def test_a_pin_that_records_a_later_fix_upstream_is_not_proposed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2.0 records "landed" upstream since 1.8: porting 1.5 from it would copy the record
+    and 1.5 would lose a fix it does not have. 1.0 carries it."""
+    project = _diverged_project(tmp_path)
+    project.record("landed", {"1.0": "carried", "2.0": "upstream:1.8"})
+    series = project.write()
+    repo = tmp_path / "work" / "author-1.0"
+    commit_patch(repo, "landed", {"proj/extra.py": "x = 1\n"}, "Land it")
+    export(series, repo)
+    # 1.5's files are 2.0's: 2.0's hunks all apply, 1.0's only half.
+    _publish(project, monkeypatch, "1.5", {"README.txt": "proj: the 2.0 readme\n"})
+
+    out = json.loads(run(project.series_path, "pin", "add", "1.5", "--json").stdout)
+
+    assert out["proposed_from"] == "1.0"
+    assert out["candidates"][1] == {"version": "2.0", "hunks_applying": 2, "hunks": 2,
+                                    "would_lose": ["landed"]}
+    assert out["reason"].endswith("(other pins: 2.0 2/2 and would lose landed)")
+
+
+def test_hunks_are_read_as_git_applies_them() -> None:
+    from hybridpd.pinadd import _patch_hunks
+
+    text = "\n".join([
+        "Subject: x", "", "---", "diff --git a/a.py b/a.py", "index 1..2 100644",
+        "--- a/a.py", "+++ b/a.py", "@@ -1,3 +1,3 @@", " one", "-two", "+TWO", " three",
+        "@@ -9,2 +9,2 @@ def f():", " x = 1", "-y = 2", "\\ No newline at end of file",
+        "+y = 3", "\\ No newline at end of file",
+        "diff --git a/new.py b/new.py", "new file mode 100644", "index 0000000..3",
+        "--- /dev/null", "+++ b/new.py", "@@ -0,0 +1 @@", "+hello",
+        "diff --git a/old.py b/renamed.py", "similarity index 90%", "rename from old.py",
+        "rename to renamed.py", "index 4..5 100644", "--- a/old.py", "+++ b/renamed.py",
+        "@@ -1,2 +1,2 @@", " keep\x0cpage", "-gone", "+come", "-- ", "2.43.0", "",
+    ])
+    assert _patch_hunks(text) == [
+        ("a.py", "one\ntwo\nthree\n"),
+        ("a.py", "x = 1\ny = 2"),  # the file ends without a newline
+        ("old.py", "keep\x0cpage\ngone\n"),  # a rename's pre-image is the old file
+    ]

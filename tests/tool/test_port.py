@@ -530,7 +530,6 @@ def test_a_patch_git_could_not_merge_gets_its_file_and_the_apply_commands(
     dest = tmp_path / "port"
     patch = series.patch_path(series.pin("1.0"), "feature").resolve()
     assert port_mod.apply_by_hand(_stopped_report(series, dest, "feature", False), series) == [
-        f"git -C {dest} apply --3way {patch}",
         f"git -C {dest} apply --reject {patch}",
     ]
     assert port_mod.apply_by_hand(_stopped_report(series, dest, "feature", True), series) == []

@@ -9,22 +9,25 @@ nothing is carried on it until ``hybridpd port`` ports the series to it. The tag
 sdist's name follow the pins already there.
 
 It also proposes the pin to port from (:func:`propose_source`): the ported pin whose
-carried patches have the most hunks that apply to the new release as they are (the
-hunk's context and removed lines found, in order, in the release's file), a fraction of
-the pin's hunks; on a tie the nearest version wins. A hunk that applies needs no merge,
-so the best source leaves the fewest for ``port``'s 3-way merges. A hunk on top of an
-earlier patch of the series never applies to a release: it counts against every pin
-alike.
+carried patches have the largest share of hunks that apply to the new release as they
+are (the hunk's context and removed lines found, in order and from a line start, in the
+release's file). A hunk on top of an earlier patch of the series never applies to a
+release: it counts against every pin alike. A pin that records a patch upstream since a
+release after the new one ranks below every pin that records none: ``port`` copies such a
+record, and the new release would lose a fix it does not have (``would_lose``). Ties go
+to the nearest version (the full release tuple), then to the older pin.
 
-Invariant: series.toml changes only when the sdist was found and verified; the write
-itself is all-or-nothing (:mod:`hybridpd.seriesedit`).
+Invariant: series.toml changes only when the sdist was found and verified and the
+proposal computed; the write itself is all-or-nothing (:mod:`hybridpd.seriesedit`). An
+index that lists the sdist without a hash costs a second download (one to hash it, one
+into the cache).
 """
 
 from __future__ import annotations
 
 import re
 import tarfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -42,17 +45,22 @@ class SourceCandidate:
     version: str
     applying: int  # hunks whose pre-image is in the new release's file, as it is
     hunks: int  # hunks of the patches carried on this pin
+    #: Patches this pin records upstream since a release after the new one.
+    would_lose: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"version": self.version, "hunks_applying": self.applying, "hunks": self.hunks}
+        return {"version": self.version, "hunks_applying": self.applying, "hunks": self.hunks,
+                "would_lose": list(self.would_lose)}
 
 
 @dataclass(frozen=True)
 class PinAdded:
+    """The pin written, where its sdist came from, and the sources to port it from."""
+
     pin: Pin
     url: str
     #: The ported pins, best source first; empty when none is ported.
-    candidates: list[SourceCandidate] = field(default_factory=list)
+    candidates: tuple[SourceCandidate, ...] = ()
 
     @property
     def proposed(self) -> SourceCandidate | None:
@@ -61,13 +69,18 @@ class PinAdded:
     def reason(self) -> str:
         best = self.proposed
         if best is None:
-            return "no pin is ported yet: nothing to port from"
-        others = ", ".join(f"{c.version} {c.applying}/{c.hunks}" for c in self.candidates[1:])
-        return (
-            f"{best.applying} of the {best.hunks} hunks of its patches apply to "
-            f"{self.pin.version} as they are"
-            + (f" (other pins: {others})" if others else "")
+            return "no pin is ported yet"
+        others = ", ".join(
+            f"{c.version} {c.applying}/{c.hunks}"
+            + (f" and would lose {', '.join(c.would_lose)}" if c.would_lose else "")
+            for c in self.candidates[1:]
         )
+        text = (f"{best.applying} of the {best.hunks} hunks of its patches apply to "
+                f"{self.pin.version} as they are")
+        if best.would_lose:
+            text += (f"; it records {', '.join(best.would_lose)} upstream since a release "
+                     f"after {self.pin.version}: replay them (port --continue), do not skip")
+        return text + (f" (other pins: {others})" if others else "")
 
     def to_json(self) -> dict:
         return {
@@ -90,13 +103,14 @@ def add_pin(series: Series, version: str, log: Log = quiet) -> PinAdded:
     settings = pkgindex.pip_settings()
     found = pkgindex.find_file(series.package, pin.sdist, settings)
     log(f"found {pin.sdist} at {found.url}")
-    sha256 = found.sha256 or _sha256_by_download(found, settings, log)
+    sha256 = (found.sha256 or _sha256_by_download(found, settings, log)).lower()
     pin = Pin(version, pin.tag, pin.sdist, sha256, ported=False)
     archive = cache.sdist(series.package, pin.sdist, sha256)
+    candidates = propose_source(series, archive, version)
     with seriesedit.edit(series.path) as editor:
         editor.add_pin(pin.version, pin.tag, pin.sdist, pin.sha256)
     log(f"wrote pin {version} to {series.relative(series.path)} (ported = false)")
-    return PinAdded(pin, found.url, propose_source(series, archive, version))
+    return PinAdded(pin, found.url, candidates)
 
 
 def _version(series: Series, version: str) -> str:
@@ -115,9 +129,7 @@ def _version(series: Series, version: str) -> str:
 
 def _new_pin(series: Series, version: str) -> Pin:
     """The pin's tag and sdist name, formed as the existing pins' are."""
-    if not series.pins:
-        return Pin(version, f"v{version}", f"{series.package}-{version}.tar.gz", "")
-    model = series.pins[-1]
+    model = series.pins[-1]  # a series has at least one pin (series.parse)
     return Pin(
         version,
         model.tag.replace(model.version, version),
@@ -126,34 +138,55 @@ def _new_pin(series: Series, version: str) -> Pin:
     )
 
 
-def _sha256_by_download(found: pkgindex.IndexFile, settings, log: Log) -> str:
+def _sha256_by_download(
+    found: pkgindex.IndexFile, settings: pkgindex.PipSettings, log: Log
+) -> str:
     """The sha256 of ``found`` when the index gives none: download it once to hash it
     (the cache then verifies the same bytes)."""
     log(f"the index gives no hash for {found.filename}; downloading it to compute one")
     return pkgindex.download_sha256(found.url, settings)
 
 
-def propose_source(series: Series, archive: Path, version: str) -> list[SourceCandidate]:
+def propose_source(
+    series: Series, archive: Path, version: str
+) -> tuple[SourceCandidate, ...]:
     """The ported pins, best source for ``version`` (whose sdist is ``archive``) first
     (see the module docstring)."""
+    target = Version(version)
     hunks = {pin.version: _hunks(series, pin) for pin in series.pins if pin.ported}
     texts = _archive_texts(archive, {path for found in hunks.values() for path, _ in found})
+    candidates = []
+    for pin_version, found in hunks.items():
+        lose = tuple(
+            patch.id for patch in series.patches
+            if (state := patch.pins.get(pin_version)) is not None
+            and state.state == "upstream" and _after(state.release, target)
+        )
+        applying = sum(("\n" + pre) in ("\n" + texts.get(path, "")) for path, pre in found)
+        candidates.append(SourceCandidate(pin_version, applying, len(found), lose))
 
-    def rank(c: SourceCandidate) -> tuple[float, float]:
+    def rank(c: SourceCandidate) -> tuple:
         share = c.applying / c.hunks if c.hunks else 0.0
-        return (-share, abs(_release_number(c.version) - _release_number(version)))
+        return (bool(c.would_lose), -share, _distance(Version(c.version), target),
+                Version(c.version) > target)
 
-    return sorted(
-        (SourceCandidate(v, sum(pre in texts.get(path, "") for path, pre in found), len(found))
-         for v, found in hunks.items()),
-        key=rank,
-    )
+    return tuple(sorted(candidates, key=rank))
 
 
-def _release_number(version: str) -> float:
-    """A version's release as one number (major, minor, micro), for distances."""
-    major, minor, micro = (list(Version(version).release) + [0, 0])[:3]
-    return major * 1e6 + minor * 1e3 + micro
+def _after(release: str | None, target: Version) -> bool:
+    """Whether ``release`` is a version after ``target`` (an unreadable one counts,
+    as it cannot be proven earlier)."""
+    try:
+        return release is None or Version(release) > target
+    except InvalidVersion:
+        return True
+
+
+def _distance(a: Version, b: Version) -> tuple[int, ...]:
+    """How far apart two releases are, most significant component first."""
+    width = max(len(a.release), len(b.release))
+    pad = (0,) * width
+    return tuple(abs(x - y) for x, y in zip((a.release + pad)[:width], (b.release + pad)[:width]))
 
 
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
@@ -171,33 +204,42 @@ def _hunks(series: Series, pin: Pin) -> list[tuple[str, str]]:
 
 
 def _patch_hunks(text: str) -> list[tuple[str, str]]:
+    """``(path, pre-image)`` of each hunk of a ``git format-patch`` text; the path is the
+    file before the change (``--- a/...``), new files have none."""
     found: list[tuple[str, str]] = []
-    lines = text.splitlines(keepends=True)
+    lines = [line + "\n" for line in text.split("\n")]
     file = None
     i = 0
     while i < len(lines):
         line = lines[i]
         i += 1
         if line.startswith("diff --git "):
-            file = line.rstrip("\n").rsplit(" b/", 1)[-1]
-            continue
+            file = None
+        elif line.startswith("--- "):
+            name = line[4:].rstrip("\n")
+            file = name[2:] if name.startswith("a/") else None
         match = _HUNK.match(line)
         if not match or file is None:
             continue
-        old = int(match.group(1) or 1)
-        new = int(match.group(2) or 1)
-        pre = []
+        old, new = int(match.group(1) or 1), int(match.group(2) or 1)
+        pre: list[str] = []
+        last = ""
         while (old or new) and i < len(lines):
             body = lines[i]
             i += 1
-            if body.startswith("\\"):  # "\ No newline at end of file"
+            kind, rest = (" ", "\n") if body == "\n" else (body[:1], body[1:])
+            if kind == "\\":  # "\ No newline at end of file": of the line before
+                if last in (" ", "-") and pre:
+                    pre[-1] = pre[-1].removesuffix("\n")
                 continue
-            kind, rest = body[:1], body[1:]
-            if kind in (" ", "-", "\n"):
-                pre.append(rest if kind != "\n" else "\n")
+            if kind in (" ", "-"):
+                pre.append(rest)
                 old -= 1
-            if kind in (" ", "+", "\n"):
+            if kind in (" ", "+"):
                 new -= 1
+            last = kind
+        if i < len(lines) and lines[i].startswith("\\") and last in (" ", "-") and pre:
+            pre[-1] = pre[-1].removesuffix("\n")
         if pre:
             found.append((file, "".join(pre)))
     return found
@@ -209,7 +251,7 @@ def _archive_texts(archive: Path, paths: set[str]) -> dict[str, str]:
     try:
         with tarfile.open(archive, "r:gz") as tar:
             for member in tar:
-                _, _, rel = member.name.partition("/")
+                _, _, rel = member.name.removeprefix("./").partition("/")
                 if rel in paths and member.isfile():
                     out[rel] = tar.extractfile(member).read().decode("utf-8", "replace")
     except (OSError, tarfile.TarError) as exc:

@@ -429,29 +429,29 @@ def next_steps(
 
 
 def apply_by_hand(report: PortReport, series: Series) -> list[str]:
-    """For a patch git could not merge: the source pin's patch file, and the commands
-    that apply it in the port's directory (3-way where the blobs allow, else with
-    ``.rej`` files of the hunks that do not apply)."""
+    """For a patch git could not merge (a 3-way ``git apply`` would fail the same way):
+    the command that applies the source pin's patch file hunk by hunk in the port's
+    directory, leaving the hunks that do not apply in ``.rej`` files beside their files."""
     if report.conflict is None or report.conflict.merged:
         return []
     path = series.patch_path(series.pin(report.from_version), report.conflict.id).resolve()
-    where, patch = shlex.quote(str(report.dir)), shlex.quote(str(path))
-    return [
-        f"git -C {where} apply --3way {patch}",
-        f"git -C {where} apply --reject {patch}",
-    ]
+    return [f"git -C {shlex.quote(str(report.dir))} apply --reject {shlex.quote(str(path))}"]
 
 
 def _recorded_release(series: Series, patch_id: str, target: str) -> str | None:
     patch = series.patch(patch_id)
     if patch is None:
         return None
-    releases = [
-        state.release for state in patch.pins.values()
-        if state.state == "upstream" and state.release
-        and Version(state.release) <= Version(target)
-    ]
-    return min(releases, key=Version) if releases else None
+    releases = []
+    for state in patch.pins.values():
+        if state.state != "upstream" or not state.release:
+            continue
+        try:
+            if Version(state.release) <= Version(target):
+                releases.append(Version(state.release))
+        except InvalidVersion:
+            continue
+    return str(min(releases)) if releases else None
 
 
 @dataclass(frozen=True)

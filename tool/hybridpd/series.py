@@ -26,6 +26,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from packaging.version import InvalidVersion, Version
+
 from hybridpd.errors import SeriesError, UnknownPinError
 
 SCHEMA = 1
@@ -149,9 +151,14 @@ class Series:
             if pin.version == wanted:
                 return pin
         known = ", ".join(p.version for p in self.pins)
+        try:
+            Version(wanted)
+        except InvalidVersion:
+            raise UnknownPinError(f"{version} is not a pinned version (pins: {known})") from None
+        option = "" if self.package == "vllm" else f" --series {self.relative(self.path)}"
         raise UnknownPinError(
             f"{version} is not a pinned version (pins: {known}; "
-            f"`hybridpd pin add {wanted}` makes it one)"
+            f"`hybridpd{option} pin add {wanted}` makes it one)"
         )
 
     def patch(self, patch_id: str) -> Patch | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import click
 
 from hybridpd import pinadd
@@ -25,8 +27,9 @@ def add(state: State, version: str, as_json: bool) -> None:
 
     Finds VERSION's sdist on the package index pip is configured for, downloads and
     hashes it, writes its [[pins]] entry in version order with `ported = false`, and
-    proposes the pin to port from: the ported pin whose release shares the most files
-    the series patches. Then: `hybridpd port --from PIN --to VERSION`, `hybridpd test
+    proposes the pin to port from: the ported pin with the largest share of hunks that
+    apply to VERSION as they are, among those that record no patch upstream since a
+    release after VERSION. Then: `hybridpd port --from PIN --to VERSION`, `hybridpd test
     --pin VERSION`, `hybridpd check`.
     """
     added = pinadd.add_pin(state.series, version, log=quiet if as_json else log)
@@ -36,7 +39,7 @@ def add(state: State, version: str, as_json: bool) -> None:
     pin = added.pin
     click.echo(f"added pin {pin.version} (tag {pin.tag}, sdist {pin.sdist}, sha256 "
                f"{pin.sha256}), not ported yet")
-    series = "" if state.series_arg is None else f" --series {state.series_arg}"
+    series = "" if state.series_arg is None else f" --series {shlex.quote(str(state.series_arg))}"
     if added.proposed is None:
         click.echo(f"next: nothing to port from ({added.reason()})")
         return

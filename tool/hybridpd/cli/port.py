@@ -122,10 +122,9 @@ def _echo_conflict(
             click.echo(f"  {f.path}: does not apply, and git could not merge it (apply it by hand)")
     click.echo("next:")
     if by_hand:
-        click.echo(f"  apply {report.from_version}'s patch file by hand, 3-way where git can:")
+        click.echo(f"  apply {report.from_version}'s patch file hunk by hunk (git cannot merge it):")
         click.echo(f"    {by_hand[0]}")
-        click.echo("  or hunk by hunk, leaving the hunks that do not apply in .rej files:")
-        click.echo(f"    {by_hand[1]}")
+        click.echo("  then make each .rej file's hunks by hand and delete the .rej files;")
     click.echo(f"  resolve the conflicts in {report.dir}, `git add` the files, then:")
     click.echo(f"    {steps[0]}")
     click.echo(f"  or, if {report.to_version} already has the change ({conflict.id} is upstream):")
