@@ -30,11 +30,13 @@ def run(series_path: Path, *args: str) -> Result:
 
 
 def _publish(project: Project, monkeypatch: pytest.MonkeyPatch, version: str,
-             files: dict[str, str] | None = None, hashes: bool = True):
+             files: dict[str, str] | None = None, hashes: bool = True,
+             yanked: str | None = None):
     """Pack ``version`` and serve it, with the project's releases, on pip's index (not
     in hybridpd's cache: pin add must download it)."""
     release = pack_release(project.root / "new", version, {**BASE_FILES, **(files or {})})
-    index = make_index(project.root / "index", [*project.releases.values(), release], hashes)
+    index = make_index(project.root / "index", [*project.releases.values(), release], hashes,
+                       None if yanked is None else {version: yanked})
     monkeypatch.setenv("PIP_INDEX_URL", index)
     return release
 
@@ -210,3 +212,21 @@ def test_hunks_are_read_as_git_applies_them() -> None:
         ("a.py", "x = 1\ny = 2"),  # the file ends without a newline
         ("old.py", "keep\x0cpage\ngone\n"),  # a rename's pre-image is the old file
     ]
+
+
+def test_a_yanked_release_is_pinned_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project, series = standard_project(tmp_path)
+    _publish(project, monkeypatch, "2.1", yanked="broken wheel")
+    before = series.path.read_text()
+
+    refused = run(series.path, "pin", "add", "2.1")
+
+    assert refused.exit_code == 1
+    assert refused.stderr == ("Error: proj-2.1.tar.gz is yanked on the index (broken wheel); "
+                              "pin it anyway with --allow-yanked\n")
+    assert series.path.read_text() == before
+    allowed = run(series.path, "pin", "add", "2.1", "--allow-yanked", "--json")
+    assert allowed.exit_code == 0, allowed.output
+    assert json.loads(allowed.stdout)["yanked"] == "broken wheel"

@@ -61,6 +61,8 @@ class PinAdded:
     url: str
     #: The ported pins, best source first; empty when none is ported.
     candidates: tuple[SourceCandidate, ...] = ()
+    #: The index's yank reason when the release is yanked (see add_pin), else None.
+    yanked: str | None = None
 
     @property
     def proposed(self) -> SourceCandidate | None:
@@ -89,6 +91,7 @@ class PinAdded:
             "sdist": self.pin.sdist,
             "sha256": self.pin.sha256,
             "url": self.url,
+            "yanked": self.yanked,
             "ported": False,
             "proposed_from": self.proposed.version if self.proposed else None,
             "reason": self.reason(),
@@ -96,13 +99,21 @@ class PinAdded:
         }
 
 
-def add_pin(series: Series, version: str, log: Log = quiet) -> PinAdded:
-    """Make ``version`` a pin of ``series`` (see the module docstring)."""
+def add_pin(
+    series: Series, version: str, allow_yanked: bool = False, log: Log = quiet
+) -> PinAdded:
+    """Make ``version`` a pin of ``series`` (see the module docstring). A yanked sdist
+    (PEP 592: the project withdrew the release) is refused unless ``allow_yanked``."""
     version = _version(series, version)
     pin = _new_pin(series, version)
     settings = pkgindex.pip_settings()
     found = pkgindex.find_file(series.package, pin.sdist, settings)
-    log(f"found {pin.sdist} at {found.url}")
+    if found.yanked is not None and not allow_yanked:
+        reason = f" ({found.yanked})" if found.yanked else ""
+        raise HybridpdError(
+            f"{pin.sdist} is yanked on the index{reason}; pin it anyway with --allow-yanked"
+        )
+    log(f"found {pin.sdist} at {found.url}" + (" (yanked)" if found.yanked is not None else ""))
     sha256 = (found.sha256 or _sha256_by_download(found, settings, log)).lower()
     pin = Pin(version, pin.tag, pin.sdist, sha256, ported=False)
     archive = cache.sdist(series.package, pin.sdist, sha256)
@@ -110,7 +121,7 @@ def add_pin(series: Series, version: str, log: Log = quiet) -> PinAdded:
     with seriesedit.edit(series.path) as editor:
         editor.add_pin(pin.version, pin.tag, pin.sdist, pin.sha256)
     log(f"wrote pin {version} to {series.relative(series.path)} (ported = false)")
-    return PinAdded(pin, found.url, candidates)
+    return PinAdded(pin, found.url, candidates, found.yanked)
 
 
 def _version(series: Series, version: str) -> str:

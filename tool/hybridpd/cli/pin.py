@@ -20,9 +20,11 @@ def pin_group() -> None:
 
 @pin_group.command("add")
 @click.argument("version")
+@click.option("--allow-yanked", is_flag=True,
+              help="Pin a release the project yanked from the index (refused otherwise).")
 @json_flag
 @click.pass_obj
-def add(state: State, version: str, as_json: bool) -> None:
+def add(state: State, version: str, allow_yanked: bool, as_json: bool) -> None:
     """Make release VERSION a pin, so that `port` can reach it.
 
     Finds VERSION's sdist on the package index pip is configured for, downloads and
@@ -32,7 +34,7 @@ def add(state: State, version: str, as_json: bool) -> None:
     release after VERSION. Then: `hybridpd port --from PIN --to VERSION`, `hybridpd test
     --pin VERSION`, `hybridpd check`.
     """
-    added = pinadd.add_pin(state.series, version, log=quiet if as_json else log)
+    added = pinadd.add_pin(state.series, version, allow_yanked, log=quiet if as_json else log)
     if as_json:
         jsonout.emit(added.to_json())
         return
