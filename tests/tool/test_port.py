@@ -562,3 +562,20 @@ def test_a_patch_on_top_of_an_earlier_one_is_merged_against_its_real_pre_image(
         ("fix-add", "clean", None), ("feature", "clean", None), ("fix-sub", "3way", None)]
     core = (tmp_path / "port" / "proj" / "core.py").read_text()
     assert "diff = a - b" in core and "total = a + b" in core and "# times" in core
+
+
+def test_a_source_series_that_does_not_apply_to_its_release_stops_the_port_cleanly(
+    tmp_path: Path,
+) -> None:
+    _, series = port_project(tmp_path)
+    patch = series.patch_path(series.pin("1.0"), "feature")
+    patch.write_text(patch.read_text().replace("proj: a tiny fixture project", "proj: not it"))
+    dest = tmp_path / "port"
+
+    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+
+    assert result.exit_code == 1
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith("Error: 1.0's own patches do not apply to its release"), error
+    assert "feature" in error and "hybridpd-port-base" not in result.stderr
+    assert not dest.exists()

@@ -65,7 +65,7 @@ from hybridpd import cache, gitops, guard, seriesedit
 from hybridpd import apply as apply_mod
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
-from hybridpd.errors import CheckoutError, HybridpdError, UsageError
+from hybridpd.errors import ApplyError, CheckoutError, HybridpdError, UsageError
 from hybridpd.export import export
 from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
@@ -754,7 +754,15 @@ def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
         base = Path(tmp) / "src"
         checkout_mod.checkout(series, v1.version, base, source="sdist")
-        apply_mod.apply(series, base)
+        try:
+            apply_mod.apply(series, base)
+        except ApplyError as exc:
+            # Its paths name the temporary checkout, gone when the user reads them.
+            raise ApplyError(
+                f"{v1.version}'s own patches do not apply to its release, so the port has "
+                f"no pre-images to merge against (hybridpd check says which): "
+                f"{exc.message.replace(str(base), v1.version)}"
+            ) from exc
         gitops.fetch_ref(dest, base, BASE_REF)
 
 
