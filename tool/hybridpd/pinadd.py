@@ -19,8 +19,7 @@ to the nearest version (the full release tuple), then to the older pin.
 
 Invariant: series.toml changes only when the sdist was found and verified and the
 proposal computed; the write itself is all-or-nothing (:mod:`hybridpd.seriesedit`). An
-index that lists the sdist without a hash costs a second download (one to hash it, one
-into the cache).
+index that lists the sdist without a hash gets the downloaded file's hash recorded.
 """
 
 from __future__ import annotations
@@ -114,9 +113,10 @@ def add_pin(
             f"{pin.sdist} is yanked on the index{reason}; pin it anyway with --allow-yanked"
         )
     log(f"found {pin.sdist} at {found.url}" + (" (yanked)" if found.yanked is not None else ""))
-    sha256 = (found.sha256 or _sha256_by_download(found, settings, log)).lower()
+    archive, sha256 = cache.sdist_listed(series.package, found, settings)
+    if found.sha256 is None:
+        log(f"the index lists no hash for {pin.sdist}: recording the downloaded file's")
     pin = Pin(version, pin.tag, pin.sdist, sha256, ported=False)
-    archive = cache.sdist(series.package, pin.sdist, sha256)
     candidates = propose_source(series, archive, version)
     with seriesedit.edit(series.path) as editor:
         editor.add_pin(pin.version, pin.tag, pin.sdist, pin.sha256)
@@ -147,15 +147,6 @@ def _new_pin(series: Series, version: str) -> Pin:
         model.sdist.replace(model.version, version),
         "",
     )
-
-
-def _sha256_by_download(
-    found: pkgindex.IndexFile, settings: pkgindex.PipSettings, log: Log
-) -> str:
-    """The sha256 of ``found`` when the index gives none: download it once to hash it
-    (the cache then verifies the same bytes)."""
-    log(f"the index gives no hash for {found.filename}; downloading it to compute one")
-    return pkgindex.download_sha256(found.url, settings)
 
 
 def propose_source(

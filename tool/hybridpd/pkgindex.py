@@ -308,8 +308,9 @@ def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Res
         raise PackageIndexError(f"cannot read {url}: {reason}") from exc
 
 
-def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
-    """Download ``url`` to ``dest``, which appears only if its sha256 is ``sha256``.
+def download(url: str, dest: Path, sha256: str | None, settings: PipSettings) -> str:
+    """Download ``url`` to ``dest``, which appears only if its sha256 is ``sha256``
+    (any, for None: an index that lists the file without a hash); returns the sha256.
 
     The file is streamed to a temporary file next to ``dest`` and moved into place
     after verification, so ``dest`` is never partial; on any failure the temporary
@@ -344,7 +345,7 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
                     raise LocalFileError.from_os_error(
                         OSError(exc.errno, exc.strerror, str(tmp))
                     ) from exc
-            if digest.hexdigest() != sha256:
+            if sha256 is not None and digest.hexdigest() != sha256:
                 raise ChecksumError(
                     f"{dest.name} from {url} has sha256 {digest.hexdigest()}, "
                     f"series.toml expects {sha256}"
@@ -356,18 +357,6 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-
-
-def download_sha256(url: str, settings: PipSettings) -> str:
-    """The sha256 of the file at ``url``, streamed and not kept (for an index that
-    lists a file without its hash)."""
-    with _open(url, settings) as response:
-        size = int(response.headers.get("Content-Length") or 0)
-        digest = hashlib.sha256()
-        with _progress(url.rsplit("/", 1)[-1].split("#", 1)[0], size) as advance:
-            for chunk in iter(lambda: response.read(_CHUNK), b""):
-                digest.update(chunk)
-                advance(len(chunk))
     return digest.hexdigest()
 
 
