@@ -91,15 +91,21 @@ def pack_release(out_dir: Path, version: str, files: dict[str, str]) -> Release:
     return Release(version, path)
 
 
-def make_index(root: Path, releases: list[Release], hashes: bool = True) -> str:
-    """A PEP 503 ``file://`` simple index serving ``releases``; returns its URL."""
+def make_index(
+    root: Path, releases: list[Release], hashes: bool = True, yanked: dict[str, str] | None = None
+) -> str:
+    """A PEP 503 ``file://`` simple index serving ``releases``; returns its URL.
+    ``yanked``: version -> reason of releases marked yanked (PEP 592)."""
     files = root / "files"
     files.mkdir(parents=True, exist_ok=True)
     anchors = []
     for release in releases:
         shutil.copy(release.path, files / release.filename)
         fragment = f"#sha256={release.sha256}" if hashes else ""
-        anchors.append(f'<a href="../../files/{release.filename}{fragment}">{release.filename}</a>')
+        mark = (f' data-yanked="{yanked[release.version]}"'
+                if yanked and release.version in yanked else "")
+        anchors.append(f'<a href="../../files/{release.filename}{fragment}"{mark}>'
+                       f'{release.filename}</a>')
     page = root / "simple" / PACKAGE / "index.html"
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text(f"<!DOCTYPE html><html><body>\n{chr(10).join(anchors)}\n</body></html>\n")

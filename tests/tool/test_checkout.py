@@ -101,7 +101,7 @@ def test_failure_empties_a_given_empty_directory(
 
 def test_unknown_pin_and_busy_destination(project: Project, tmp_path: Path) -> None:
     series = project.write()
-    with pytest.raises(UnknownPinError, match=r"9\.9 is not a pinned version \(pins: 1\.0\)"):
+    with pytest.raises(UnknownPinError, match=r"9\.9 is not a pinned version \(pins: 1\.0; `hybridpd --series patches/series\.toml pin add 9\.9`"):
         checkout(series, "9.9", tmp_path / "a")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("")

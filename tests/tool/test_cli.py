@@ -100,7 +100,8 @@ def test_check_exits_1_with_the_problem_list(project: Project) -> None:
 def test_errors_are_one_line_with_exit_code_1(project: Project, tmp_path: Path) -> None:
     result = run(project.series_path, "checkout", "9.9", "--dir", str(tmp_path / "x"))
     assert result.exit_code == 1
-    assert result.stderr == "Error: 9.9 is not a pinned version (pins: 1.0, 2.0)\n"
+    assert result.stderr == ("Error: 9.9 is not a pinned version (pins: 1.0, 2.0; "
+                             "`hybridpd --series patches/series.toml pin add 9.9` makes it one)\n")
 
 
 def test_usage_errors_exit_2(project: Project) -> None:

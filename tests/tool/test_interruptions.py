@@ -103,11 +103,12 @@ def test_sigkill_mid_apply_is_recovered_by_the_next_run(project, point: str) -> 
     assert snapshot(repo)[1:] == ([], False, False)
 
 
-def _git_that_dies_in_am(root: Path) -> Path:
+def _git_that_dies_in_am(root: Path, only_in: Path | None = None) -> Path:
     """A ``git`` first on PATH whose ``git am`` (not ``--abort``) runs a pre-applypatch
     hook that kills git and hybridpd in the middle of the am, leaving what a SIGKILL
     there leaves: the am session and git's index.lock. (hybridpd runs git with hooks
-    off; this wrapper turns them on for that one command.)"""
+    off; this wrapper turns them on for that one command.) ``only_in``: only an am run
+    in that repository (a port also applies the source pin's series elsewhere)."""
     hooks, bin_dir = root / "hooks", root / "bin"
     hooks.mkdir()
     bin_dir.mkdir()
@@ -124,7 +125,9 @@ def _git_that_dies_in_am(root: Path) -> Path:
         f"#!{sys.executable}\n"
         "import os, sys\n"
         "args = sys.argv[1:]\n"
-        "if 'am' in args and '--abort' not in args:\n"
+        f"here = {str(only_in) if only_in else ''!r}\n"
+        "inside = not here or os.path.realpath(os.getcwd()) == os.path.realpath(here)\n"
+        "if 'am' in args and '--abort' not in args and inside:\n"
         f"    args[args.index('am'):args.index('am')] = ['-c', 'core.hooksPath={hooks}']\n"
         f"os.execv({real!r}, [{real!r}, *args])\n"
     )
@@ -275,7 +278,7 @@ def test_sigkill_inside_a_ports_git_am_is_recovered_by_continue(
 
     dest = tmp_path / "port"
     killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
-                      path=_git_that_dies_in_am(tmp_path))
+                      path=_git_that_dies_in_am(tmp_path, only_in=dest))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     gdir = guard.git_dir(dest)
     assert (gdir / "rebase-apply").is_dir() and (gdir / "index.lock").exists()

@@ -156,3 +156,18 @@ def test_pep691_json_index_over_http(tmp_path: Path, json_index: str) -> None:
     dest = tmp_path / "proj-1.0.tar.gz"
     pkgindex.download(found.url, dest, found.sha256 or "", settings)
     assert dest.read_bytes() == _JsonIndex.body
+
+
+def test_yanked_files_are_marked_in_both_index_formats() -> None:
+    page = {"files": [
+        {"filename": "a-1.tar.gz", "url": "a-1.tar.gz", "hashes": {}, "yanked": "bad"},
+        {"filename": "a-2.tar.gz", "url": "a-2.tar.gz", "hashes": {}, "yanked": True},
+        {"filename": "a-3.tar.gz", "url": "a-3.tar.gz", "hashes": {}, "yanked": False},
+        {"filename": "a-4.tar.gz", "url": "a-4.tar.gz", "hashes": {}},
+    ]}
+    assert [f.yanked for f in pkgindex._files_from_json(page, "https://x/simple/a/")] == [
+        "bad", "", None, None]
+    html = ('<a href="a-1.tar.gz" data-yanked="bad">a-1.tar.gz</a>'
+            '<a href="a-2.tar.gz" data-yanked>a-2.tar.gz</a><a href="a-3.tar.gz">a-3.tar.gz</a>')
+    assert [f.yanked for f in pkgindex._files_from_html(html, "https://x/simple/a/")] == [
+        "bad", "", None]

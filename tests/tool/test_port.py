@@ -505,3 +505,77 @@ def test_resume_needs_the_series_the_port_started_with(
     )
     assert result.exit_code == 1
     assert f"was started with the series {series.path}" in result.output
+
+
+def _stopped_report(series: Series, dest: Path, patch_id: str, merged: bool):
+    conflict = port_mod.Conflict(patch_id, (port_mod.ConflictFile("README.txt", ()),), merged)
+    return port_mod.PortReport("1.0", "2.0", dest, (), conflict=conflict)
+
+
+def test_the_skip_hint_names_the_release_the_record_knows(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path, extra={"landed": "upstream:0.9", "later": "upstream:3.1"})
+    dest = tmp_path / "port"
+    steps = port_mod.next_steps(_stopped_report(series, dest, "landed", True), None, series)
+    assert steps[1] == f"hybridpd port --skip --upstream 0.9 --dir {dest}"
+    # A release after the target, or no upstream state at all: nothing to fill in.
+    for patch_id in ("later", "feature"):
+        steps = port_mod.next_steps(_stopped_report(series, dest, patch_id, True), None, series)
+        assert steps[1] == f"hybridpd port --skip --upstream RELEASE --dir {dest}"
+
+
+def test_a_patch_git_could_not_merge_gets_its_file_and_the_apply_commands(
+    tmp_path: Path,
+) -> None:
+    _, series = port_project(tmp_path)
+    dest = tmp_path / "port"
+    patch = series.patch_path(series.pin("1.0"), "feature").resolve()
+    assert port_mod.apply_by_hand(_stopped_report(series, dest, "feature", False), series) == [
+        f"git -C {dest} apply --reject {patch}",
+    ]
+    assert port_mod.apply_by_hand(_stopped_report(series, dest, "feature", True), series) == []
+
+
+def test_a_patch_on_top_of_an_earlier_one_is_merged_against_its_real_pre_image(
+    tmp_path: Path,
+) -> None:
+    """fix-sub changes core.py after fix-add did: its pre-image is 1.0 + fix-add, a
+    blob of no release. 2.0 changed a line of its context, so only a 3-way merge
+    applies it, and only with the source pin's patched commits in the port."""
+    from builders import commit_patch
+    from hybridpd.export import export
+
+    changed = {"proj/core.py": CORE.replace("def mul(a, b):", "def mul(a, b):  # times")}
+    project, series = port_project(tmp_path, changed)
+    project.record("fix-sub", {"1.0": "carried"})
+    series = project.write()
+    repo = tmp_path / "work" / "author"
+    after_fix_add = (repo / "proj" / "core.py").read_text()
+    commit_patch(repo, "fix-sub", {"proj/core.py": after_fix_add.replace(
+        "    return a - b\n", "    diff = a - b\n    return diff\n")}, "[Core] Keep the difference")
+    export(series, repo)
+    series = load(series.path)
+
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+
+    assert report.conflict is None, report.conflict
+    assert results(report) == [
+        ("fix-add", "clean", None), ("feature", "clean", None), ("fix-sub", "3way", None)]
+    core = (tmp_path / "port" / "proj" / "core.py").read_text()
+    assert "diff = a - b" in core and "total = a + b" in core and "# times" in core
+
+
+def test_a_source_series_that_does_not_apply_to_its_release_stops_the_port_cleanly(
+    tmp_path: Path,
+) -> None:
+    _, series = port_project(tmp_path)
+    patch = series.patch_path(series.pin("1.0"), "feature")
+    patch.write_text(patch.read_text().replace("proj: a tiny fixture project", "proj: not it"))
+    dest = tmp_path / "port"
+
+    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+
+    assert result.exit_code == 1
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith("Error: 1.0's own patches do not apply to its release"), error
+    assert "feature" in error and "hybridpd-port-base" not in result.stderr
+    assert not dest.exists()

@@ -89,7 +89,7 @@ def test_a_dropped_patch_is_not_carried_and_keeps_its_evidence(tmp_path: Path) -
 def test_pin_accepts_v_prefix_and_lists_known_pins(tmp_path: Path) -> None:
     series = load(write(tmp_path, VALID))
     assert series.pin("v2.0").version == "2.0"
-    with pytest.raises(UnknownPinError, match=r"3\.0 is not a pinned version \(pins: 1\.0, 2\.0\)"):
+    with pytest.raises(UnknownPinError, match=r"3\.0 is not a pinned version \(pins: 1\.0, 2\.0; `hybridpd --series patches/series\.toml pin add 3\.0`"):
         series.pin("3.0")
 
 

@@ -152,6 +152,22 @@ def sdist(package: str, filename: str, sha256: str) -> Path:
         return _verified_or_downloaded(package, path, filename, sha256)
 
 
+def sdist_listed(package: str, found: pkgindex.IndexFile,
+                 settings: pkgindex.PipSettings) -> tuple[Path, str]:
+    """``found`` (an index entry) in the sdist cache, and its sha256: verified against
+    the index's hash where it lists one, else the hash of the bytes downloaded (or of
+    the copy the cache already has), which the caller records."""
+    if found.sha256 is not None:
+        sha256 = found.sha256.lower()
+        return sdist(package, found.filename, sha256), sha256
+    path = cache_dir() / "sdists" / found.filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with lock(path, progress.say):
+        if path.is_file():
+            return path, file_sha256(path)
+        return path, pkgindex.download(found.url, path, None, settings)
+
+
 def _verified_or_downloaded(package: str, path: Path, filename: str, sha256: str) -> Path:
     if path.exists() and not path.is_file():
         raise LocalFileError(f"cache entry {path} is not a file; remove it and run again")

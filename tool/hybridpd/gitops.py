@@ -60,6 +60,11 @@ _CONFIG = (
     "diff.mnemonicPrefix=false",
     "advice.detachedHead=false",
     "init.defaultBranch=main",
+    # No automatic gc or maintenance: after committing a release (thousands of loose
+    # objects) git starts one in the background, which kept writing into a temporary
+    # checkout while it was removed ("Directory not empty" in `port`).
+    "gc.auto=0",
+    "maintenance.auto=false",
 )
 
 # One commit as a byte-stable mbox message: no commit hash, stat, numbering, version

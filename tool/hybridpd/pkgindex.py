@@ -72,11 +72,13 @@ class PipSettings:
 
 @dataclass(frozen=True)
 class IndexFile:
-    """A file listed on a project page; ``sha256`` is None if the index gives none."""
+    """A file listed on a project page; ``sha256`` is None if the index gives none.
+    ``yanked``: the reason, "" if none was given, None if not yanked (PEP 592)."""
 
     filename: str
     url: str
     sha256: str | None
+    yanked: str | None = None
 
 
 def pip_settings() -> PipSettings:
@@ -220,21 +222,33 @@ def _normalize(name: str) -> str:
 
 def _files_from_json(page: Mapping[str, Any], base: str) -> list[IndexFile]:
     return [
-        IndexFile(f["filename"], urllib.parse.urljoin(base, f["url"]), f["hashes"].get("sha256"))
+        IndexFile(f["filename"], urllib.parse.urljoin(base, f["url"]), f["hashes"].get("sha256"),
+                  _yanked(f.get("yanked", False)))
         for f in page.get("files", [])
     ]
+
+
+def _yanked(value: Any) -> str | None:
+    """PEP 691's ``yanked`` (False, True or the reason) as :attr:`IndexFile.yanked`."""
+    if value is False or value is None:
+        return None
+    return value if isinstance(value, str) else ""
 
 
 class _AnchorParser(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
-        self.anchors: list[tuple[str, str]] = []
+        # (href, text, yanked: the data-yanked value, None without the attribute)
+        self.anchors: list[tuple[str, str, str | None]] = []
         self._href: str | None = None
+        self._yanked: str | None = None
         self._text: list[str] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag == "a":
-            self._href = dict(attrs).get("href")
+            found = dict(attrs)
+            self._href = found.get("href")
+            self._yanked = (found["data-yanked"] or "") if "data-yanked" in found else None
             self._text = []
 
     def handle_data(self, data: str) -> None:
@@ -243,7 +257,7 @@ class _AnchorParser(HTMLParser):
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "a" and self._href is not None:
-            self.anchors.append((self._href, "".join(self._text).strip()))
+            self.anchors.append((self._href, "".join(self._text).strip(), self._yanked))
             self._href = None
 
 
@@ -251,11 +265,11 @@ def _files_from_html(html: str, base: str) -> list[IndexFile]:
     parser = _AnchorParser()
     parser.feed(html)
     files = []
-    for href, text in parser.anchors:
+    for href, text, yanked in parser.anchors:
         url, _, fragment = urllib.parse.urljoin(base, href).partition("#")
         name = text or urllib.parse.unquote(url.rsplit("/", 1)[-1])
         digest = dict(urllib.parse.parse_qsl(fragment)).get("sha256")
-        files.append(IndexFile(name, url, digest))
+        files.append(IndexFile(name, url, digest, yanked))
     return files
 
 
@@ -294,8 +308,9 @@ def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Res
         raise PackageIndexError(f"cannot read {url}: {reason}") from exc
 
 
-def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
-    """Download ``url`` to ``dest``, which appears only if its sha256 is ``sha256``.
+def download(url: str, dest: Path, sha256: str | None, settings: PipSettings) -> str:
+    """Download ``url`` to ``dest``, which appears only if its sha256 is ``sha256``
+    (any, for None: an index that lists the file without a hash); returns the sha256.
 
     The file is streamed to a temporary file next to ``dest`` and moved into place
     after verification, so ``dest`` is never partial; on any failure the temporary
@@ -330,7 +345,7 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
                     raise LocalFileError.from_os_error(
                         OSError(exc.errno, exc.strerror, str(tmp))
                     ) from exc
-            if digest.hexdigest() != sha256:
+            if sha256 is not None and digest.hexdigest() != sha256:
                 raise ChecksumError(
                     f"{dest.name} from {url} has sha256 {digest.hexdigest()}, "
                     f"series.toml expects {sha256}"
@@ -342,6 +357,7 @@ def download(url: str, dest: Path, sha256: str, settings: PipSettings) -> None:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager

@@ -22,9 +22,11 @@ Invariants:
 
 * The port directory is a checkout of V2 (on branch ``hybridpd``, tag ``v<V2>``) whose
   commits after the tag are the replayed patches, each with its ``Hybridpd-Patch``
-  trailer, in series order. V1's release commit is fetched into it (under
-  :data:`BASE_REF`) so that ``git am --3way`` finds the pre-image blobs the V1 patches
-  name; without them a patch whose context changed could not be merged.
+  trailer, in series order. V1's patched commits (its release commit and one commit
+  per patch carried on V1) are fetched into it (under :data:`BASE_REF`) so that ``git
+  am --3way`` finds the pre-image blob every V1 patch names: the release's file, or,
+  for a patch that changes a file an earlier patch changed, the file as that patch left
+  it. Without them a patch whose context changed could not be merged.
 * While a port is under way its state lives in ``<dir>/.git/hybridpd-port.json``
   (:class:`PortState`). It is written before the first patch is replayed and after
   every patch, so any later call knows where the port stands. A stopped port is
@@ -60,9 +62,10 @@ from typing import Any, Literal
 from packaging.version import InvalidVersion, Version
 
 from hybridpd import cache, gitops, guard, seriesedit
+from hybridpd import apply as apply_mod
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
-from hybridpd.errors import CheckoutError, HybridpdError, UsageError
+from hybridpd.errors import ApplyError, CheckoutError, HybridpdError, UsageError
 from hybridpd.export import export
 from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
@@ -274,7 +277,7 @@ def start(
             # ends: a `port --continue` started meanwhile is refused, never let in
             # between the state file and the first patch.
             held.enter_context(guard.operation(dest, "port"))
-            log(f"fetching {v1.version}'s release commit for 3-way merges")
+            log(f"fetching {v1.version}'s patched commits for 3-way merges")
             _fetch_base(series, v1, dest)
             state = PortState(
                 from_version=v1.version,
@@ -404,18 +407,51 @@ def run(series: Series, request: PortRequest, log: Log = quiet) -> PortReport:
     return resume(series, request.dir, request.action, upstream=request.upstream, log=log)
 
 
-def next_steps(report: PortReport, series_option: Path | None = None) -> list[str]:
+def next_steps(
+    report: PortReport, series_option: Path | None = None, series: Series | None = None
+) -> list[str]:
     """The commands that go on from a conflict: continue, skip, abort (with ``--series
-    series_option`` where the port was started with one)."""
+    series_option`` where the port was started with one). The skip names the first
+    release with the change where the patch's record knows one (an upstream state on
+    some pin, no later than the target), else ``RELEASE``."""
     prefix = "hybridpd"
     if series_option is not None:
         prefix += f" --series {shlex.quote(str(series_option))}"
     where = shlex.quote(str(report.dir))
+    release = "RELEASE"
+    if series is not None and report.conflict is not None:
+        release = _recorded_release(series, report.conflict.id, report.to_version) or release
     return [
         f"{prefix} port --continue --dir {where}",
-        f"{prefix} port --skip --upstream RELEASE --dir {where}",
+        f"{prefix} port --skip --upstream {release} --dir {where}",
         f"{prefix} port --abort --dir {where}",
     ]
+
+
+def apply_by_hand(report: PortReport, series: Series) -> list[str]:
+    """For a patch git could not merge (a 3-way ``git apply`` would fail the same way):
+    the command that applies the source pin's patch file hunk by hunk in the port's
+    directory, leaving the hunks that do not apply in ``.rej`` files beside their files."""
+    if report.conflict is None or report.conflict.merged:
+        return []
+    path = series.patch_path(series.pin(report.from_version), report.conflict.id).resolve()
+    return [f"git -C {shlex.quote(str(report.dir))} apply --reject {shlex.quote(str(path))}"]
+
+
+def _recorded_release(series: Series, patch_id: str, target: str) -> str | None:
+    patch = series.patch(patch_id)
+    if patch is None:
+        return None
+    releases = []
+    for state in patch.pins.values():
+        if state.state != "upstream" or not state.release:
+            continue
+        try:
+            if Version(state.release) <= Version(target):
+                releases.append(Version(state.release))
+        except InvalidVersion:
+            continue
+    return str(min(releases)) if releases else None
 
 
 @dataclass(frozen=True)
@@ -713,10 +749,20 @@ def _tree(dest: Path, rev: str) -> str:
 
 
 def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
-    """Put V1's release commit (and so its blobs) into ``dest`` under BASE_REF."""
+    """Put V1's patched commits (and so every blob its patches name) into ``dest``
+    under BASE_REF."""
     with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
         base = Path(tmp) / "src"
         checkout_mod.checkout(series, v1.version, base, source="sdist")
+        try:
+            apply_mod.apply(series, base)
+        except ApplyError as exc:
+            # Its paths name the temporary checkout, gone when the user reads them.
+            raise ApplyError(
+                f"{v1.version}'s own patches do not apply to its release, so the port has "
+                f"no pre-images to merge against (hybridpd check says which): "
+                f"{exc.message.replace(str(base), v1.version)}"
+            ) from exc
         gitops.fetch_ref(dest, base, BASE_REF)
 
 

@@ -26,6 +26,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from packaging.version import InvalidVersion, Version
+
 from hybridpd.errors import SeriesError, UnknownPinError
 
 SCHEMA = 1
@@ -149,7 +151,15 @@ class Series:
             if pin.version == wanted:
                 return pin
         known = ", ".join(p.version for p in self.pins)
-        raise UnknownPinError(f"{version} is not a pinned version (pins: {known})")
+        try:
+            Version(wanted)
+        except InvalidVersion:
+            raise UnknownPinError(f"{version} is not a pinned version (pins: {known})") from None
+        option = "" if self.package == "vllm" else f" --series {self.relative(self.path)}"
+        raise UnknownPinError(
+            f"{version} is not a pinned version (pins: {known}; "
+            f"`hybridpd{option} pin add {wanted}` makes it one)"
+        )
 
     def patch(self, patch_id: str) -> Patch | None:
         """The record with ``patch_id``, or None."""

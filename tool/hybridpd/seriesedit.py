@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import tomlkit
-from tomlkit.items import AoT, Table, Whitespace
+from packaging.version import Version
+from tomlkit.items import AoT, Comment, Table, Whitespace
 from tomlkit.toml_document import TOMLDocument
 
 from hybridpd import guard
@@ -86,6 +87,34 @@ class Editor:
             _append_table(pins, version, table)
         else:
             pins[version] = table
+
+    def add_pin(self, version: str, tag: str, sdist: str, sha256: str) -> None:
+        """Add a ``[[pins]]`` entry for ``version``, not ported, before the first pin
+        with a higher version (release order, as the pins are read)."""
+        pins = self.doc.get("pins")
+        if not isinstance(pins, AoT):
+            raise SeriesError(f"{self.path}: no [[pins]] entries to add {version} beside")
+        table = tomlkit.table()
+        table["version"] = version
+        table["tag"] = tag
+        table["sdist"] = sdist
+        table["sha256"] = sha256
+        table["ported"] = False
+        later = [i for i, t in enumerate(pins) if Version(str(t["version"])) > Version(version)]
+        if later:
+            table.add(tomlkit.nl())
+            pins.insert(later[0], table)
+            return
+        # tomlkit keeps what follows the last pin (a blank line, the comment that opens
+        # the patches) inside it: the new last pin takes it over.
+        body = pins[-1].value.body
+        trailing = []
+        while body and body[-1][0] is None and isinstance(body[-1][1], (Whitespace, Comment)):
+            trailing.insert(0, body.pop()[1])
+        pins[-1].add(tomlkit.nl())
+        for item in trailing or [tomlkit.nl()]:
+            table.add(item)
+        pins.append(table)
 
     def text(self) -> str:
         return tomlkit.dumps(self.doc)

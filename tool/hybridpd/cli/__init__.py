@@ -1,7 +1,7 @@
 """The ``hybridpd`` command line.
 
 One module per command (``checkout``, ``apply`` with ``status``, ``listing``,
-``export`` with ``check``, ``port``, ``install`` with ``build``, ``testing``,
+``export`` with ``check``, ``pin``, ``port``, ``install`` with ``build``, ``testing``,
 ``export_pr``, ``doctor``, ``e2e``, ``bench``), shared options in :mod:`.options`, the
 ``--json`` contract and the one error handler in :mod:`.jsonout`. Each command parses
 its options, calls one library function, and renders the result: human text by
@@ -32,6 +32,7 @@ from .export_pr import export_pr
 from .install import build, install
 from .listing import list_
 from .options import State
+from .pin import pin_group
 from .port import port
 from .testing import test
 
@@ -77,7 +78,7 @@ def _interrupt_on(*signals: signal.Signals) -> None:
 
 # In the order `hybridpd --help` has always listed them (click sorts them by name).
 for _command in (
-    checkout, apply, status, list_, export, doctor_, check, port, install, build, test,
-    export_pr, e2e_command, bench_group,
+    checkout, apply, status, list_, export, doctor_, check, pin_group, port, install, build,
+    test, export_pr, e2e_command, bench_group,
 ):
     main.add_command(_command)

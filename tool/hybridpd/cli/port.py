@@ -57,21 +57,24 @@ def port(
         _echo_aborted(port_mod.abort(request.dir, log=log), request.dir, as_json)
         return
     report = port_mod.run(state.series, request, log=quiet if as_json else log)
-    steps = port_mod.next_steps(report, state.series_arg)
+    steps = port_mod.next_steps(report, state.series_arg, state.series)
+    by_hand = port_mod.apply_by_hand(report, state.series)
     if as_json:
-        _emit_json(report, steps)
+        _emit_json(report, steps, by_hand)
     else:
-        _echo_report(report, steps)
+        _echo_report(report, steps, by_hand)
     if report.conflict is not None:
         ctx.exit(1)
 
 
-def _emit_json(report: port_mod.PortReport, steps: list[str]) -> None:
+def _emit_json(report: port_mod.PortReport, steps: list[str], by_hand: list[str]) -> None:
     if report.recovered:  # said on stderr whatever the output (the run's log was quiet)
         log(report.recovered)
     data = report.to_json()
     if report.conflict is not None:
         data["conflict"]["next"] = steps
+        if by_hand:
+            data["conflict"]["apply_by_hand"] = by_hand
     jsonout.emit(data)
 
 
@@ -82,7 +85,7 @@ def _echo_aborted(stopped: port_mod.Aborted, repo: Path, as_json: bool) -> None:
         click.echo(f"aborted: {repo} is {stopped.to_version} stock ({stopped.stock[:12]})")
 
 
-def _echo_report(report: port_mod.PortReport, steps: list[str]) -> None:
+def _echo_report(report: port_mod.PortReport, steps: list[str], by_hand: list[str]) -> None:
     click.echo(f"port {report.from_version} -> {report.to_version} in {report.dir}")
     rows = [("ID", "RESULT", "EVIDENCE", "FILES")] + [
         (p.id, p.result, p.evidence or "-", ", ".join(p.files) or "-") for p in report.patches
@@ -100,10 +103,12 @@ def _echo_report(report: port_mod.PortReport, steps: list[str]) -> None:
             kept = ", ".join(report.kept)
             log(f"kept {kept}: no record in series.toml and no commit in the port")
     else:
-        _echo_conflict(report, report.conflict, steps)
+        _echo_conflict(report, report.conflict, steps, by_hand)
 
 
-def _echo_conflict(report: port_mod.PortReport, conflict: port_mod.Conflict, steps: list[str]) -> None:
+def _echo_conflict(
+    report: port_mod.PortReport, conflict: port_mod.Conflict, steps: list[str], by_hand: list[str]
+) -> None:
     click.echo(f"stopped: patch {conflict.id} conflicts with {report.to_version}")
     for f in conflict.files:
         if f.hunks:
@@ -116,6 +121,10 @@ def _echo_conflict(report: port_mod.PortReport, conflict: port_mod.Conflict, ste
         else:
             click.echo(f"  {f.path}: does not apply, and git could not merge it (apply it by hand)")
     click.echo("next:")
+    if by_hand:
+        click.echo(f"  apply {report.from_version}'s patch file hunk by hunk (git cannot merge it):")
+        click.echo(f"    {by_hand[0]}")
+        click.echo("  then make each .rej file's hunks by hand and delete the .rej files;")
     click.echo(f"  resolve the conflicts in {report.dir}, `git add` the files, then:")
     click.echo(f"    {steps[0]}")
     click.echo(f"  or, if {report.to_version} already has the change ({conflict.id} is upstream):")

@@ -1,0 +1,261 @@
+"""``hybridpd pin add``: make a release a pin of the series, so that ``port`` can reach it.
+
+A pin is a version, its git tag, its sdist's file name and the sdist's sha256 (the
+``[[pins]]`` tables of series.toml). :func:`add_pin` finds the sdist on the indexes pip
+is configured for (:mod:`hybridpd.pkgindex`), downloads it into the cache (verified
+against the index's hash where the index gives one; the sha256 recorded is the one of
+the bytes downloaded), and writes the pin in version order with ``ported = false``:
+nothing is carried on it until ``hybridpd port`` ports the series to it. The tag and the
+sdist's name follow the pins already there.
+
+It also proposes the pin to port from (:func:`propose_source`): the ported pin whose
+carried patches have the largest share of hunks that apply to the new release as they
+are (the hunk's context and removed lines found, in order and from a line start, in the
+release's file). A hunk on top of an earlier patch of the series never applies to a
+release: it counts against every pin alike. A pin that records a patch upstream since a
+release after the new one ranks below every pin that records none: ``port`` copies such a
+record, and the new release would lose a fix it does not have (``would_lose``). Ties go
+to the nearest version (the full release tuple), then to the older pin.
+
+Invariant: series.toml changes only when the sdist was found and verified and the
+proposal computed; the write itself is all-or-nothing (:mod:`hybridpd.seriesedit`). An
+index that lists the sdist without a hash gets the downloaded file's hash recorded.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from hybridpd import cache, pkgindex, seriesedit
+from hybridpd.errors import HybridpdError, UsageError
+from hybridpd.progress import Log, quiet
+from hybridpd.series import Pin, Series
+
+
+@dataclass(frozen=True)
+class SourceCandidate:
+    """How much of the series carried on a ported pin applies to the new release."""
+
+    version: str
+    applying: int  # hunks whose pre-image is in the new release's file, as it is
+    hunks: int  # hunks of the patches carried on this pin
+    #: Patches this pin records upstream since a release after the new one.
+    would_lose: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "hunks_applying": self.applying, "hunks": self.hunks,
+                "would_lose": list(self.would_lose)}
+
+
+@dataclass(frozen=True)
+class PinAdded:
+    """The pin written, where its sdist came from, and the sources to port it from."""
+
+    pin: Pin
+    url: str
+    #: The ported pins, best source first; empty when none is ported.
+    candidates: tuple[SourceCandidate, ...] = ()
+    #: The index's yank reason when the release is yanked (see add_pin), else None.
+    yanked: str | None = None
+
+    @property
+    def proposed(self) -> SourceCandidate | None:
+        return self.candidates[0] if self.candidates else None
+
+    def reason(self) -> str:
+        best = self.proposed
+        if best is None:
+            return "no pin is ported yet"
+        others = ", ".join(
+            f"{c.version} {c.applying}/{c.hunks}"
+            + (f" and would lose {', '.join(c.would_lose)}" if c.would_lose else "")
+            for c in self.candidates[1:]
+        )
+        text = (f"{best.applying} of the {best.hunks} hunks of its patches apply to "
+                f"{self.pin.version} as they are")
+        if best.would_lose:
+            text += (f"; it records {', '.join(best.would_lose)} upstream since a release "
+                     f"after {self.pin.version}: replay them (port --continue), do not skip")
+        return text + (f" (other pins: {others})" if others else "")
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.pin.version,
+            "tag": self.pin.tag,
+            "sdist": self.pin.sdist,
+            "sha256": self.pin.sha256,
+            "url": self.url,
+            "yanked": self.yanked,
+            "ported": False,
+            "proposed_from": self.proposed.version if self.proposed else None,
+            "reason": self.reason(),
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+def add_pin(
+    series: Series, version: str, allow_yanked: bool = False, log: Log = quiet
+) -> PinAdded:
+    """Make ``version`` a pin of ``series`` (see the module docstring). A yanked sdist
+    (PEP 592: the project withdrew the release) is refused unless ``allow_yanked``."""
+    version = _version(series, version)
+    pin = _new_pin(series, version)
+    settings = pkgindex.pip_settings()
+    found = pkgindex.find_file(series.package, pin.sdist, settings)
+    if found.yanked is not None and not allow_yanked:
+        reason = f" ({found.yanked})" if found.yanked else ""
+        raise HybridpdError(
+            f"{pin.sdist} is yanked on the index{reason}; pin it anyway with --allow-yanked"
+        )
+    log(f"found {pin.sdist} at {found.url}" + (" (yanked)" if found.yanked is not None else ""))
+    archive, sha256 = cache.sdist_listed(series.package, found, settings)
+    if found.sha256 is None:
+        log(f"the index lists no hash for {pin.sdist}: recording the downloaded file's")
+    pin = Pin(version, pin.tag, pin.sdist, sha256, ported=False)
+    candidates = propose_source(series, archive, version)
+    with seriesedit.edit(series.path) as editor:
+        editor.add_pin(pin.version, pin.tag, pin.sdist, pin.sha256)
+    log(f"wrote pin {version} to {series.relative(series.path)} (ported = false)")
+    return PinAdded(pin, found.url, candidates, found.yanked)
+
+
+def _version(series: Series, version: str) -> str:
+    wanted = version.removeprefix("v")
+    try:
+        parsed = Version(wanted)
+    except InvalidVersion:
+        raise UsageError(f"{version!r} is not a release version") from None
+    if str(parsed) != wanted:
+        raise UsageError(f"{version!r} is not a release version as the index names it "
+                         f"(did you mean {parsed}?)")
+    if any(p.version == wanted for p in series.pins):
+        raise HybridpdError(f"{wanted} is already a pin of {series.relative(series.path)}")
+    return wanted
+
+
+def _new_pin(series: Series, version: str) -> Pin:
+    """The pin's tag and sdist name, formed as the existing pins' are."""
+    model = series.pins[-1]  # a series has at least one pin (series.parse)
+    return Pin(
+        version,
+        model.tag.replace(model.version, version),
+        model.sdist.replace(model.version, version),
+        "",
+    )
+
+
+def propose_source(
+    series: Series, archive: Path, version: str
+) -> tuple[SourceCandidate, ...]:
+    """The ported pins, best source for ``version`` (whose sdist is ``archive``) first
+    (see the module docstring)."""
+    target = Version(version)
+    hunks = {pin.version: _hunks(series, pin) for pin in series.pins if pin.ported}
+    texts = _archive_texts(archive, {path for found in hunks.values() for path, _ in found})
+    candidates = []
+    for pin_version, found in hunks.items():
+        lose = tuple(
+            patch.id for patch in series.patches
+            if (state := patch.pins.get(pin_version)) is not None
+            and state.state == "upstream" and _after(state.release, target)
+        )
+        applying = sum(("\n" + pre) in ("\n" + texts.get(path, "")) for path, pre in found)
+        candidates.append(SourceCandidate(pin_version, applying, len(found), lose))
+
+    def rank(c: SourceCandidate) -> tuple:
+        share = c.applying / c.hunks if c.hunks else 0.0
+        return (bool(c.would_lose), -share, _distance(Version(c.version), target),
+                Version(c.version) > target)
+
+    return tuple(sorted(candidates, key=rank))
+
+
+def _after(release: str | None, target: Version) -> bool:
+    """Whether ``release`` is a version after ``target`` (an unreadable one counts,
+    as it cannot be proven earlier)."""
+    try:
+        return release is None or Version(release) > target
+    except InvalidVersion:
+        return True
+
+
+def _distance(a: Version, b: Version) -> tuple[int, ...]:
+    """How far apart two releases are, most significant component first."""
+    width = max(len(a.release), len(b.release))
+    pad = (0,) * width
+    return tuple(abs(x - y) for x, y in zip((a.release + pad)[:width], (b.release + pad)[:width]))
+
+
+_HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+
+
+def _hunks(series: Series, pin: Pin) -> list[tuple[str, str]]:
+    """``(path, pre-image)`` of every hunk of the patches carried on ``pin``: the
+    lines a hunk needs in the file (context and removed lines), in order."""
+    found: list[tuple[str, str]] = []
+    for patch in series.carried(pin):
+        path = series.patch_path(pin, patch.id)
+        if path.is_file():
+            found += _patch_hunks(path.read_text(encoding="utf-8", errors="replace"))
+    return found
+
+
+def _patch_hunks(text: str) -> list[tuple[str, str]]:
+    """``(path, pre-image)`` of each hunk of a ``git format-patch`` text; the path is the
+    file before the change (``--- a/...``), new files have none."""
+    found: list[tuple[str, str]] = []
+    lines = [line + "\n" for line in text.split("\n")]
+    file = None
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if line.startswith("diff --git "):
+            file = None
+        elif line.startswith("--- "):
+            name = line[4:].rstrip("\n")
+            file = name[2:] if name.startswith("a/") else None
+        match = _HUNK.match(line)
+        if not match or file is None:
+            continue
+        old, new = int(match.group(1) or 1), int(match.group(2) or 1)
+        pre: list[str] = []
+        last = ""
+        while (old or new) and i < len(lines):
+            body = lines[i]
+            i += 1
+            kind, rest = (" ", "\n") if body == "\n" else (body[:1], body[1:])
+            if kind == "\\":  # "\ No newline at end of file": of the line before
+                if last in (" ", "-") and pre:
+                    pre[-1] = pre[-1].removesuffix("\n")
+                continue
+            if kind in (" ", "-"):
+                pre.append(rest)
+                old -= 1
+            if kind in (" ", "+"):
+                new -= 1
+            last = kind
+        if i < len(lines) and lines[i].startswith("\\") and last in (" ", "-") and pre:
+            pre[-1] = pre[-1].removesuffix("\n")
+        if pre:
+            found.append((file, "".join(pre)))
+    return found
+
+
+def _archive_texts(archive: Path, paths: set[str]) -> dict[str, str]:
+    """The text of ``paths`` (relative to the sdist's top directory) in ``archive``."""
+    out: dict[str, str] = {}
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar:
+                _, _, rel = member.name.removeprefix("./").partition("/")
+                if rel in paths and member.isfile():
+                    out[rel] = tar.extractfile(member).read().decode("utf-8", "replace")
+    except (OSError, tarfile.TarError) as exc:
+        raise HybridpdError(f"cannot read {archive}: {exc}") from exc
+    return out
