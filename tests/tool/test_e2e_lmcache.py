@@ -3,7 +3,10 @@ vLLM, no lmcache: what a run would start and ask)."""
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +131,72 @@ def test_the_server_starts_before_the_decode_instance_whose_record_names_its_shm
                         sc.ServerOptions(), print)
     assert [n for n, _ in started] == ["lmcache", "prefill", "decode", "proxy"]
     assert dict(started)["decode"] == lm.SHM_GLOBS and dict(started)["prefill"] == ()
+
+
+def test_the_decode_records_globs_name_lmcaches_segments(tmp_path: Path) -> None:
+    """The record's globs must match LMCache's segments as a reap sees them: a relative
+    glob matched nothing in /dev/shm, and a reap of a dead decode instance removed none."""
+    from hybridpd.e2e import reap
+
+    entry = reap.Entry.of("decode", os.getpid(), lm.SHM_GLOBS)
+    segment = Path(f"/dev/shm/lmcache_kv_{os.getpid()}_hybridpd-test")
+    segment.write_bytes(b"kv")
+    try:
+        assert segment in entry.shm_paths()
+    finally:
+        segment.unlink(missing_ok=True)
+
+
+# A stand-in decode instance: its worker (a child in its group) creates a segment named
+# as LMCache's CPU path names them and exits on SIGTERM without removing it, as vLLM's
+# does; a stand-in lmcache server that, on SIGTERM, removes the segments of exited
+# workers (patched) or leaves them (stock).
+DECODE = """
+import os, time
+if os.fork() == 0:
+    open(f"/dev/shm/lmcache_kv_{os.getpid()}_0", "w").write("kv")
+while True:
+    time.sleep(1)
+"""
+LMCACHE = """
+import glob, os, signal, sys, time
+def stop(*_):
+    if sys.argv[1] == "patched":
+        for path in glob.glob(f"/dev/shm/lmcache_kv_*_0"):
+            try:  # gone, or a zombie nobody reaped (what LMCache's check reads)
+                state = open(f"/proc/{path.split('_')[2]}/stat").read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                state = "Z"
+            if state == "Z":
+                os.unlink(path)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("server", ["patched", "stock"])
+def test_the_segment_check_runs_before_hybridpd_removes_them(
+    tmp_path: Path, server: str
+) -> None:
+    """The run stops the decode instance, then its lmcache server, and only then looks:
+    a server that leaves the segments fails the check; either way, the run's close
+    removes them."""
+    from hybridpd.e2e.servers import Processes
+
+    with Processes(tmp_path) as procs:
+        procs.start("lmcache", [sys.executable, "-c", LMCACHE, server])
+        procs.start("decode", [sys.executable, "-c", DECODE], shm=lm.SHM_GLOBS)
+        worker_segments = lambda: procs.shm_files("decode")  # noqa: E731
+        deadline = time.monotonic() + 20
+        while not worker_segments() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        made = worker_segments()
+        assert made, "the stand-in worker made no segment"
+        found = lm.segments_after_stop(procs, lambda line: None)
+    assert found["decode_shm_segments_after_vllm_stop"] == 1
+    assert found["check"] is (server == "patched")
+    assert found["decode_shm_segments_left_by_lmcache"] == (
+        [] if server == "patched" else sorted(p.name for p in made))
+    assert not any(p.exists() for p in made), "the run's close left a segment"

@@ -216,3 +216,22 @@ def test_a_write_cut_short_never_leaves_a_half_written_patch_file(tmp_path: Path
     assert export(series, repo).written == ("feature",)
     assert target.read_bytes() == new
     assert not left.exists() and live.exists()
+
+
+def test_check_refuses_an_upstream_record_from_a_later_release(tmp_path: Path) -> None:
+    """A fix cannot be upstream on a pin older than the release that first shipped it
+    (a backwards port once wrote 0.20.2 "upstream since 0.23.0" and check said ok)."""
+    project, _ = standard_project(tmp_path)
+    project.records[1]["states"]["1.0"] = "upstream:2.0"  # feature, upstream "since 2.0" on 1.0
+    series = project.write()
+    series.patch_path(series.pin("1.0"), "feature").unlink()
+    assert check(series, round_trip=False) == [
+        "series.toml: feature on 1.0: upstream since 2.0, a later release than the pin"
+    ]
+    project.records[1]["states"]["1.0"] = "upstream:next"
+    series = project.write()
+    assert check(series, round_trip=False) == [
+        "series.toml: feature on 1.0: upstream since 'next', which is not a release"
+    ]
+    project.records[1]["states"]["1.0"] = "upstream:1.0"
+    assert check(project.write(), round_trip=False) == []

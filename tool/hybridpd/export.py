@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
 from hybridpd import checkout as checkout_mod
 from hybridpd import gitops, guard
 from hybridpd.apply import apply, checkout_pin, patch_commits
@@ -179,6 +181,8 @@ def _file_problems(series: Series, pin: Pin) -> list[str]:
         path = series.patch_path(pin, patch.id)
         if state.state == "carried" and not path.is_file():
             problems.append(f"{series.relative(path)}: missing (carried on {pin.version})")
+        if state.state == "upstream":
+            problems += _release_problems(patch.id, pin.version, state.release)
         if state.state == "upstream" and path.exists():
             problems.append(
                 f"{series.relative(path)}: patch is upstream in {pin.version} "
@@ -192,6 +196,20 @@ def _file_problems(series: Series, pin: Pin) -> list[str]:
         if series.patch(path.stem) is None:
             problems.append(f"{series.relative(path)}: no record in series.toml")
     return problems
+
+
+def _release_problems(patch_id: str, version: str, release: str | None) -> list[str]:
+    """An "upstream since ``release``" record on pin ``version`` that cannot be true."""
+    where = f"series.toml: {patch_id} on {version}"
+    try:
+        since = Version(str(release))
+    except InvalidVersion:
+        return [f"{where}: upstream since {release!r}, which is not a release"]
+    if since > Version(version):
+        # The fix cannot be in a release older than the one that first shipped it: the
+        # record drops a patch the pin still needs.
+        return [f"{where}: upstream since {release}, a later release than the pin"]
+    return []
 
 
 def _round_trip_problems(series: Series, pin: Pin, fresh_checkout: FreshCheckout) -> list[str]:

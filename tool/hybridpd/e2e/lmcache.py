@@ -35,7 +35,7 @@ from hybridpd.progress import Log
 from hybridpd.series import Series
 from hybridpd.series import load as load_series
 
-from .servers import E2EError
+from .servers import E2EError, Processes
 
 #: Connector sets of the decode instance that use LMCache, and their child order.
 CONNECTORS = ("nixl+lmcache", "lmcache+nixl")
@@ -45,8 +45,9 @@ CHUNK_SIZE = 256
 #: What each ``lmcache server`` gets: LMCache's defaults otherwise (one object per
 #: chunk for attention and Mamba together, no --separate-object-groups).
 L1_SIZE_GB = 0.5
-#: The shared-memory files a vLLM instance registered with LMCache may leave.
-SHM_GLOBS = ("lmcache_kv_{pid}_*",)
+#: The shared-memory files a vLLM instance registered with LMCache may leave (a path:
+#: the record's globs are matched as they are, and only files in /dev/shm are removed).
+SHM_GLOBS = ("/dev/shm/lmcache_kv_{pid}_*",)
 #: lmcache's ``[build-system] requires`` (its sdist's pyproject.toml) but torch, which
 #: the venv already holds as the CPU build: a build without isolation uses them.
 BUILD_REQUIREMENTS = (
@@ -85,6 +86,30 @@ class RetrievedTokens:
         whole = data[: data.rfind(b"\n") + 1]
         self.offset += len(whole)
         return sum(int(n) for n in self.LINE.findall(whole.decode(errors="replace")))
+
+
+def segments_after_stop(procs: Processes, log: Log) -> dict:
+    """Stop the decode instance, then its ``lmcache server``, and say which of the
+    decode worker's shared-memory segments the server left behind.
+
+    vLLM stopped with SIGTERM cannot unlink the segments its worker shares its KV cache
+    through (its API server kills the worker within the same second); the LMCache series'
+    ``cpu-shm-exited-worker-segments`` makes the server remove those of an exited worker
+    when it releases the registration, here when it stops. hybridpd removes whatever is
+    left when the run closes (the decode instance's record names the segments), so this
+    is the only place the patch's own work shows: the check runs before that removal.
+    """
+    procs.stop("decode", keep_shm=True)
+    registered = sorted(p.name for p in procs.shm_files("decode"))
+    procs.stop("lmcache")
+    left = sorted(p.name for p in procs.shm_files("decode"))
+    log(f"  shared-memory segments of the decode instance: {len(registered)} after vLLM "
+        f"stopped, {len(left)} after its lmcache server stopped")
+    return {"decode_shm_segments_after_vllm_stop": len(registered),
+            "decode_shm_segments_left_by_lmcache": left,
+            # None registered would prove nothing: the decode instance shares its KV
+            # cache with the server through them.
+            "check": bool(registered) and not left}
 
 
 def lmcache_series(vllm_series: Series) -> Series:

@@ -300,14 +300,25 @@ class Processes:
             if any([e.add_members(group_members(e.pgid)) for e in self._entries.values()]):
                 self._write_record()
 
-    def stop(self, name: str) -> int | None:
-        """Stop ``name``'s process group (expected: not a failure); its exit status."""
+    def stop(self, name: str, *, keep_shm: bool = False) -> int | None:
+        """Stop ``name``'s process group (expected: not a failure); its exit status.
+        ``keep_shm``: leave its shared-memory files (and its record, which names them)
+        until :meth:`close`, for a check of who else removes them."""
         proc = self.procs[name]
         proc.expect_running = False
         owned = {name: reap_mod.owned_shm(proc.pid)}
         code = self._terminate([proc])[0]
-        self._forget(owned)
+        if not keep_shm:
+            self._forget(owned)
         return code
+
+    def shm_files(self, name: str) -> set[Path]:
+        """The shared-memory files ``name``'s record names now (its globs over every
+        pid its group had)."""
+        self._record_members()
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry.shm_paths() if entry is not None else set()
 
     def close(self) -> None:
         self._closing = True
