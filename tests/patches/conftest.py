@@ -1,6 +1,7 @@
 """Patch tests run against a vLLM source tree selected with PYTHONPATH.
 
-Each test names the patch it proves with ``@pytest.mark.patch("<id>")``; the
+Each test names the one patch it proves with ``@pytest.mark.patch("<id>")``
+(a test naming two is a usage error: a failure is charged to one patch); the
 id is recorded as a junit property so ``hybridpd test`` can build the
 red/green table per patch.
 
@@ -28,8 +29,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     version = Version(vllm.__version__)
     for item in items:
-        for marker in item.iter_markers("patch"):
-            item.user_properties.append(("patch", marker.args[0]))
+        # One patch per test: the red/green table charges a failure to it.
+        named = {marker.args[0] for marker in item.iter_markers("patch")}
+        if len(named) > 1:
+            raise pytest.UsageError(
+                f"{item.nodeid} names {len(named)} patches ({', '.join(sorted(named))}): "
+                "a test proves one patch on a release"
+            )
+        for patch in named:
+            item.user_properties.append(("patch", patch))
         for marker in item.iter_markers("vllm_versions"):
             spec = SpecifierSet(marker.args[0])
             if not spec.contains(version, prereleases=True):

@@ -166,8 +166,10 @@ class Project:
     def series_path(self) -> Path:
         return self.root / "repo" / "patches" / "series.toml"
 
-    def release(self, version: str, files: dict[str, str] | None = None) -> Release:
-        release = pack_release(self.root / "dist", version, {**BASE_FILES, **(files or {})})
+    def release(self, version: str, files: dict[str, str | None] | None = None) -> Release:
+        # A file mapped to None is not in the release (upstream removed or moved it).
+        files = {k: v for k, v in {**BASE_FILES, **(files or {})}.items() if v is not None}
+        release = pack_release(self.root / "dist", version, files)
         self.releases[version] = release
         seed_cache(release)
         return release

@@ -231,7 +231,7 @@ def test_a_port_into_a_directory_being_written_fails_and_touches_nothing(tmp_pat
     with guard.directory(dest):
         result = subprocess.run(
             [sys.executable, "-c", CLI, "--series", str(series.path),
-             "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest)],
+             "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest), "--replace"],
             capture_output=True, text=True, timeout=120,
         )
     assert result.returncode == 1

@@ -131,7 +131,7 @@ def test_re_porting_keeps_an_upstream_state_over_a_dropped_one(tmp_path: Path) -
     project.records[1]["states"]["2.0"] = "carried"
     series = project.write()
     series.patch_path(series.pin("1.0"), "fix-add").unlink()
-    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port", replace=True)
     assert results(report)[0] == ("fix-add", "upstream", "recorded")
     ported = load(series.path)
     assert ported.state(ported.pin("2.0"), "fix-add") == PinState("upstream", "1.5")
@@ -145,7 +145,7 @@ def test_recorded_upstream_on_an_already_ported_pin(tmp_path: Path) -> None:
     project.records[0]["states"]["2.0"] = "upstream:1.5"
     project.records[1]["states"]["2.0"] = "carried"
     series = project.write()
-    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port")
+    report = port_mod.start(series, "1.0", "2.0", tmp_path / "port", replace=True)
     assert results(report) == [
         ("fix-add", "upstream", "recorded"),
         ("feature", "clean", None),
@@ -170,7 +170,7 @@ def test_a_file_the_series_does_not_know_is_kept_and_reported(
     (pin2 / "fix-add.patch").write_text("an old file of a record now dropped on 2.0\n")
     wip = pin2 / "my-wip.patch"
     wip.write_bytes(b"the user's work in progress\n")
-    args = ["--from", "1.0", "--to", "2.0", "--dir", str(tmp_path / "port")]
+    args = ["--from", "1.0", "--to", "2.0", "--dir", str(tmp_path / "port"), "--replace"]
     result = cli(series, *args, *(["--json"] if as_json else []))
     assert result.exit_code == 0, result.output
     assert wip.read_bytes() == b"the user's work in progress\n"
@@ -412,6 +412,7 @@ def test_conflict_json_has_files_hunks_and_next_steps(tmp_path: Path) -> None:
         "files": ["README.txt"],
     }
     assert report["conflict"]["files"] == [{"path": "README.txt", "hunks": [[1, 6]]}]
+    assert report["conflict"]["moved"] == []
     assert report["conflict"]["next"][0].endswith(f"port --continue --dir {dest}")
     assert report["written"] == []
 
@@ -579,3 +580,90 @@ def test_a_source_series_that_does_not_apply_to_its_release_stops_the_port_clean
     assert error.startswith("Error: 1.0's own patches do not apply to its release"), error
     assert "feature" in error and "hybridpd-port-base" not in result.stderr
     assert not dest.exists()
+
+
+REEXPORT = {
+    "proj/core.py": '"""Moved to proj.arith."""\nfrom proj.arith import add, mul, sub\n\n'
+                    '__all__ = ["add", "sub", "mul"]\n',
+    "proj/arith.py": CORE.replace("    return a + b\n", "    return b + a\n"),
+}
+
+
+@pytest.mark.parametrize(("files", "line", "moved"), [
+    # 2.0 renamed core.py and changed the line fix-add changes: git follows the rename
+    # and leaves markers in the new file, and nothing said it was core.py's.
+    ({"proj/core.py": None,
+      "proj/arith.py": CORE.replace("    return a + b\n", "    return b + a\n")},
+     "  upstream moved proj/core.py: renamed to proj/arith.py in 2.0: make the patch's "
+     "change there",
+     {"path": "proj/core.py", "how": "renamed", "to": ["proj/arith.py"]}),
+    # 2.0 turned core.py into a module that re-exports arith's names: markers over the
+    # whole file, and no word of where the code went.
+    (REEXPORT,
+     "  upstream moved proj/core.py: only re-exports names in 2.0; its code moved to "
+     "proj/arith.py: make the patch's change there",
+     {"path": "proj/core.py", "how": "re-export", "to": ["proj/arith.py"]}),
+])
+def test_a_stop_names_the_file_upstream_moved_and_where(
+    tmp_path: Path, files: dict, line: str, moved: dict
+) -> None:
+    _, series = port_project(tmp_path, files)
+    dest = tmp_path / "port"
+    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+    assert result.exit_code == 1, result.output
+    assert "stopped: patch fix-add conflicts with 2.0" in result.stdout
+    assert line in result.stdout.splitlines(), result.stdout
+    other = tmp_path / "port-json"
+    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(other), "--json")
+    assert json.loads(result.stdout)["conflict"]["moved"] == [moved], result.output
+
+
+def test_a_plain_conflict_names_no_move(stopped: tuple[Series, Path, Result]) -> None:
+    _, _, result = stopped
+    assert "upstream moved" not in result.stdout
+
+
+def test_a_port_onto_a_ported_pin_needs_replace_and_changes_nothing_without(
+    tmp_path: Path,
+) -> None:
+    project, _ = port_project(tmp_path)
+    project.unported.clear()
+    project.records[0]["states"]["2.0"] = "carried"
+    project.records[1]["states"]["2.0"] = "carried"
+    series = project.write()
+    before = series.path.read_bytes()
+    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(tmp_path / "port"))
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: 2.0 is already ported: a port onto it rewrites its committed patches and "
+        "records (patches/2.0/); pass --replace to do that (then `hybridpd test --pin 2.0` "
+        "proves each upstream record)")
+    assert series.path.read_bytes() == before and not (tmp_path / "port").exists()
+    bad = cli(series, "--continue", "--replace", "--dir", str(tmp_path / "port"))
+    assert bad.exit_code != 0 and "--replace goes with --from and --to" in bad.output
+
+
+def test_a_source_pin_that_would_lose_a_fix_the_target_lacks_is_refused(
+    tmp_path: Path,
+) -> None:
+    """2.0 records fix-add upstream since 2.0: porting 2.0 to 1.5 would copy that
+    record, and 1.5 (older than the fix) would silently lose it."""
+    project, _ = port_project(tmp_path)
+    project.release("1.5")
+    project.unported.add("1.5")
+    project.unported.discard("2.0")
+    project.records[0]["states"]["2.0"] = "upstream:2.0"
+    project.records[1]["states"]["2.0"] = "carried"
+    series = project.write()
+    pin2 = series.patch_dir(series.pin("2.0"))
+    pin2.mkdir(parents=True, exist_ok=True)
+    (pin2 / "feature.patch").write_bytes(
+        series.patch_path(series.pin("1.0"), "feature").read_bytes())
+    before = series.path.read_bytes()
+    result = cli(series, "--from", "2.0", "--to", "1.5", "--dir", str(tmp_path / "port"))
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: 2.0 records fix-add upstream since a release later than 1.5, which does "
+        "not have the fix, and has no patch file to replay: port from 1.0, which carries "
+        "it; nothing was done")
+    assert series.path.read_bytes() == before and not (tmp_path / "port").exists()

@@ -96,15 +96,15 @@ def test_the_table_names_the_state_of_an_unproven_patch(series) -> None:
 
 
 def test_a_test_that_names_no_patch_must_pass_patched(series) -> None:
-    mapping = {"t1": "fix-add", "t2": "feature"}
+    mapping = {"t1": "fix-add", "t2": "feature", "t3": "landed"}
     stock = {
-        "t1": "failed", "t2": "failed", "guard": "passed", "kept": "passed",
+        "t1": "failed", "t2": "failed", "t3": "passed", "guard": "passed", "kept": "passed",
         "skipped-both": "skipped", "now-skipped": "passed", "gone": "passed",
         "xfail-fixed": "skipped",
     }
     without = {"fix-add": stock, "feature": stock}
     patched = {
-        "t1": "passed", "t2": "passed", "guard": "failed", "kept": "passed",
+        "t1": "passed", "t2": "passed", "t3": "passed", "guard": "failed", "kept": "passed",
         "skipped-both": "skipped", "now-skipped": "skipped",
         "xfail-fixed": "failed",  # XPASS(strict) is a failure in JUnit
     }
@@ -129,9 +129,35 @@ def test_skipped_or_failing_tests_do_not_prove(series) -> None:
     assert rows["feature"].patched.skipped == 1 and not rows["feature"].proven
     assert "fix-add: 1 test(s) fail patched" in problems
     assert "tests name ghost, which has no record in series.toml" in problems
-    assert (
-        "landed: no test names this patch" not in problems
-    ), "upstream patches need no test"
+    # An upstream record is proven by the release: a patch no test names is not.
+    assert "landed: recorded upstream in 1.0 (since 0.9), but no test names it" in problems
+    assert not rows["landed"].ok
+
+
+def test_an_upstream_record_is_proven_only_by_its_tests_passing_on_stock(series) -> None:
+    """0.33.0 listed coordinator-consumer-skips-mamba-hit as upstream while 7 tests
+    marked for it failed on stock, and nothing went red."""
+    mapping = {"t1": "fix-add", "t2": "feature", "u1": "landed", "u2": "landed", "u3": "landed"}
+    stock = {"t1": "failed", "t2": "failed", "u1": "passed", "u2": "failed", "u3": "skipped"}
+    without = {"fix-add": stock, "feature": stock}
+    patched = {"t1": "passed", "t2": "passed", "u1": "passed", "u2": "passed", "u3": "skipped"}
+
+    rows, problems = _rows(series, stock, without, patched, mapping)
+    assert problems == [
+        "landed: recorded upstream in 1.0 (since 0.9), but 1 of its tests do not pass on "
+        "stock 1.0: u2"
+    ]
+    assert not rows["landed"].ok
+
+    stock["u2"] = "passed"
+    rows, problems = _rows(series, stock, without, patched, mapping)
+    assert problems == [] and rows["landed"].ok
+    # Only skipped there (tests of other releases): nothing proves the record.
+    stock |= {"u1": "skipped", "u2": "skipped"}
+    patched |= {"u1": "skipped", "u2": "skipped"}
+    rows, problems = _rows(series, stock, without, patched, mapping)
+    assert problems == ["landed: recorded upstream in 1.0 (since 0.9), but none of its "
+                        "tests runs on 1.0"]
 
 
 def test_a_baseline_is_used_only_when_it_covers_the_files(monkeypatch, tmp_path: Path) -> None:

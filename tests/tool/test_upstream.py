@@ -314,3 +314,21 @@ def test_run_upstream_against_baseline(tmp_path: Path) -> None:
         tmp_path / "o2", version="9.9.9", baseline=path)
     assert report.ok and report.stock is None and report.baseline == path
     assert report.comparison.fixes == {"tests/test_x.py::test_b": ("failed", "passed")}
+
+
+def test_a_torch_other_than_the_releases_is_a_warning(tmp_path: Path) -> None:
+    """The environment takes DEFAULT_TORCH_SPEC where the release's CPU torch is not on
+    the index: said in one line naming both, not silently."""
+    req = tmp_path / "requirements"
+    req.mkdir()
+    (req / "cuda.txt").write_text("torch==2.11.0\n")
+    assert testenv.release_torch(tmp_path) == "2.11.0"
+    (req / "cpu.txt").write_text(
+        "# comment\ntorch==2.11.0+cpu; platform_machine == \"x86_64\"\ntorch==2.11.0; x\n")
+    assert testenv.release_torch(tmp_path) == "2.11.0"
+    assert testenv.torch_substitution("0.20.2", "2.11.0", "2.13.0+cpu") == (
+        "testenv: warning: vLLM 0.20.2 pins torch==2.11.0; this environment uses torch "
+        "2.13.0+cpu ($HYBRIDPD_TORCH chooses another)")
+    assert testenv.torch_substitution("0.32.0", "2.13.0", "2.13.0+cpu") is None
+    assert testenv.torch_substitution("x", None, "2.13.0") is None
+    assert testenv.release_torch(tmp_path / "nothing") is None

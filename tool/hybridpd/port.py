@@ -63,6 +63,7 @@ from packaging.version import InvalidVersion, Version
 
 from hybridpd import cache, gitops, guard, seriesedit
 from hybridpd import apply as apply_mod
+from hybridpd import moves as moves_mod
 from hybridpd import checkout as checkout_mod
 from hybridpd.apply import TRAILER, patch_commits
 from hybridpd.errors import ApplyError, CheckoutError, HybridpdError, UsageError
@@ -128,12 +129,15 @@ class Conflict:
     id: str
     files: tuple[ConflictFile, ...]
     merged: bool  # False: git could not even start a 3-way merge
+    #: The patch's files that the target release renamed or turned into a re-export.
+    moved: tuple[moves_mod.Move, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "merged": self.merged,
             "files": [{"path": f.path, "hunks": [list(h) for h in f.hunks]} for f in self.files],
+            "moved": [m.to_json() for m in self.moved],
         }
 
 
@@ -236,12 +240,14 @@ def start(
     to_version: str,
     dest: Path | None = None,
     log: Log = quiet,
+    replace: bool = False,
 ) -> PortReport:
     """Start porting ``from_version``'s series to ``to_version`` in ``dest``.
 
     ``dest`` must not exist or be empty (a directory with a port under way is named
     as such). Runs until every patch is through (then finishes, see :func:`finish`)
-    or one conflicts.
+    or one conflicts. A ``to_version`` that is already ported needs ``replace`` (and
+    is never older than ``from_version``).
     """
     v1, v2 = series.pin(from_version), series.pin(to_version)
     if v1.version == v2.version:
@@ -255,6 +261,13 @@ def start(
             f"it would rewrite its committed patches ({series.relative(series.patch_dir(v2))}/); "
             "nothing was done"
         )
+    if v2.ported and not replace:
+        raise PortError(
+            f"{v2.version} is already ported: a port onto it rewrites its committed patches "
+            f"and records ({series.relative(series.patch_dir(v2))}/); pass --replace to do "
+            f"that (then `hybridpd test --pin {v2.version}` proves each upstream record)"
+        )
+    _refuse_lost_fixes(series, v1, v2)
     dest = (dest or default_dir(v2.version)).absolute()
     if PortState.path(dest).is_file():
         raise PortError(
@@ -288,6 +301,34 @@ def start(
             )
             state.save(dest)
         return _run(series, dest, state, log)
+
+
+def _refuse_lost_fixes(series: Series, v1: Pin, v2: Pin) -> None:
+    """A patch upstream on V1 since a release later than V2 has no patch file on V1, and
+    V2 does not have the fix: the port would record it upstream on V2 and so drop it."""
+    lost = [p.id for p in series.patches
+            if (on := p.pins.get(v1.version)) is not None and on.state == "upstream"
+            and not _at_or_before(on.release, v2.version)]
+    if not lost:
+        return
+    carriers = [pin.version for pin in series.pins
+                if pin.ported and all(series.patch(i).pins.get(pin.version) is not None
+                                      and series.patch(i).pins[pin.version].state == "carried"
+                                      for i in lost)]
+    raise PortError(
+        f"{v1.version} records {', '.join(lost)} upstream since a release later than "
+        f"{v2.version}, which does not have the fix, and has no patch file to replay: "
+        + (f"port from {' or '.join(carriers)}, which carries it" if carriers
+           else "no ported pin carries it")
+        + "; nothing was done"
+    )
+
+
+def _at_or_before(release: str | None, version: str) -> bool:
+    try:
+        return release is not None and not _newer(release, version)
+    except InvalidVersion:
+        return False
 
 
 def resume(
@@ -357,6 +398,7 @@ class PortRequest:
     from_version: str | None = None
     to_version: str | None = None
     upstream: str | None = None
+    replace: bool = False
 
     @classmethod
     def parse(
@@ -368,6 +410,7 @@ class PortRequest:
         skip: bool = False,
         abort: bool = False,
         upstream: str | None = None,
+        replace: bool = False,
     ) -> PortRequest:
         """The request the command line's options make, or a :class:`UsageError`.
 
@@ -381,6 +424,8 @@ class PortRequest:
         if skip and not upstream:
             raise UsageError("--skip needs --upstream RELEASE (the first release with the change)")
         action: Action = "continue" if go_on else "skip" if skip else "abort" if abort else "start"
+        if replace and action != "start":
+            raise UsageError("--replace goes with --from and --to (it starts a port)")
         if action == "start" and not (from_version and to_version):
             raise UsageError("--from and --to are required to start a port")
         if repo is None:
@@ -395,14 +440,15 @@ class PortRequest:
                     raise UsageError(
                         f"the port in {repo} is from {started.from_version} to {started.to_version}"
                     )
-        return cls(action, repo, from_version, to_version, upstream)
+        return cls(action, repo, from_version, to_version, upstream, replace)
 
 
 def run(series: Series, request: PortRequest, log: Log = quiet) -> PortReport:
     """Start or resume the port ``request`` names (not ``abort``: see :func:`abort`)."""
     if request.action == "start":
         assert request.from_version and request.to_version
-        return start(series, request.from_version, request.to_version, request.dir, log=log)
+        return start(series, request.from_version, request.to_version, request.dir, log=log,
+                     replace=request.replace)
     assert request.action in ("continue", "skip")
     return resume(series, request.dir, request.action, upstream=request.upstream, log=log)
 
@@ -547,7 +593,7 @@ def _replay(
         state.current, state.before = patch_id, before
         state.save(dest)
         guard.fault("port:conflict")
-        return _conflict(dest, path, patch_id)
+        return _conflict(dest, path, patch_id, v2)
     after = gitops.head(dest)
     if after == before:
         return _upstream(series, v2, patch_id, "empty", files)
@@ -683,15 +729,26 @@ def _upstream(
     return PatchResult(patch_id, "upstream", evidence, files, v2.version, note)
 
 
-def _conflict(dest: Path, patch: Path, patch_id: str) -> Conflict:
+def _conflict(dest: Path, patch: Path, patch_id: str, v2: Pin) -> Conflict:
+    moved = _moved(dest, patch, v2)
     unmerged = gitops.conflicted_files(dest)
     if unmerged:
         files = tuple(ConflictFile(f, _marker_lines(dest / f)) for f in unmerged)
-        return Conflict(patch_id, files, merged=True)
+        return Conflict(patch_id, files, merged=True, moved=moved)
     # No 3-way merge ran (git had no pre-image to merge from): name what plain
     # apply rejects.
     rejected = gitops.rejected_files(dest, patch) or gitops.patch_files(dest, patch)
-    return Conflict(patch_id, tuple(ConflictFile(f, ()) for f in rejected), merged=False)
+    return Conflict(patch_id, tuple(ConflictFile(f, ()) for f in rejected), merged=False,
+                    moved=moved)
+
+
+def _moved(dest: Path, patch: Path, v2: Pin) -> tuple[moves_mod.Move, ...]:
+    """The patch's files that V2 renamed or made a re-export, from V1's release commit
+    (the root of BASE_REF) to V2's tag; nothing when the port has no V1 commits."""
+    if gitops.resolve(dest, BASE_REF) is None:
+        return ()
+    v1_release = gitops.check(dest, "rev-list", "--max-parents=0", BASE_REF).split()[-1]
+    return moves_mod.moves(dest, v1_release, v2.tag, gitops.patch_files(dest, patch))
 
 
 def _marker_lines(path: Path) -> tuple[tuple[int, int], ...]:

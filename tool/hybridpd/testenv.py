@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from hybridpd import cache, proc, progress
 from hybridpd.errors import HybridpdError
@@ -308,13 +309,44 @@ def ensure_test_env(
         marker = read_marker(venv)
         if marker and marker.get("hash") == inputs["hash"] and venv_python(venv).exists():
             log(f"testenv: reusing {venv} (inputs {inputs['hash']})")
-            return venv
-        if venv.exists():
-            why = "inputs changed" if marker else "no completion marker"
-            log(f"testenv: removing {venv} ({why})")
-            shutil.rmtree(venv)
-        _build(venv, inputs, python or sys.executable, log)
+        else:
+            if venv.exists():
+                why = "inputs changed" if marker else "no completion marker"
+                log(f"testenv: removing {venv} ({why})")
+                shutil.rmtree(venv)
+            _build(venv, inputs, python or sys.executable, log)
+            marker = read_marker(venv)
+        used = (marker.get("torch") or {}).get("version")
+        if warning := torch_substitution(version, release_torch(source_tree), used):
+            log(warning)
         return venv
+
+
+def release_torch(source_tree: Path) -> str | None:
+    """The torch version the release pins for CPU builds (``requirements/cpu.txt``, else
+    ``cuda.txt``), without its local part; None when it pins none."""
+    for name in ("cpu.txt", "cuda.txt"):
+        path = Path(source_tree) / "requirements" / name
+        if path.is_file():
+            found = re.search(r"^torch==([0-9][^\s;+]*)", path.read_text(), re.M)
+            if found:
+                return found.group(1)
+    return None
+
+
+def torch_substitution(version: str, pinned: str | None, used: str | None) -> str | None:
+    """The warning line for an environment whose torch is not the release's (a CPU
+    torch of the release's version may not be on the index; DEFAULT_TORCH_SPEC)."""
+    if not pinned or not used:
+        return None
+    try:
+        same = Version(Version(used).base_version) == Version(pinned)
+    except InvalidVersion:
+        same = False
+    if same:
+        return None
+    return (f"testenv: warning: vLLM {version} pins torch=={pinned}; this environment uses "
+            f"torch {used} (${TORCH_ENV_VAR} chooses another)")
 
 
 def _build(venv: Path, inputs: dict, python: str, log: Log) -> None:

@@ -56,7 +56,8 @@ class PatchRow:
 
     A carried patch is ``proven`` when one of its tests fails on stock and on
     the tree without it, and passes patched. A patch upstream on the pin has
-    no tree without it (``without`` is None): its tests only have to pass.
+    no tree without it (``without`` is None): its tests must pass on stock
+    (the release itself proves the record), at least one of them.
     """
 
     id: str
@@ -71,7 +72,9 @@ class PatchRow:
     def ok(self) -> bool:
         if self.patched.failed:
             return False
-        return self.proven or self.state in ("upstream", "dropped")
+        if self.state == "upstream":
+            return not (self.stock.failed or self.stock.errors) and self.stock.passed > 0
+        return self.proven or self.state == "dropped"
 
     def to_json(self) -> dict:
         return {
@@ -241,6 +244,26 @@ def run_patch_suite(
     return red_green(series, pin, mapping, stock, without, patched)
 
 
+def _upstream_claim_problems(
+    patch_id: str, version: str, release: str | None, tests: list[str],
+    stock: dict[str, str],
+) -> list[str]:
+    """A patch recorded upstream on a pin is proven there only by its own tests passing
+    on the stock release: one that fails (or does not run) there, or none that passes,
+    makes the record a claim nobody checked."""
+    claim = f"{patch_id}: recorded upstream in {version} (since {release})"
+    if not tests:
+        return [f"{claim}, but no test names it"]
+    # A test a release does not cover is skipped (vllm_versions): neither proof nor failure.
+    failing = [t for t in tests if stock.get(t) not in ("passed", "skipped")]
+    if failing:
+        return [f"{claim}, but {len(failing)} of its tests do not pass on stock "
+                f"{version}: {', '.join(failing)}"]
+    if not any(stock.get(t) == "passed" for t in tests):
+        return [f"{claim}, but none of its tests runs on {version}"]
+    return []
+
+
 def red_green(
     series: Series,
     pin: Pin,
@@ -282,6 +305,9 @@ def red_green(
             )
         if row.patched.failed:
             problems.append(f"{patch.id}: {row.patched.failed} test(s) fail patched")
+        if state.state == "upstream":
+            problems += _upstream_claim_problems(patch.id, pin.version, state.release,
+                                                 tests, stock)
     unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
     problems += [f"tests name {p}, which has no record in series.toml" for p in unknown]
     # A test that names no patch holds the patched build to a behaviour the series

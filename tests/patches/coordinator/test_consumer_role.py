@@ -1,7 +1,8 @@
 """A kv_consumer instance keeps the attention prefix hit of a hybrid model
 for the requests whose KV load restores the Mamba state, and only for them.
 
-Patch: coordinator-consumer-skips-mamba-hit. On a decode instance the
+Patch: coordinator-consumer-skips-mamba-hit (from v0.28 the NIXL+DecodeBench case,
+past upstream's gate, proves divergent-hybrid-hit-per-request: decode_hit_patch). On a decode instance the
 connector delivers only the running Mamba state at the end of each prompt,
 so the Mamba groups never hold the per-block states of a shared prefix.
 Stock v0.20.2 reduces the hit of every group to that of the Mamba groups
@@ -26,6 +27,7 @@ from ..builders import (
     scheduler,
     vllm_config,
 )
+from ..decode_hit_patch import kinds
 
 PATCH = "coordinator-consumer-skips-mamba-hit"
 PREFIX = prompt(8 * BLOCK_SIZE, seed=1)
@@ -44,8 +46,7 @@ def _decode_instance_with_cached_prefix(kind: str, kv_role: str = "kv_consumer")
     return sched
 
 
-@pytest.mark.patch(PATCH)
-@pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])
+@pytest.mark.parametrize("kind", kinds("nixl", "nixl+decodebench"))
 def test_kv_consumer_takes_attention_prefix_from_local_cache(kind):
     # With NIXL alone this is upstream's behaviour from v0.24 on (parity); with
     # a connector set where upstream's capability gate is false it is this

@@ -1,7 +1,8 @@
 """Decode-side hits of hybrid models keep the Mamba-state invariant.
 
 Patches: coordinator-consumer-skips-mamba-hit and
-divergent-hybrid-hit-per-request. A decode instance that served a
+divergent-hybrid-hit-per-request, one per case and release (``decode_hit_patch``:
+upstream's gate keeps the cases of NIXL alone from v0.28). A decode instance that served a
 remote-prefill request holds the attention blocks of its prefix but no Mamba
 state inside it. A later request sharing the prefix may take the attention
 hit only if its KV load restores the Mamba state at the end (NIXL does);
@@ -27,19 +28,14 @@ from ..builders import (
     scheduler,
     vllm_config,
 )
+from ..decode_hit_patch import kinds, proves
 from ..mamba_state import (
     NIXL_CONNECTORS,
     MambaStateChecker,
     checked_step,
 )
 
-CONSUMER = "coordinator-consumer-skips-mamba-hit"
-PER_REQUEST = "divergent-hybrid-hit-per-request"
 PREFIX = prompt(4 * BLOCK_SIZE, seed=1)
-
-
-def _patches(fn):
-    return pytest.mark.patch(CONSUMER)(pytest.mark.patch(PER_REQUEST)(fn))
 
 
 # v0.20.2 has no get_loaded_kv_cache_group_ids: after the query the patch asks
@@ -84,8 +80,7 @@ def _admission(checker, req):
     return next(a for a in checker.admissions if a.request_id == req.request_id)
 
 
-@_patches
-@pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])
+@pytest.mark.parametrize("kind", kinds("nixl", "nixl+decodebench"))
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_remote_prefill_keeps_attention_hit_and_loads_the_state(kind, kv_role):
     # The seed's effect: the prefix comes from the local cache, NIXL pulls the
@@ -102,7 +97,8 @@ def test_remote_prefill_keeps_attention_hit_and_loads_the_state(kind, kv_role):
     assert adm.resume_point == second.num_prompt_tokens - 1
 
 
-@_patches
+# Stock v0.28+ gives a plain request no stateless hit either, with either set.
+@proves(past_upstream=False)
 @pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_plain_request_on_decode_instance_gets_no_stateless_hit(kind, kv_role):
@@ -115,7 +111,8 @@ def test_plain_request_on_decode_instance_gets_no_stateless_hit(kind, kv_role):
     assert adm.resume_point - adm.external_tokens == 0
 
 
-@_patches
+# Past upstream's gate with NIXL alone too: stock v0.28+ takes the hit whole.
+@proves(past_upstream=True)
 @pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_prompt_one_token_past_the_cached_prefix_pulls_the_last_block(kind, kv_role):
@@ -135,7 +132,7 @@ def test_prompt_one_token_past_the_cached_prefix_pulls_the_last_block(kind, kv_r
     assert adm.serving_connector in NIXL_CONNECTORS
 
 
-@_patches
+@proves(past_upstream=True)
 @EARLIER_DESIGN
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_first_child_serves_when_its_load_restores_the_groups(kv_role):
@@ -160,7 +157,8 @@ FINISHING_KINDS = [
 ]
 
 
-@_patches
+# A resumed request has no load: the hit every group agrees on, on stock v0.28+ too.
+@proves(past_upstream=False)
 @pytest.mark.parametrize("kind", FINISHING_KINDS)
 def test_preempted_request_resumes_only_where_state_is_cached(kind):
     # A small pool: the decode instance admits remote-prefill requests sharing
@@ -189,8 +187,7 @@ def test_preempted_request_resumes_only_where_state_is_cached(kind):
     assert len(readmitted) > len(reqs)
 
 
-@_patches
-@pytest.mark.parametrize("kind", FINISHING_KINDS)
+@pytest.mark.parametrize("kind", kinds(*FINISHING_KINDS))
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_failed_load_over_the_attention_hit_recomputes_from_zero(kind, kv_role):
     # The second request takes the attention hit and NIXL's load of the rest
@@ -243,7 +240,7 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-@_patches
+@proves(past_upstream=True)
 @pytest.mark.vllm_versions(">=0.32")
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_load_that_does_not_restore_the_state_falls_back_to_the_agreed_hit(kv_role):

@@ -31,6 +31,7 @@ from ..builders import (
     scheduler,
     vllm_config,
 )
+from ..decode_hit_patch import proves
 from ..mamba_state import MambaStateChecker, checked_step
 
 _SEED = os.environ.get("HYBRIDPD_HYPOTHESIS_SEED")
@@ -81,10 +82,13 @@ def workload(pools):
 # fixes it (test_sync_load_admission.py). On v0.20.2 DecodeBench does not support
 # the hybrid allocator at all.
 _MULTI = pytest.mark.vllm_versions(">=0.23")
+# One patch per case (decode_hit_patch): NIXL alone is inside upstream's gate from v0.28.
 KINDS = [
-    pytest.param("nixl", [40, 64, 400], id="nixl"),
-    pytest.param("nixl+decodebench", [40, 64, 400], id="nixl+decodebench", marks=_MULTI),
-    pytest.param("decodebench+nixl", [40, 64, 400], id="decodebench+nixl", marks=_MULTI),
+    pytest.param("nixl", [40, 64, 400], id="nixl", marks=proves(False)),
+    pytest.param("nixl+decodebench", [40, 64, 400], id="nixl+decodebench",
+                 marks=[_MULTI, proves(True)]),
+    pytest.param("decodebench+nixl", [40, 64, 400], id="decodebench+nixl",
+                 marks=[_MULTI, proves(True)]),
 ]
 
 
@@ -127,8 +131,6 @@ def _run(kind, wl):
     assert admitted == {r.request_id for r in reqs} or sched.connector is None
 
 
-@pytest.mark.patch("coordinator-consumer-skips-mamba-hit")
-@pytest.mark.patch("divergent-hybrid-hit-per-request")
 @pytest.mark.parametrize("kind,pools", KINDS)
 def test_no_request_resumes_without_its_mamba_state(kind, pools):
     @_seeded

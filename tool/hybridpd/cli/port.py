@@ -28,6 +28,11 @@ from .options import State, dir_option, json_flag, log
     help="With --skip: the first release that has the change.",
 )
 @click.option("--abort", is_flag=True, help="Stop the port and restore TO stock in the directory.")
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Port onto a pin that is already ported (its patches and records are rewritten).",
+)
 @json_flag
 @click.pass_context
 def port(
@@ -39,6 +44,7 @@ def port(
     skip: bool,
     release: str | None,
     abort: bool,
+    replace: bool,
     as_json: bool,
 ) -> None:
     """Port the series from one pin to another, patch by patch.
@@ -51,7 +57,7 @@ def port(
     """
     state: State = ctx.obj
     request = port_mod.PortRequest.parse(
-        from_version, to_version, repo, go_on, skip, abort, release
+        from_version, to_version, repo, go_on, skip, abort, release, replace
     )
     if request.action == "abort":
         _echo_aborted(port_mod.abort(request.dir, log=log), request.dir, as_json)
@@ -120,6 +126,9 @@ def _echo_conflict(
             )
         else:
             click.echo(f"  {f.path}: does not apply, and git could not merge it (apply it by hand)")
+    for move in conflict.moved:
+        click.echo(f"  upstream moved {move.describe(report.to_version)}: make the patch's "
+                   "change there")
     click.echo("next:")
     if by_hand:
         click.echo(f"  apply {report.from_version}'s patch file hunk by hunk (git cannot merge it):")
