@@ -200,3 +200,21 @@ def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) 
         assert second.is_alive() and results == []
     second.join(10)
     assert results == ["ran"]
+
+
+def test_a_failing_upstream_record_names_the_port_that_carries_the_patch_again(
+    tmp_path: Path,
+) -> None:
+    project = Project(tmp_path)
+    for version in ("1.0", "2.0", "3.0"):
+        project.release(version)
+    project.record("landed", {"1.0": "carried", "2.0": "upstream:2.0", "3.0": "carried"})
+    series = project.write()
+    stock = {"u": "failed"}
+    _, problems = red_green(series, series.pin("2.0"), {"u": "landed"}, stock, {}, {"u": "passed"})
+    # 3.0 carries it too, but a port onto a ported pin goes forward only.
+    assert problems == [
+        "landed: recorded upstream in 2.0 (since 2.0), but 1 of its tests do not pass on "
+        "stock 2.0: u; if 2.0 has the fix only in part, carry the patch again: "
+        "`hybridpd port --from 1.0 --to 2.0 --replace`, resolving it instead of skipping it"
+    ]

@@ -33,6 +33,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
+from packaging.version import Version
+
 from hybridpd import cache, gitops, hfsnap, testenv, upstream
 from hybridpd.apply import apply, patch_commits
 from hybridpd.checkout import checkout
@@ -246,19 +248,25 @@ def run_patch_suite(
 
 def _upstream_claim_problems(
     patch_id: str, version: str, release: str | None, tests: list[str],
-    stock: dict[str, str],
+    stock: dict[str, str], carriers: Sequence[str] = (),
 ) -> list[str]:
     """A patch recorded upstream on a pin is proven there only by its own tests passing
     on the stock release: one that fails (or does not run) there, or none that passes,
-    makes the record a claim nobody checked."""
+    makes the record a claim nobody checked. ``carriers``: the ported pins that carry
+    the patch, for the port that carries it again where the release has it only partly."""
     claim = f"{patch_id}: recorded upstream in {version} (since {release})"
     if not tests:
         return [f"{claim}, but no test names it"]
     # A test a release does not cover is skipped (vllm_versions): neither proof nor failure.
     failing = [t for t in tests if stock.get(t) not in ("passed", "skipped")]
     if failing:
+        # A port onto a ported pin goes forward only (port.start refuses the other way).
+        older = sorted((c for c in carriers if Version(c) < Version(version)), key=Version)
+        again = (f"; if {version} has the fix only in part, carry the patch again: "
+                 f"`hybridpd port --from {older[-1]} --to {version} --replace`, resolving "
+                 "it instead of skipping it" if older else "")
         return [f"{claim}, but {len(failing)} of its tests do not pass on stock "
-                f"{version}: {', '.join(failing)}"]
+                f"{version}: {', '.join(failing)}{again}"]
     if not any(stock.get(t) == "passed" for t in tests):
         return [f"{claim}, but none of its tests runs on {version}"]
     return []
@@ -306,8 +314,11 @@ def red_green(
         if row.patched.failed:
             problems.append(f"{patch.id}: {row.patched.failed} test(s) fail patched")
         if state.state == "upstream":
+            carriers = [p.version for p in series.pins
+                        if p.ported and patch.pins.get(p.version) is not None
+                        and patch.pins[p.version].state == "carried"]
             problems += _upstream_claim_problems(patch.id, pin.version, state.release,
-                                                 tests, stock)
+                                                 tests, stock, carriers)
     unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
     problems += [f"tests name {p}, which has no record in series.toml" for p in unknown]
     # A test that names no patch holds the patched build to a behaviour the series
