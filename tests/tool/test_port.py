@@ -631,14 +631,11 @@ def test_a_port_onto_a_ported_pin_needs_replace_and_changes_nothing_without(
     project.records[0]["states"]["2.0"] = "carried"
     project.records[1]["states"]["2.0"] = "carried"
     series = project.write()
-    before = series.path.read_bytes()
-    result = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(tmp_path / "port"))
-    assert result.exit_code == 1
-    assert result.output.strip().splitlines()[-1] == (
+    _refused_without_a_trace(
+        series, tmp_path, ("--from", "1.0", "--to", "2.0"),
         "Error: 2.0 is already ported: a port onto it rewrites its committed patches and "
         "records (patches/2.0/); pass --replace to do that (then `hybridpd test --pin 2.0` "
         "proves each upstream record)")
-    assert series.path.read_bytes() == before and not (tmp_path / "port").exists()
     bad = cli(series, "--continue", "--replace", "--dir", str(tmp_path / "port"))
     assert bad.exit_code != 0 and "--replace goes with --from and --to" in bad.output
 
@@ -659,11 +656,17 @@ def test_a_source_pin_that_would_lose_a_fix_the_target_lacks_is_refused(
     pin2.mkdir(parents=True, exist_ok=True)
     (pin2 / "feature.patch").write_bytes(
         series.patch_path(series.pin("1.0"), "feature").read_bytes())
-    before = series.path.read_bytes()
-    result = cli(series, "--from", "2.0", "--to", "1.5", "--dir", str(tmp_path / "port"))
-    assert result.exit_code == 1
-    assert result.output.strip().splitlines()[-1] == (
+    _refused_without_a_trace(
+        series, tmp_path, ("--from", "2.0", "--to", "1.5"),
         "Error: 2.0 records fix-add upstream since a release later than 1.5, which does "
         "not have the fix, and has no patch file to replay: port from 1.0, which carries "
         "it; nothing was done")
+
+
+def _refused_without_a_trace(series: Series, tmp_path: Path, args: tuple, line: str) -> None:
+    """The port is refused with ``line`` last, series.toml untouched, no port directory."""
+    before = series.path.read_bytes()
+    result = cli(series, *args, "--dir", str(tmp_path / "port"))
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == line
     assert series.path.read_bytes() == before and not (tmp_path / "port").exists()
