@@ -34,7 +34,8 @@ def test_the_decode_instance_runs_both_children_in_the_named_order(connector, or
     # kv_both: a consumer's LMCacheMPConnector would never store what D computes.
     assert child["kv_role"] == "kv_both"
     assert child["kv_connector_extra_config"] == {
-        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 6555}
+        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 6555,
+        "lmcache.mp.heartbeat_interval": 30.0}
     # The prefill instance stays on NIXL alone: its cold reference never hits LMCache.
     p = sc.kv_transfer_config(connector, "P", "kv_producer/kv_consumer", "cpu")
     assert p["kv_connector"] == "NixlConnector"
@@ -59,12 +60,20 @@ def test_the_server_command_is_lmcaches_own_on_loopback() -> None:
 def test_lmcache_cases_reset_the_decode_cache_before_each_load() -> None:
     rng = random.Random(0)
     cases = sc.lmcache_cases(lambda n: [rng.randrange(2, 100) for _ in range(n)], 16)
-    by_kind = {c["lmcache"]: c for c in cases}
-    assert [c.get("reset_decode", False) for c in cases] == [False, True, False, True]
+    assert [c.get("reset_decode", False) for c in cases] == [False, True] * 4
     assert all(c["via"] == "decode" for c in cases)  # plain requests: LMCache serves them
-    store, hit = cases[0]["prompt"], by_kind["hit"]["prompt"]
-    assert hit[:256] == store[:256] and hit[256] != store[256]
-    n1, n2 = cases[2]["prompt"], by_kind["null-slot"]["prompt"]
+    pairs = [cases[i:i + 2] for i in range(0, len(cases), 2)]
+    assert [[c["lmcache"] for c in pair] for pair in pairs] == (
+        [["store", "hit"]] * sc.LMCACHE_HIT_ATTEMPTS + [["store", "null-slot"]])
+    # Each L attempt is a new prompt whose second request shares its first chunk only.
+    for store, hit in pairs[:-1]:
+        assert hit["prompt"][:256] == store["prompt"][:256]
+        assert hit["prompt"][256] != store["prompt"][256]
+    firsts = {tuple(store["prompt"][:256]) for store, _ in pairs[:-1]}
+    assert len(firsts) == sc.LMCACHE_HIT_ATTEMPTS
+    assert [c["attempt"] for c in cases[:-2]] == [1, 1, 2, 2, 3, 3]
+    assert len({c["label"] for c in cases}) == len(cases)  # rows are found by label
+    n1, n2 = pairs[-1][0]["prompt"], pairs[-1][1]["prompt"]
     assert len(n1) == 600 and n2[:300] == n1[:300] and len(n2) == 360
 
 
@@ -72,8 +81,124 @@ def test_correctness_adds_the_lmcache_cases_only_for_lmcache_sets() -> None:
     plain = sc.correctness_cases(1000, sc.CorrectnessOptions())
     with_lm = sc.correctness_cases(1000, sc.CorrectnessOptions(lmcache=True))
     assert not any("lmcache" in c for c in plain)
-    assert [c["lmcache"] for c in with_lm if "lmcache" in c] == [
-        "store", "hit", "store", "null-slot"]
+    assert [c["lmcache"] for c in with_lm if "lmcache" in c] == (
+        ["store", "hit"] * sc.LMCACHE_HIT_ATTEMPTS + ["store", "null-slot"])
+
+
+def test_the_adapters_trouble_is_read_from_both_logs(tmp_path: Path) -> None:
+    decode, server = tmp_path / "decode.log", tmp_path / "lmcache.log"
+    decode.write_text("\x1b[33mLMCache WARNING:\x1b[0m LMCache server is unhealthy — old\n")
+    trouble = lm.Trouble(decode, server)  # what was logged before it is not taken
+    with decode.open("a") as f:
+        f.write("INFO: 127.0.0.1 - POST /v1/completions 200 OK\n"
+                "\x1b[33mLMCache WARNING:\x1b[0m LMCache server is unhealthy — entering "
+                "degraded mode (x.py:617)\nLMCache WARNING: Reaped GPU ins")
+    server.write_text("LMCache INFO: Stored 256 tokens in 0.002 seconds\n")
+    assert trouble.take() == [
+        "decode.log: LMCache WARNING: LMCache server is unhealthy — entering degraded "
+        "mode (x.py:617)"]
+    with decode.open("a") as f:
+        f.write("tance 7: silent for 130.0s (pinged=True)\n")
+    assert trouble.take() == [
+        "decode.log: LMCache WARNING: Reaped GPU instance 7: silent for 130.0s (pinged=True)"]
+    assert trouble.take() == []
+    assert lm.Trouble(tmp_path / "none.log").take() == []
+
+
+class _FakePair:
+    """The HTTP side of a correctness run, faked: every completion equals its reference,
+    the decode instance's metrics count what a case is told to, and LMCache's log says
+    what the case's ``serve`` decides (a load, or the adapter's degraded mode)."""
+
+    def __init__(self, log_dir: Path, serve) -> None:
+        self.log_dir, self.serve = log_dir, serve
+        self.samples = {"vllm:prefix_cache_hits": 0.0,
+                        "vllm:external_prefix_cache_hits": 0.0,
+                        "vllm:num_preemptions": 0.0}
+        self.decode_prompts: list[list[int]] = []
+        self.pair = sc.Pair("http://p", "http://d", "http://x")
+        (log_dir / "lmcache.log").write_text("")
+        (log_dir / "decode.log").write_text("")
+
+    def complete(self, url, prompt, max_tokens, procs, extra=None, headers=None):
+        if url == "http://d":
+            self.decode_prompts.append(prompt)
+            loaded = self.serve(len(self.decode_prompts), prompt)
+            if loaded:
+                self.samples["vllm:external_prefix_cache_hits"] += loaded
+                with open(self.log_dir / "lmcache.log", "a") as f:
+                    f.write(f"LMCache INFO: Retrieved {loaded} tokens in 0.002 seconds\n")
+            elif loaded == 0:
+                with open(self.log_dir / "decode.log", "a") as f:
+                    f.write("LMCache WARNING: LMCache server is unhealthy — entering "
+                            "degraded mode\n")
+            self.samples["vllm:prefix_cache_hits"] += 256  # B's local hit
+            self.samples["vllm:num_preemptions"] += 1
+        ids = [t % 7 for t in prompt[:max_tokens]]
+        return sc.Completion(ids, "", 0.0, 0.0, len(prompt), [str(i) for i in ids],
+                             [0.0] * len(ids), [{str(i): 0.0} for i in ids])
+
+    def install(self, monkeypatch) -> None:
+        from hybridpd.e2e import metrics
+
+        monkeypatch.setattr(sc, "warm_up", lambda *a, **k: None)
+        monkeypatch.setattr(sc, "post", lambda *a, **k: None)
+        monkeypatch.setattr(sc, "complete", self.complete)
+        monkeypatch.setattr(sc, "settled_scrape",
+                            lambda *a, **k: metrics.Snapshot(dict(self.samples)))
+        monkeypatch.setattr(sc, "prefill_for_remote_decode", lambda *a, **k: {"p": 1})
+        monkeypatch.setattr(sc, "score", lambda *a, **k: None)
+        monkeypatch.setattr(sc, "compare_teacher_forced", lambda *a, **k: (True, ""))
+
+
+def test_an_l_pair_lmcache_did_not_serve_is_tried_again_and_reported(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The first L2 meets LMCache's degraded adapter; a second pair (new tokens) takes
+    the hit; the third is not run; both attempts are rows, the miss with what the log
+    said."""
+    seen: list[int] = []
+
+    def serve(n: int, prompt: list[int]):
+        if len(prompt) != 456:
+            return None  # not an L2: nothing logged
+        seen.append(n)
+        return 0 if len(seen) == 1 else 256
+
+    fake = _FakePair(tmp_path, serve)
+    fake.install(monkeypatch)
+    procs = type("Procs", (), {"log_dir": tmp_path})()
+    opts = sc.CorrectnessOptions(lmcache=True, concurrent=1)
+    out = sc.run_correctness(fake.pair, procs, 1000, opts, lambda _: None)
+    labels = [r["label"] for r in out["requests"]]
+    assert [lb.split(" ")[0] for lb in labels if lb.startswith("L")] == ["L1", "L2", "L1", "L2"]
+    assert "L2 (attempt 2) L1's first chunk from LMCache (D's prefix cache reset)" in labels
+    assert not any("attempt 3" in lb for lb in labels)
+    assert out["checks"]["lmcache_served_a_hit"]
+    [miss] = out["lmcache_not_served"]
+    assert miss["label"].startswith("L2 L1's first chunk")
+    assert miss["log_lines"] == [
+        "decode.log: LMCache WARNING: LMCache server is unhealthy — entering degraded mode"]
+
+
+def test_no_l_pair_served_fails_the_run_naming_the_logs(tmp_path: Path, monkeypatch) -> None:
+    fake = _FakePair(tmp_path, lambda n, prompt: 0 if len(prompt) == 456 else None)
+    fake.install(monkeypatch)
+    procs = type("Procs", (), {"log_dir": tmp_path})()
+    opts = sc.CorrectnessOptions(lmcache=True, concurrent=1)
+    out = sc.run_correctness(fake.pair, procs, 1000, opts, lambda _: None)
+    assert not out["checks"]["lmcache_served_a_hit"]
+    assert len(out["lmcache_not_served"]) == sc.LMCACHE_HIT_ATTEMPTS
+    from hybridpd.e2e import report as report_mod
+
+    result = report_mod.RunResult(build="patched", connector="lmcache+nixl", logs="",
+                                  requests=out["requests"], checks=out["checks"],
+                                  figures={"lmcache_not_served": out["lmcache_not_served"]})
+    [failure] = [f for f in run_mod._correctness_failures(result, "patched / lmcache+nixl",
+                                                          True)
+                 if "LMCache" in f]
+    assert "LMCache served no hit to the decode instance (L2, 3 attempt(s))" in failure
+    assert "its logs say: decode.log: LMCache WARNING: LMCache server is unhealthy" in failure
 
 
 def test_lmcache_sets_run_on_their_own(tmp_path: Path) -> None:

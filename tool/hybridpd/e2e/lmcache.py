@@ -48,6 +48,9 @@ L1_SIZE_GB = 0.5
 #: The shared-memory files a vLLM instance registered with LMCache may leave (a path:
 #: the record's globs are matched as they are, and only files in /dev/shm are removed).
 SHM_GLOBS = ("/dev/shm/lmcache_kv_{pid}_*",)
+#: Seconds between the decode instance's LMCache heartbeat pings, and each ping's
+#: timeout (see :func:`connector_config`).
+HEARTBEAT_INTERVAL = 30.0
 #: lmcache's ``[build-system] requires`` (its sdist's pyproject.toml) but torch, which
 #: the venv already holds as the CPU build: a build without isolation uses them.
 BUILD_REQUIREMENTS = (
@@ -86,6 +89,39 @@ class RetrievedTokens:
         whole = data[: data.rfind(b"\n") + 1]
         self.offset += len(whole)
         return sum(int(n) for n in self.LINE.findall(whole.decode(errors="replace")))
+
+
+class Trouble:
+    """The lines of the decode instance's and its server's logs that say LMCache could
+    not serve: the vLLM-side adapter's degraded mode (a heartbeat ping or a lookup
+    that timed out: it then skips every store and lookup until a ping succeeds), a
+    registration the server reaped, errors. :meth:`take` returns those logged since
+    the last call (whole lines, colour codes removed), so that a request LMCache did
+    not serve is reported with the reason its logs give."""
+
+    LINE = re.compile(r"unhealthy|healthy again|timed out|Reaped|ERROR|Traceback")
+    COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+    def __init__(self, *logs: Path):
+        self.offsets = {Path(log): (Path(log).stat().st_size if Path(log).exists() else 0)
+                        for log in logs}
+
+    def take(self) -> list[str]:
+        found = []
+        for log, offset in self.offsets.items():
+            try:
+                with open(log, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            whole = data[: data.rfind(b"\n") + 1]
+            self.offsets[log] = offset + len(whole)
+            for line in whole.decode(errors="replace").splitlines():
+                line = self.COLOUR.sub("", line).strip()
+                if self.LINE.search(line):
+                    found.append(f"{log.name}: {line[:300]}")
+        return found
 
 
 def segments_after_stop(procs: Processes, log: Log) -> dict:
@@ -212,5 +248,11 @@ def connector_config(port: int, role: str) -> dict:
         "kv_connector_extra_config": {
             "lmcache.mp.host": "tcp://127.0.0.1",
             "lmcache.mp.port": port,
+            # The adapter pings its server every interval and takes a ping unanswered
+            # within it for a dead server: degraded, it skips stores and lookups until
+            # a ping succeeds. LMCache's 10 s went unanswered on this 2-core machine
+            # (3 of 23 local runs, while the prefill instance held both cores); 30 s
+            # stays within the server's reap rule (reap timeout, 120 s, >= 3 x it).
+            "lmcache.mp.heartbeat_interval": HEARTBEAT_INTERVAL,
         },
     }

@@ -415,8 +415,12 @@ def _correctness_failures(
     if expect_patched_hit and run.build == "patched" and not checks.get("decode_local_hit"):
         out.append(f"{where}: the decode instance took no local prefix hit for request B")
     if not checks.get("lmcache_served_a_hit", True):
-        out.append(f"{where}: LMCache served no hit to the decode instance (L2), so the "
-                   "state it restores was not checked")
+        misses = run.figures.get("lmcache_not_served") or []
+        said = [line for m in misses for line in m.get("log_lines", [])][-5:]
+        out.append(f"{where}: LMCache served no hit to the decode instance (L2, "
+                   f"{len(misses)} attempt(s)), so the state it restores was not checked; "
+                   + ("its logs say: " + " | ".join(said) if said
+                      else "its logs name no fault (no degraded mode, reaping or error)"))
     return out
 
 

@@ -736,6 +736,11 @@ def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
     return cases
 
 
+#: L pairs (see :func:`lmcache_cases`) tried before the correctness scenario gives up
+#: on an LMCache hit.
+LMCACHE_HIT_ATTEMPTS = 3
+
+
 def lmcache_cases(tokens, max_tokens: int) -> list[dict]:
     """Requests the decode instance's LMCache serves: plain requests to D, each second
     one after D's prefix cache was reset (``reset_decode``), so that its prefix comes
@@ -746,19 +751,29 @@ def lmcache_cases(tokens, max_tokens: int) -> list[dict]:
     leaves vLLM's null block in block 0's Mamba slot.
 
     - L: the state LMCache stores and loads must be the one vLLM computes with
-      (cpu-shm-vllm-state-binding): L2 takes a 256-token LMCache hit of L1's prefix;
+      (cpu-shm-vllm-state-binding): L2 takes a 256-token LMCache hit of L1's prefix.
+      LMCache may decline to serve (its vLLM adapter skips stores and lookups while a
+      heartbeat ping is unanswered), and then nothing was checked: a new L pair
+      (``attempt`` 2, 3: new tokens, run only while no L2 took a hit) tries again,
+      each row in the report and held to the same output check;
     - N: a chunk with a null Mamba slot must not be served as a state
       (null-recurrent-slot-not-stored): N2 shares 300 tokens with N1 and takes no hit.
     """
     chunk = lmcache_mod.CHUNK_SIZE
-    l1 = tokens(300)
+    cases = []
+    for attempt in range(1, LMCACHE_HIT_ATTEMPTS + 1):
+        l1 = tokens(300)
+        again = "" if attempt == 1 else f" (attempt {attempt})"
+        cases += [
+            {"label": f"L1{again} plain request D computes and stores in LMCache",
+             "via": "decode", "prompt": l1, "max_tokens": max_tokens, "lmcache": "store",
+             "attempt": attempt},
+            {"label": f"L2{again} L1's first chunk from LMCache (D's prefix cache reset)",
+             "via": "decode", "prompt": l1[:chunk] + tokens(200), "max_tokens": max_tokens,
+             "reset_decode": True, "lmcache": "hit", "attempt": attempt},
+        ]
     n1 = tokens(600)
-    return [
-        {"label": "L1 plain request D computes and stores in LMCache", "via": "decode",
-         "prompt": l1, "max_tokens": max_tokens, "lmcache": "store"},
-        {"label": "L2 L1's first chunk from LMCache (D's prefix cache reset)",
-         "via": "decode", "prompt": l1[:chunk] + tokens(200), "max_tokens": max_tokens,
-         "reset_decode": True, "lmcache": "hit"},
+    return cases + [
         {"label": "N1 600 tokens in one prefill step (a null Mamba slot at chunk 0)",
          "via": "decode", "prompt": n1, "max_tokens": max_tokens, "lmcache": "store"},
         {"label": "N2 shares 300 tokens with N1 (D's prefix cache reset)", "via": "decode",
@@ -774,17 +789,25 @@ def run_correctness(
 
     cases = correctness_cases(vocab_size, opts)
     extra = {"logprobs": TOP_LOGPROBS}
+    trouble = (lmcache_mod.Trouble(procs.log_dir / "decode.log", procs.log_dir / "lmcache.log")
+               if opts.lmcache else None)
     warm_up(pair, procs, vocab_size, opts.block_size // 2, log)
 
     def run(url: str, case: dict) -> Completion:
         return complete(url, case["prompt"], case["max_tokens"], procs, extra=extra)
 
-    # The reference: the prefill instance alone, cold for every prompt.
-    for case in cases:
+    def reference(case: dict) -> None:
+        # The reference: the prefill instance alone, cold for every prompt.
         post(f"{pair.prefill}/reset_prefix_cache")
         case["reference"] = run(pair.prefill, case)
-    post(f"{pair.prefill}/reset_prefix_cache")
-    log(f"  reference outputs of {len(cases)} prompts from the prefill instance alone")
+        post(f"{pair.prefill}/reset_prefix_cache")
+
+    spare = [c for c in cases if c.get("attempt", 1) > 1]  # referenced when they run
+    for case in cases:
+        if case not in spare:
+            reference(case)
+    log(f"  reference outputs of {len(cases) - len(spare)} prompts from the prefill "
+        "instance alone")
 
     def url(case: dict) -> str:
         return pair.proxy if case["via"] == "pd" else pair.decode
@@ -794,8 +817,15 @@ def run_correctness(
     lmcache_loads = (
         lmcache_mod.RetrievedTokens(procs.log_dir / "lmcache.log") if opts.lmcache else None
     )
+    figures: dict = {}
+    said: list[str] = []
+    lmcache_hit = False
     before = settled_scrape(pair.decode, wait=0.5)
     for case in (c for c in cases if c["group"] == 0):
+        if case.get("attempt", 1) > 1:
+            if lmcache_hit:
+                continue
+            reference(case)
         if case.get("reset_decode"):
             post(f"{pair.decode}/reset_prefix_cache")
             before = settled_scrape(pair.decode, wait=0.5)
@@ -816,6 +846,16 @@ def run_correctness(
             rows[-1]["decode_external_hit_tokens_nixl"] = (
                 rows[-1]["decode_external_hit_tokens"] - lm)
             by_child = f" (NIXL {rows[-1]['decode_external_hit_tokens_nixl']}, LMCache {lm})"
+            said += trouble.take()
+            if case.get("lmcache") == "hit":
+                lmcache_hit = lmcache_hit or lm > 0
+                if lm == 0:
+                    # What the logs said since the last hit case (or the run's start).
+                    figures.setdefault("lmcache_not_served", []).append(
+                        {"label": case["label"], "log_lines": said[-5:]})
+                    log(f"  {case['label']}: LMCache served no hit; its logs say: "
+                        + ("; ".join(said[-5:]) or "nothing of a fault"))
+                said = []
         log(f"  {case['label']}: decode local hit {rows[-1]['decode_local_hit_tokens']} tokens, "
             f"external {rows[-1]['decode_external_hit_tokens']}{by_child}, "
             f"KV bytes {rows[-1]['kv_bytes_transferred']}, "
@@ -844,7 +884,7 @@ def run_correctness(
         outs = list(pool.map(decode, group, ids, params))
     after = settled_scrape(pair.decode)
     preemptions = int(after.delta(before, metrics.NUM_PREEMPTIONS))
-    figures = {"decode_preemptions": preemptions}
+    figures["decode_preemptions"] = preemptions
     if lmcache_loads is not None:
         # Resumed requests may load from LMCache what D stored of them before.
         figures["decode_lmcache_tokens_concurrent"] = lmcache_loads.take()
@@ -876,8 +916,9 @@ def run_correctness(
     }
     if opts.lmcache:
         lm = {c["label"]: c["lmcache"] for c in cases if c.get("lmcache")}
-        # L2 must take its prefix from LMCache (else the state binding is not exercised).
-        checks["lmcache_served_a_hit"] = all(
+        # An L2 must take its prefix from LMCache (else the state binding is not
+        # exercised); each attempt before it is a row of its own.
+        checks["lmcache_served_a_hit"] = any(
             r["decode_external_hit_tokens_lmcache"] > 0
             for r in rows if lm.get(r["label"]) == "hit"
         )
