@@ -5,13 +5,16 @@ A worker unlinks the POSIX SHM segments it created when it exits cleanly.
 One killed first (on SIGTERM, vLLM's API server kills its engine core and
 workers within a second) cannot, so the server removes them when it
 releases the registration (``CPUCacheContext.close``): those whose creator
-it verified at registration and that has exited since.
+it verified at registration, once that creator has exited (vLLM's connector
+unregisters from the still-running worker as vLLM stops, and the worker is
+killed before its own cleanup).
 """
 
 # Standard
 import os
 import subprocess
 import sys
+import time
 
 # Third Party
 import pytest
@@ -78,6 +81,69 @@ def test_close_removes_an_exited_workers_segments() -> None:
         for w in wrappers:
             if os.path.exists(_path(w)):
                 os.unlink(_path(w))
+
+
+def _start_worker() -> tuple[subprocess.Popen, list[DeviceIPCWrapper]]:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wrappers = [
+        DeviceIPCWrapper.Deserialize(bytes.fromhex(line))
+        for line in iter(worker.stdout.readline, "\n")
+    ]
+    return worker, wrappers
+
+
+def _stop_worker(worker: subprocess.Popen, wrappers: list[DeviceIPCWrapper]) -> None:
+    worker.kill()
+    worker.wait()
+    for w in wrappers:
+        if os.path.exists(_path(w)):
+            os.unlink(_path(w))
+
+
+def _gone_within(wrappers: list[DeviceIPCWrapper], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(os.path.exists(_path(w)) for w in wrappers):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_close_removes_a_live_workers_segments_once_it_exits() -> None:
+    """The worker unregisters while it runs, then dies before its cleanup."""
+    worker, wrappers = _start_worker()
+    try:
+        assert wrappers
+        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+
+        context.close()
+
+        assert all(os.path.exists(_path(w)) for w in wrappers)
+        worker.stdin.close()
+        assert worker.wait(timeout=60) == 0
+        assert _gone_within(wrappers, 10 * cpu_shm._EXITED_CREATOR_POLL_S)
+    finally:
+        _stop_worker(worker, wrappers)
+
+
+def test_a_segment_registered_again_is_kept_when_its_creator_exits() -> None:
+    """Registered again after a close, the segments belong to the new
+    registration: only its own close may remove them."""
+    worker, wrappers = _start_worker()
+    try:
+        create_cache_context(wrappers, lmcache_tokens_per_chunk=16).close()
+        create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        worker.stdin.close()
+        assert worker.wait(timeout=60) == 0
+
+        assert not _gone_within(wrappers, 3 * cpu_shm._EXITED_CREATOR_POLL_S)
+    finally:
+        _stop_worker(worker, wrappers)
 
 
 def test_close_keeps_a_live_workers_segments() -> None:
