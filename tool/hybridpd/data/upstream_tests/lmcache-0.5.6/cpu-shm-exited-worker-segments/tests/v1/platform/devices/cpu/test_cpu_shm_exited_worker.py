@@ -33,6 +33,15 @@ pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm"), reason="POSIX SHM segments live in /dev/shm"
 )
 
+
+@pytest.fixture(autouse=True)
+def _fast_watcher(monkeypatch):
+    """Poll often, and leave no watched segment to the next test."""
+    monkeypatch.setattr(cpu_shm, "_EXITED_CREATOR_POLL_S", 0.05)
+    yield
+    with cpu_shm._PENDING_LOCK:
+        cpu_shm._PENDING_SEGMENTS.clear()
+
 # A worker that shares vLLM-style KV tensors, prints their wire descriptors,
 # waits until the server has registered them (its stdin closes), then exits
 # the way a killed one does: no atexit handler, no finalizer.
@@ -131,17 +140,25 @@ def test_close_removes_a_live_workers_segments_once_it_exits() -> None:
         _stop_worker(worker, wrappers)
 
 
-def test_a_segment_registered_again_is_kept_when_its_creator_exits() -> None:
-    """Registered again after a close, the segments belong to the new
-    registration: only its own close may remove them."""
+def test_a_segment_removed_or_created_again_under_its_name_is_left_alone() -> None:
+    """The worker unlinked its segments itself, and a new one has the name (a
+    worker with the same PID, or the same worker again): that file stays."""
     worker, wrappers = _start_worker()
     try:
-        create_cache_context(wrappers, lmcache_tokens_per_chunk=16).close()
-        create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        context.close()
+        recreated = wrappers[0]
+        for w in wrappers:
+            cpu_shm.shm_unlink(w.shm_name)
+        cpu_shm.shm_create_readwrite(recreated.shm_name, 4096)
         worker.stdin.close()
         assert worker.wait(timeout=60) == 0
 
-        assert not _gone_within(wrappers, 3 * cpu_shm._EXITED_CREATOR_POLL_S)
+        time.sleep(3 * cpu_shm._EXITED_CREATOR_POLL_S)
+
+        assert os.path.exists(_path(recreated))
+        assert not cpu_shm._PENDING_SEGMENTS
+        cpu_shm.shm_unlink(recreated.shm_name)
     finally:
         _stop_worker(worker, wrappers)
 
@@ -183,19 +200,26 @@ def test_close_keeps_a_segment_whose_creator_it_cannot_verify() -> None:
 
 
 def test_segment_creator_and_process_gone() -> None:
-    tensor = torch.zeros(4)
-    wrapper = migrate_to_shm_and_wrap(tensor)
-    creator = cpu_shm.segment_creator(wrapper.shm_name)
-    assert creator is not None and creator[0] == os.getpid()
-    assert not cpu_shm.process_gone(*creator)
-    # Another process with this PID (a reused one) is not the creator.
-    assert cpu_shm.process_gone(creator[0], creator[1] + 1)
+    worker, wrappers = _start_worker()
+    try:
+        creator = cpu_shm.segment_creator(wrappers[0].shm_name)
+        assert creator is not None and creator.pid == worker.pid
+        assert creator.file_id == (
+            os.stat(_path(wrappers[0])).st_dev,
+            os.stat(_path(wrappers[0])).st_ino,
+        )
+        assert not cpu_shm.process_gone(creator.pid, creator.start_time)
+        # Another process with this PID (a reused one) is not the creator.
+        assert cpu_shm.process_gone(creator.pid, creator.start_time + 1)
+    finally:
+        _stop_worker(worker, wrappers)
+    assert cpu_shm.process_gone(creator.pid, creator.start_time)
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    # This process's own segment names no other creator.
+    own = migrate_to_shm_and_wrap(torch.zeros(4))
+    assert cpu_shm.segment_creator(own.shm_name) is None
     prefix = CpuShmTensorWrapper.SHM_NAME_PREFIX
-    assert cpu_shm.process_gone(dead.pid, creator[1])
-    assert cpu_shm.segment_creator("%s%d_0" % (prefix, dead.pid)) is None
+    assert cpu_shm.segment_creator("%s%d_0" % (prefix, worker.pid)) is None
     for name in ("/lmcache_test_1", "%s%d" % (prefix, os.getpid()), "%sx_0" % prefix,
                  "%s\u00b2_0" % prefix, "%s%s_0" % (prefix, "9" * 20)):
         assert cpu_shm.segment_creator(name) is None
