@@ -204,7 +204,7 @@ def test_the_segment_check_runs_before_hybridpd_removes_them(
             assert time.monotonic() < deadline, "the stand-in server mapped no segment"
             time.sleep(0.02)
         found = lm.segments_after_stop(procs, lambda line: None)
-    assert found["decode_shm_segments_after_vllm_stop"] == 1
+    assert found["decode_shm_segments_while_serving"] == 1
     assert found["check"] is (server == "patched")
     assert found["decode_shm_segments_left_by_lmcache"] == (
         [] if server == "patched" else sorted(p.name for p in made))

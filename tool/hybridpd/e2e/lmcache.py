@@ -103,20 +103,21 @@ def segments_after_stop(procs: Processes, log: Log) -> dict:
     left when the run closes (the decode instance's record names the segments), so this
     is the only place the patch's own work shows: the check runs before that removal.
     vLLM unregisters its KV cache as it stops, from its still-running worker, so the
-    server removes the segments once that worker has exited: the count waits up to
-    ``SEGMENTS_TIMEOUT`` seconds for it.
+    server removes the segments once that worker has exited (possibly before the
+    decode instance's stop returns): the segments are counted while it serves, and the
+    count of those left waits up to ``SEGMENTS_TIMEOUT`` seconds.
     """
-    procs.stop("decode", keep_shm=True)
     registered = sorted(p.name for p in procs.shm_files("decode"))
+    procs.stop("decode", keep_shm=True)
     # The server maps the segments: a plain stop would remove them as its own.
     procs.stop("lmcache", keep_shm=True)
     deadline = time.monotonic() + SEGMENTS_TIMEOUT
     while (left := sorted(p.name for p in procs.shm_files("decode"))) and (
             time.monotonic() < deadline):
         time.sleep(0.2)
-    log(f"  shared-memory segments of the decode instance: {len(registered)} after vLLM "
-        f"stopped, {len(left)} after its lmcache server stopped")
-    return {"decode_shm_segments_after_vllm_stop": len(registered),
+    log(f"  shared-memory segments of the decode instance: {len(registered)} while it "
+        f"served, {len(left)} left once vLLM and its lmcache server stopped")
+    return {"decode_shm_segments_while_serving": len(registered),
             "decode_shm_segments_left_by_lmcache": left,
             # None registered would prove nothing: the decode instance shares its KV
             # cache with the server through them.
