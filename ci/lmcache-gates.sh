@@ -19,8 +19,12 @@
 #      memory regions where the prefill instance has one, and the decode instance dies
 #      at the first remote prefill
 #      (`assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)`);
-#   5. lmcache built without null-recurrent-slot-not-stored must go red on request N2:
-#      LMCache serves it a chunk whose Mamba state is vLLM's null block;
+#   5. lmcache built without null-recurrent-slot-not-stored and
+#      cpu-shm-exited-worker-segments (one run, each check fails on its own) must go red
+#      twice: on request N2 (LMCache serves it a chunk whose Mamba state is vLLM's null
+#      block), and on the decode worker's shared-memory segments, which its lmcache
+#      server leaves in /dev/shm when it stops after vLLM (checked before hybridpd
+#      removes them; patched, the server removes them);
 #   6. `apply --installed` of the LMCache series on the index's lmcache 0.5.6 wheel (in a
 #      hard-linked copy of the e2e venv): patched (the allocation patch's class imports),
 #      then reverted byte for byte (pip's RECORD hashes check every file).
@@ -39,10 +43,11 @@ e2e=(e2e --pin 0.32.0 --device cpu --tiny --scenario correctness
 # While the e2e venv holds the patched lmcache (the runs below rebuild it without patches).
 bash "$(dirname "$0")/mutant-correctness.sh" "$hpd" "$out/mutant" lmcache+nixl
 
-must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT: red, and FILE holds TEXT (FILE:
-               # "stderr", the command's, or a path under the run's --out); WITHOUT: the
-               # LMCache patches left out, comma-separated
-  local connector="$1" file="$3" text="$4" dir="$out/without-${2//,/+}"
+must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT...: red, and FILE holds each TEXT
+               # (FILE: "stderr", the command's, or a path under the run's --out);
+               # WITHOUT: the LMCache patches left out, comma-separated
+  local connector="$1" file="$3" dir="$out/without-${2//,/+}"
+  local texts=("${@:4}")
   local without=()
   IFS=, read -ra ids <<<"$2"
   for id in "${ids[@]}"; do without+=(--lmcache-without "$id"); done
@@ -52,10 +57,14 @@ must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT: red, and FILE holds TEXT
   set -e
   cat "$dir.stderr" >&2
   [ "$file" = stderr ] && file="$dir.stderr" || file="$dir/$file"
-  if [ "$rc" = 1 ] && grep -qF -- "$text" "$file"; then
-    echo "lmcache gates: $connector red without $2, as it must be ($text)"
+  local text missing=""
+  for text in "${texts[@]}"; do
+    grep -qF -- "$text" "$file" || missing="$text"
+  done
+  if [ "$rc" = 1 ] && [ -z "$missing" ]; then
+    echo "lmcache gates: $connector red without $2, as it must be (${texts[*]})"
   else
-    echo "lmcache gates: $connector without $2 did not go red as expected (exit $rc)" >&2
+    echo "lmcache gates: $connector without $2 did not go red as expected (exit $rc${missing:+; not found: $missing})" >&2
     exit 1
   fi
 }
@@ -64,8 +73,10 @@ must_fail nixl+lmcache cpu-shm-kv-cache-allocation stderr \
 must_fail lmcache+nixl cpu-shm-kv-cache-allocation,cpu-shm-vllm-state-binding \
   "patched-lmcache+nixl/decode.log" \
   "assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)"
-must_fail lmcache+nixl null-recurrent-slot-not-stored stderr \
-  "FAILED: patched / lmcache+nixl: N2 "
+# One run for two patches (each check fails on its own; no run more for CI's budget).
+must_fail lmcache+nixl null-recurrent-slot-not-stored,cpu-shm-exited-worker-segments stderr \
+  "FAILED: patched / lmcache+nixl: N2 " \
+  "FAILED: patched / lmcache+nixl: the lmcache server left the stopped decode instance's shared-memory segments behind"
 
 # 6. apply --installed on the released lmcache wheel.
 cache="${HYBRIDPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hybridpd}"

@@ -7,7 +7,9 @@ with SIGTERM left its whole KV cache behind as ``/dev/shm/lmcache_kv_<pid>_*``, 
 vLLM's API server kills the engine core and its worker within the same second, before
 any cleanup of theirs runs. Patched, the server removes a registration's segments whose
 creating process (verified at registration: it maps the segment) has exited when it
-releases the registration: when it reaps the silent worker, and when the server stops.
+releases the registration: when it reaps the silent worker, and when the server stops;
+and, when the worker unregistered while it still ran (what vLLM's connector does as vLLM
+stops, just before the worker is killed; measured in the CPU e2e), once it has exited.
 
 A real worker (vLLM's allocation, vLLM's LMCacheMPConnector) registers from a child
 process that is then SIGKILLed; a live worker registered beside it (this process) must
@@ -21,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,8 @@ from lmcache_patches import deployment
 worker = deployment.allocate_worker(deployment.vllm_config(PORT))
 worker.connector.register_kv_caches(worker.kv_caches)
 names = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"lmcache_kv_{os.getpid()}_"))
+if UNREGISTER:  # what vLLM's connector does as vLLM stops, just before it is killed
+    worker.connector.shutdown()
 print(json.dumps(names), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -57,9 +62,9 @@ def leftovers():
         (SHM / name).unlink(missing_ok=True)
 
 
-def _run_child(port: int, leftovers: set[str]) -> set[str]:
+def _run_child(port: int, leftovers: set[str], unregister: bool = False) -> set[str]:
     code = CHILD.replace("TESTS", repr(str(Path(__file__).parents[1]))).replace(
-        "PORT", str(port))
+        "PORT", str(port)).replace("UNREGISTER", str(unregister))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=300)
@@ -107,3 +112,21 @@ def test_a_stopping_server_removes_a_killed_workers_segments(leftovers):
         killed = _run_child(server.port, leftovers)
     assert not (killed & {p.name for p in SHM.iterdir()}), (
         f"the killed worker's segments {sorted(killed)} outlived the server")
+
+
+@pytest.mark.patch("cpu-shm-exited-worker-segments")
+def test_a_worker_that_unregisters_and_is_then_killed_leaves_no_segment(server, leftovers):
+    """vLLM stopped with SIGTERM: its worker unregisters (still running, so its segments
+    cannot go yet) and is killed before its own cleanup unlinks them."""
+    from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (
+        LMCacheDrivenTransferModule,
+    )
+
+    killed = _run_child(server.port, leftovers, unregister=True)
+    transfer = server._module(LMCacheDrivenTransferModule)
+    assert transfer.context_entries_snapshot() == {}, "the worker did not unregister"
+    deadline = time.monotonic() + 10  # the server watches a live creator's segments
+    while killed & {p.name for p in SHM.iterdir()} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (killed & {p.name for p in SHM.iterdir()}), (
+        f"the unregistered, then killed worker's segments {sorted(killed)} outlived it")

@@ -201,12 +201,21 @@ def test_the_warm_up_gives_up_after_its_attempts_and_never_retries_a_dead_server
 
 
 
-def test_the_segments_the_lmcache_server_left_show_in_the_table() -> None:
+def test_segments_the_lmcache_server_left_fail_the_run_and_show_in_the_table() -> None:
     run = _run("patched").to_json()
     run["connector"] = "lmcache+nixl"
-    run |= {"decode_shm_segments_after_vllm_stop": 1,
+    run["checks"]["lmcache_removed_exited_segments"] = False
+    run |= {"decode_shm_segments_while_serving": 1,
             "decode_shm_segments_left_by_lmcache": ["lmcache_kv_7_0"]}
+    result = report_mod.RunResult.from_json(run)
+    assert _failures(result, "correctness", False, "0.32.0") == [
+        "patched / lmcache+nixl: the lmcache server left the stopped decode instance's "
+        "shared-memory segments behind (or it registered none): ['lmcache_kv_7_0']"
+    ]
     lines = report_mod.table(report_mod.E2EReport.from_json(
         {"scenario": "correctness", "runs": [run]}))
-    assert lines[-1] == ("| patched | lmcache+nixl | D's LMCache segments after vLLM stopped "
-                         "/ left once its lmcache server stopped | | 1 / 1 | | | |")
+    assert lines[-1] == ("| patched | lmcache+nixl | D's LMCache segments while serving "
+                         "/ left once vLLM and its lmcache server stopped | | 1 / 1 | | | |")
+    run["checks"]["lmcache_removed_exited_segments"] = True
+    run["decode_shm_segments_left_by_lmcache"] = []
+    assert _failures(report_mod.RunResult.from_json(run), "correctness", False, "0.32.0") == []

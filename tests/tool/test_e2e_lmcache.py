@@ -306,13 +306,14 @@ while True:
 
 @pytest.mark.parametrize("server", ["patched", "stock"])
 def test_the_segment_check_runs_before_hybridpd_removes_them(
-    tmp_path: Path, server: str
+    tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The run stops the decode instance, then its lmcache server, and only then counts
     (a plain stop of the server removed the segments it mapped as its own, so every
     server seemed to remove them); either way, the run's close removes them."""
     from hybridpd.e2e.servers import Processes
 
+    monkeypatch.setattr(lm, "SEGMENTS_TIMEOUT", 1.0)  # the stock server never removes them
     with Processes(tmp_path) as procs:
         procs.start("lmcache", [sys.executable, "-c", LMCACHE, server])
         procs.start("decode", [sys.executable, "-c", DECODE], shm=lm.SHM_GLOBS)
@@ -328,7 +329,8 @@ def test_the_segment_check_runs_before_hybridpd_removes_them(
             assert time.monotonic() < deadline, "the stand-in server mapped no segment"
             time.sleep(0.02)
         found = lm.segments_after_stop(procs, lambda line: None)
-    assert found["decode_shm_segments_after_vllm_stop"] == 1
+    assert found["decode_shm_segments_while_serving"] == 1
+    assert found["check"] is (server == "patched")
     assert found["decode_shm_segments_left_by_lmcache"] == (
         [] if server == "patched" else sorted(p.name for p in made))
     assert not any(p.exists() for p in made), "the run's close left a segment"

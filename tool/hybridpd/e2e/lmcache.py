@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +46,9 @@ CHUNK_SIZE = 256
 #: What each ``lmcache server`` gets: LMCache's defaults otherwise (one object per
 #: chunk for attention and Mamba together, no --separate-object-groups).
 L1_SIZE_GB = 0.5
+#: How long the check waits for the lmcache server's removal of the stopped decode
+#: instance's segments (its watcher polls once a second).
+SEGMENTS_TIMEOUT = 10.0
 #: The shared-memory files a vLLM instance registered with LMCache may leave (a path:
 #: the record's globs are matched as they are, and only files in /dev/shm are removed).
 SHM_GLOBS = ("/dev/shm/lmcache_kv_{pid}_*",)
@@ -133,20 +137,27 @@ def segments_after_stop(procs: Processes, log: Log) -> dict:
     ``cpu-shm-exited-worker-segments`` makes the server remove those of an exited worker
     when it releases the registration, here when it stops. hybridpd removes whatever is
     left when the run closes (the decode instance's record names the segments), so this
-    is the only place the patch's own work shows: the count is taken before that removal.
-    A figure of the report, not a gate yet: measured with the patch, vLLM unregisters
-    its KV cache from the server as it stops, while its worker still lives, so the
-    server keeps the segments, and the worker dies before it unlinks them (1 left).
+    is the only place the patch's own work shows: the check runs before that removal.
+    vLLM unregisters its KV cache as it stops, from its still-running worker, so the
+    server removes the segments once that worker has exited (possibly before the
+    decode instance's stop returns): the segments are counted while it serves, and the
+    count of those left waits up to ``SEGMENTS_TIMEOUT`` seconds.
     """
-    procs.stop("decode", keep_shm=True)
     registered = sorted(p.name for p in procs.shm_files("decode"))
+    procs.stop("decode", keep_shm=True)
     # The server maps the segments: a plain stop would remove them as its own.
     procs.stop("lmcache", keep_shm=True)
-    left = sorted(p.name for p in procs.shm_files("decode"))
-    log(f"  shared-memory segments of the decode instance: {len(registered)} after vLLM "
-        f"stopped, {len(left)} after its lmcache server stopped")
-    return {"decode_shm_segments_after_vllm_stop": len(registered),
-            "decode_shm_segments_left_by_lmcache": left}
+    deadline = time.monotonic() + SEGMENTS_TIMEOUT
+    while (left := sorted(p.name for p in procs.shm_files("decode"))) and (
+            time.monotonic() < deadline):
+        time.sleep(0.2)
+    log(f"  shared-memory segments of the decode instance: {len(registered)} while it "
+        f"served, {len(left)} left once vLLM and its lmcache server stopped")
+    return {"decode_shm_segments_while_serving": len(registered),
+            "decode_shm_segments_left_by_lmcache": left,
+            # None registered would prove nothing: the decode instance shares its KV
+            # cache with the server through them.
+            "check": bool(registered) and not left}
 
 
 def lmcache_series(vllm_series: Series) -> Series:

@@ -244,11 +244,11 @@ def correctness_table(report: E2EReport) -> list[str]:
             lines.append(f"| {run.build} | {run.connector} | LMCache loads on D while "
                          f"concurrent | | {run.figures['decode_lmcache_tokens_concurrent']} "
                          "| | | |")
-        if "decode_shm_segments_after_vllm_stop" in run.figures:
+        if "decode_shm_segments_while_serving" in run.figures:
             left = run.figures.get("decode_shm_segments_left_by_lmcache") or []
-            lines.append(f"| {run.build} | {run.connector} | D's LMCache segments after "
-                         f"vLLM stopped / left once its lmcache server stopped | | "
-                         f"{run.figures['decode_shm_segments_after_vllm_stop']} / {len(left)} "
+            lines.append(f"| {run.build} | {run.connector} | D's LMCache segments while "
+                         f"serving / left once vLLM and its lmcache server stopped | | "
+                         f"{run.figures['decode_shm_segments_while_serving']} / {len(left)} "
                          "| | | |")
     return lines
 

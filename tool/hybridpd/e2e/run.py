@@ -287,7 +287,10 @@ class _PairRun:
                     result = self._scenario(pair, procs, log)
                     t2 = time.monotonic()
                     if lm.uses_lmcache(self.connector):
-                        result.update(lm.segments_after_stop(procs, log))
+                        shm = lm.segments_after_stop(procs, log)
+                        result.setdefault("checks", {})[
+                            "lmcache_removed_exited_segments"] = shm.pop("check")
+                        result.update(shm)
                 except E2EError:
                     # Whatever broke, a server that died is the explanation to report.
                     procs.check_soon()
@@ -373,11 +376,15 @@ def _failures(
     (patched must hit; on pins with upstream's capability gate (v0.24+), stock must
     hit exactly for the connector sets upstream handles)."""
     where = run.where
-    if scenario == "correctness":
-        return _correctness_failures(run, where, expect_patched_hit)
-    if scenario != "smoke":
-        return []
     out = []
+    if not (run.checks or {}).get("lmcache_removed_exited_segments", True):
+        out.append(f"{where}: the lmcache server left the stopped decode instance's "
+                   "shared-memory segments behind (or it registered none): "
+                   f"{run.figures.get('decode_shm_segments_left_by_lmcache')}")
+    if scenario == "correctness":
+        return out + _correctness_failures(run, where, expect_patched_hit)
+    if scenario != "smoke":
+        return out
     checks = run.checks or {}
     if not checks.get("warm_equals_cold_decode", True):
         out.append(f"{where}: the decode output with a local prefix hit differs from a cold decode instance's")

@@ -5,13 +5,16 @@ A worker unlinks the POSIX SHM segments it created when it exits cleanly.
 One killed first (on SIGTERM, vLLM's API server kills its engine core and
 workers within a second) cannot, so the server removes them when it
 releases the registration (``CPUCacheContext.close``): those whose creator
-it verified at registration and that has exited since.
+it verified at registration, once that creator has exited (vLLM's connector
+unregisters from the still-running worker as vLLM stops, and the worker is
+killed before its own cleanup).
 """
 
 # Standard
 import os
 import subprocess
 import sys
+import time
 
 # Third Party
 import pytest
@@ -29,6 +32,15 @@ from lmcache.v1.platform.devices.cpu.shm import (
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm"), reason="POSIX SHM segments live in /dev/shm"
 )
+
+
+@pytest.fixture(autouse=True)
+def _fast_watcher(monkeypatch):
+    """Poll often, and leave no watched segment to the next test."""
+    monkeypatch.setattr(cpu_shm, "_EXITED_CREATOR_POLL_S", 0.05)
+    yield
+    with cpu_shm._PENDING_LOCK:
+        cpu_shm._PENDING_SEGMENTS.clear()
 
 # A worker that shares vLLM-style KV tensors, prints their wire descriptors,
 # waits until the server has registered them (its stdin closes), then exits
@@ -80,6 +92,77 @@ def test_close_removes_an_exited_workers_segments() -> None:
                 os.unlink(_path(w))
 
 
+def _start_worker() -> tuple[subprocess.Popen, list[DeviceIPCWrapper]]:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wrappers = [
+        DeviceIPCWrapper.Deserialize(bytes.fromhex(line))
+        for line in iter(worker.stdout.readline, "\n")
+    ]
+    return worker, wrappers
+
+
+def _stop_worker(worker: subprocess.Popen, wrappers: list[DeviceIPCWrapper]) -> None:
+    worker.kill()
+    worker.wait()
+    for w in wrappers:
+        if os.path.exists(_path(w)):
+            os.unlink(_path(w))
+
+
+def _gone_within(wrappers: list[DeviceIPCWrapper], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(os.path.exists(_path(w)) for w in wrappers):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_close_removes_a_live_workers_segments_once_it_exits() -> None:
+    """The worker unregisters while it runs, then dies before its cleanup."""
+    worker, wrappers = _start_worker()
+    try:
+        assert wrappers
+        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+
+        context.close()
+
+        assert all(os.path.exists(_path(w)) for w in wrappers)
+        worker.stdin.close()
+        assert worker.wait(timeout=60) == 0
+        assert _gone_within(wrappers, 10 * cpu_shm._EXITED_CREATOR_POLL_S)
+    finally:
+        _stop_worker(worker, wrappers)
+
+
+def test_a_segment_removed_or_created_again_under_its_name_is_left_alone() -> None:
+    """The worker unlinked its segments itself, and a new one has the name (a
+    worker with the same PID, or the same worker again): that file stays."""
+    worker, wrappers = _start_worker()
+    try:
+        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        context.close()
+        recreated = wrappers[0]
+        for w in wrappers:
+            cpu_shm.shm_unlink(w.shm_name)
+        cpu_shm.shm_create_readwrite(recreated.shm_name, 4096)
+        worker.stdin.close()
+        assert worker.wait(timeout=60) == 0
+
+        time.sleep(3 * cpu_shm._EXITED_CREATOR_POLL_S)
+
+        assert os.path.exists(_path(recreated))
+        assert not cpu_shm._PENDING_SEGMENTS
+        cpu_shm.shm_unlink(recreated.shm_name)
+    finally:
+        _stop_worker(worker, wrappers)
+
+
 def test_close_keeps_a_live_workers_segments() -> None:
     kv = [torch.zeros(2, 8, 16, 4, 32, dtype=torch.float16) for _ in range(2)]
     wrappers = [migrate_to_shm_and_wrap(t) for t in kv]
@@ -117,19 +200,26 @@ def test_close_keeps_a_segment_whose_creator_it_cannot_verify() -> None:
 
 
 def test_segment_creator_and_process_gone() -> None:
-    tensor = torch.zeros(4)
-    wrapper = migrate_to_shm_and_wrap(tensor)
-    creator = cpu_shm.segment_creator(wrapper.shm_name)
-    assert creator is not None and creator[0] == os.getpid()
-    assert not cpu_shm.process_gone(*creator)
-    # Another process with this PID (a reused one) is not the creator.
-    assert cpu_shm.process_gone(creator[0], creator[1] + 1)
+    worker, wrappers = _start_worker()
+    try:
+        creator = cpu_shm.segment_creator(wrappers[0].shm_name)
+        assert creator is not None and creator.pid == worker.pid
+        assert creator.file_id == (
+            os.stat(_path(wrappers[0])).st_dev,
+            os.stat(_path(wrappers[0])).st_ino,
+        )
+        assert not cpu_shm.process_gone(creator.pid, creator.start_time)
+        # Another process with this PID (a reused one) is not the creator.
+        assert cpu_shm.process_gone(creator.pid, creator.start_time + 1)
+    finally:
+        _stop_worker(worker, wrappers)
+    assert cpu_shm.process_gone(creator.pid, creator.start_time)
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    # This process's own segment names no other creator.
+    own = migrate_to_shm_and_wrap(torch.zeros(4))
+    assert cpu_shm.segment_creator(own.shm_name) is None
     prefix = CpuShmTensorWrapper.SHM_NAME_PREFIX
-    assert cpu_shm.process_gone(dead.pid, creator[1])
-    assert cpu_shm.segment_creator("%s%d_0" % (prefix, dead.pid)) is None
+    assert cpu_shm.segment_creator("%s%d_0" % (prefix, worker.pid)) is None
     for name in ("/lmcache_test_1", "%s%d" % (prefix, os.getpid()), "%sx_0" % prefix,
                  "%s\u00b2_0" % prefix, "%s%s_0" % (prefix, "9" * 20)):
         assert cpu_shm.segment_creator(name) is None
