@@ -179,13 +179,15 @@ def vllm_config(
     if num_speculative_tokens:
         from vllm.config import ParallelConfig, SpeculativeConfig
 
+        parallel_config = ParallelConfig()
+
         speculative_config = SpeculativeConfig(
             method="ngram",
             num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_min=1,
             prompt_lookup_max=3,
             target_model_config=model_config,
-            target_parallel_config=ParallelConfig(),
+            target_parallel_config=parallel_config,
         )
     if async_scheduling:
         scheduler_config.async_scheduling = True
@@ -196,6 +198,7 @@ def vllm_config(
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
         speculative_config=speculative_config,
+        **({"parallel_config": parallel_config} if speculative_config else {}),
     )
 
 
@@ -211,6 +214,11 @@ def scheduler(
     cls = Scheduler
     if async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as cls
+
+        # vLLM's CPU platform turns async scheduling off when the config is built;
+        # the scheduler under test is the GPU engine's: two batches in flight.
+        config.scheduler_config.async_scheduling = True
+        assert getattr(config, "max_concurrent_batches", 2) == 2
     return cls(
         vllm_config=config,
         kv_cache_config=kv_cache_config,

@@ -254,21 +254,27 @@ class MambaStateChecker:
         """Why a sliding-window group lacks the request's own KV inside the window
         before the resume point, or None. The token at the resume point attends to
         the ``window - 1`` tokens before it. The load writes the blocks of its
-        external tokens, and NIXL also every block of the in-window tail it is
-        handed (it transfers a sliding-window group's whole tail); any other block
-        there must be a cached block of this request's own prefix. A null block
-        there is KV the model reads and nobody writes."""
+        external tokens; NIXL writes every unhashed block it is handed, which for a
+        sliding-window group is the tail of the request's blocks (the per-group hit
+        can leave a window group's hit shorter than full attention's). Any other
+        block there must be a cached block of this request's own prefix. A null
+        block there is KV the model reads and nobody writes."""
+        bs = self.block_size
         local = adm.resume_point - adm.external_tokens
         nixl = adm.external_tokens > 0 and adm.serving_connector in NIXL_CONNECTORS
         blocks = self.sched.kv_cache_manager.get_blocks(req.request_id).blocks
         for gid, window in self.window_groups.items():
-            first = max(0, adm.resume_point - (window - 1)) // self.block_size
-            for i in range(first, -(-local // self.block_size)):
+            first = max(0, adm.resume_point - (window - 1)) // bs
+            # NIXL's clip of a window group: the last cdiv(window, bs) + 1 blocks.
+            nixl_tail = -(-adm.resume_point // bs) - (-(-window // bs) + 1)
+            for i in range(first, -(-adm.resume_point // bs)):
                 block = blocks[gid][i]
                 if block.is_null:
                     return (f"sliding-window group {gid} block {i} inside the window "
                             "is the null block")
-                if block.block_hash is None and nixl:
+                if i >= -(-local // bs):
+                    continue  # the load's own blocks
+                if block.block_hash is None and nixl and i >= nixl_tail:
                     continue
                 if block.block_hash is None:
                     return (f"sliding-window group {gid} has no cached block {i} "
@@ -398,9 +404,10 @@ class Driver:
             rid: self.rng.randint(0, len(drafts))
             for rid, drafts in (getattr(output, "scheduled_spec_decode_tokens", {}) or {}).items()
         }
-        # The scheduler counted this batch's tokens as computed when it scheduled
-        # it: a request samples if the batch reaches the end of its prompt.
-        sampling = {r.request_id for r in reqs if r.num_computed_tokens >= r.num_prompt_tokens}
+        # As the model runner: a batch that leaves a request short of its tokens
+        # (a prompt chunk, or a resumed request's recompute that stops at a
+        # Mamba-aligned point before its earlier outputs end) samples nothing.
+        sampling = {r.request_id for r in reqs if not r.is_prefill_chunk}
         return model_runner_output(
             reqs, loading or None, num_accepted=accepted, sampling=sampling,
             **_load_failure(self.sched, loading & self.failing),
@@ -415,15 +422,3 @@ class Driver:
         self.sched.update_draft_token_ids(
             DraftTokenIds(ids, [[8] * self.num_spec for _ in ids]))
 
-
-def handles_stale_async_output() -> bool:
-    """Whether vLLM's AsyncScheduler takes the output of a batch that was in flight
-    when one of its requests was preempted (vllm#48245). Without it the engine core
-    dies on an assertion: a vLLM bug the series does not fix (see
-    decode_hit/test_upstream_known_issues.py)."""
-    import inspect
-
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
-    update = AsyncScheduler._update_request_with_output
-    return "is_stale" in inspect.signature(update).parameters

@@ -11,8 +11,7 @@ KV pools small enough to preempt (every connector set), Qwen3.5's groups with or
 without a sliding-window group beside them (the checker also asks for the
 request's own KV inside the window), and three ways the engine core drives the
 scheduler (:class:`Driver`): one batch at a time, with n-gram speculative
-decoding, and with async scheduling (two batches in flight) where vLLM survives
-a preemption with a batch in flight.
+decoding, and with async scheduling (two batches in flight).
 
 Bounded for CI: ``HYBRIDPD_HYPOTHESIS_EXAMPLES`` examples (default 100) per
 connector set, derandomized so every run checks the same workloads; set
@@ -41,7 +40,7 @@ from ..builders import (
     vllm_config,
 )
 from ..decode_hit_patch import proves
-from ..mamba_state import Driver, MambaStateChecker, handles_stale_async_output
+from ..mamba_state import Driver, MambaStateChecker
 
 _SEED = os.environ.get("HYBRIDPD_HYPOTHESIS_SEED")
 _SETTINGS = settings(
@@ -78,10 +77,8 @@ request_spec = st.fixed_dictionaries(
 #: How the engine core drives the scheduler: one batch at a time, the same with
 #: n-gram speculative decoding (2 draft tokens per step, a random number accepted;
 #: the Mamba groups hold a block per draft), or async scheduling (two batches in
-#: flight), where vLLM survives a preemption with a batch in flight (vllm#48245;
-#: a known issue of older releases, test_upstream_known_issues.py).
+#: flight).
 ENGINE_MODES = {"sync": (0, False), "spec2": (2, False), "async": (0, True)}
-_ENGINES = sorted(m for m in ENGINE_MODES if m != "async" or handles_stale_async_output())
 
 
 def workload(pools):
@@ -89,7 +86,7 @@ def workload(pools):
         {
             "kv_role": st.sampled_from(["kv_both", "kv_consumer", "kv_producer"]),
             "num_blocks": st.sampled_from(pools),
-            "engine": st.sampled_from(_ENGINES),
+            "engine": st.sampled_from(sorted(ENGINE_MODES)),
             # Qwen3.5's groups, or with a sliding-window group beside them
             "window": st.sampled_from([None, 2 * BLOCK_SIZE]),
             "seed": st.integers(0, 2**16),
