@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -87,9 +88,14 @@ def hybrid_kv_cache_config(
     num_blocks: int = 1000,
     block_size: int = BLOCK_SIZE,
     num_mamba_groups: int = 3,
+    num_speculative_blocks: int = 0,
+    sliding_window: int | None = None,
 ) -> KVCacheConfig:
     """One full-attention group and ``num_mamba_groups`` Mamba groups in
-    align mode (Qwen3.5's layout)."""
+    align mode (Qwen3.5's layout). ``num_speculative_blocks``: the Mamba blocks
+    each request holds beyond its running state for speculative tokens (vLLM
+    sets it to ``num_speculative_tokens``). ``sliding_window``: a sliding-window
+    attention group of that window beside them (a model that mixes all three)."""
     full = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
@@ -98,8 +104,15 @@ def hybrid_kv_cache_config(
         shapes=((1, 1),),
         dtypes=(torch.float32,),
         mamba_cache_mode="align",
+        num_speculative_blocks=num_speculative_blocks,
     )
     groups = [KVCacheGroupSpec(["attn.0"], full)]
+    if sliding_window is not None:
+        window = SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+            sliding_window=sliding_window,
+        )
+        groups.append(KVCacheGroupSpec(["swa.0"], window))
     groups += [
         KVCacheGroupSpec([f"linear_attn.{i}"], mamba) for i in range(num_mamba_groups)
     ]
@@ -118,6 +131,8 @@ def vllm_config(
     hybrid_kv_cache_manager: bool | None = None,
     max_num_seqs: int = 16,
     max_model_len: int = 4096,
+    num_speculative_tokens: int = 0,
+    async_scheduling: bool = False,
 ) -> VllmConfig:
     """A VllmConfig of a PD instance with the hybrid allocator enabled.
 
@@ -125,7 +140,9 @@ def vllm_config(
     ``kv_load_failure_policy``: "fail" (vLLM's default) or "recompute".
     ``hybrid_kv_cache_manager``: None lets vLLM decide, as a server started
     without ``--[no-]disable-hybrid-kv-cache-manager`` does; True or False is
-    the operator's explicit choice.
+    the operator's explicit choice. ``num_speculative_tokens``: n-gram
+    speculative decoding (no draft model: the scheduler's side of speculative
+    tokens); ``async_scheduling``: vLLM's AsyncScheduler (see :func:`scheduler`).
     """
     model_config = ModelConfig(
         model=tiny_model_dir(),
@@ -158,22 +175,51 @@ def vllm_config(
             kv_connector_extra_config=kv_connector_extra_config or {},
             kv_load_failure_policy=kv_load_failure_policy,
         )
+    speculative_config = None
+    if num_speculative_tokens:
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        parallel_config = ParallelConfig()
+
+        speculative_config = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+            target_model_config=model_config,
+            target_parallel_config=parallel_config,
+        )
+    if async_scheduling:
+        scheduler_config.async_scheduling = True
     return VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        speculative_config=speculative_config,
+        **({"parallel_config": parallel_config} if speculative_config else {}),
     )
 
 
 def scheduler(
-    config: VllmConfig, kv_cache_config: KVCacheConfig | None = None
+    config: VllmConfig,
+    kv_cache_config: KVCacheConfig | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
-    """A real Scheduler (with its real KV connector, if configured)."""
+    """A real Scheduler (with its real KV connector, if configured); vLLM's
+    AsyncScheduler with ``async_scheduling`` (build ``config`` with it too)."""
     kv_cache_config = kv_cache_config or hybrid_kv_cache_config()
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    return Scheduler(
+    cls = Scheduler
+    if async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as cls
+
+        # vLLM's CPU platform turns async scheduling off when the config is built;
+        # the scheduler under test is the GPU engine's: two batches in flight.
+        config.scheduler_config.async_scheduling = True
+        assert getattr(config, "max_concurrent_batches", 2) == 2
+    return cls(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         log_stats=True,
@@ -303,8 +349,12 @@ def model_runner_output(
     invalid_block_ids: set[int] | None = None,
     token_id: int = 7,
     failed_recving: set[str] | None = None,
+    num_accepted: dict[str, int] | None = None,
+    sampling: set[str] | None = None,
 ):
-    """What the worker returns for one step: one sampled token per request,
+    """What the worker returns for one step: one sampled token per request
+    (and ``num_accepted[request id]`` accepted speculative tokens after it; only
+    for the requests in ``sampling`` where given: a partial prefill samples none),
     plus the connector's report of finished or failed KV loads
     (``failed_recving``, per-request failures, is not in v0.20.2)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -321,7 +371,11 @@ def model_runner_output(
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=[[token_id] for _ in req_ids],
+        sampled_token_ids=[
+            [token_id] * (1 + (num_accepted or {}).get(rid, 0))
+            if sampling is None or rid in sampling else []
+            for rid in req_ids
+        ],
         kv_connector_output=kv_connector_output,
     )
 

@@ -31,7 +31,7 @@ import dataclasses
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import get_block_hash
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
@@ -123,6 +123,12 @@ class MambaStateChecker:
         self.mamba_group_ids = [
             i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)
         ]
+        # Sliding-window groups, with their window: a resumed request must find
+        # its own blocks for the window before the resume point (see check()).
+        self.window_groups = {
+            i: g.kv_cache_spec.sliding_window for i, g in enumerate(groups)
+            if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+        }
         self.pending: dict[str, Admission] = {}
         self.admissions: list[Admission] = []
         # Requests whose async load was checked when it started: the request
@@ -219,6 +225,14 @@ class MambaStateChecker:
 
     def check(self, req: Any, adm: Admission) -> None:
         assert adm.resume_point is not None
+        if adm.resume_point and self.window_groups:
+            problem = self.window_problem(req, adm)
+            if problem:
+                raise MambaStateViolation(
+                    f"{req.request_id} resumes at {adm.resume_point} (local hit "
+                    f"{adm.resume_point - adm.external_tokens}, {adm.external_tokens} "
+                    f"external from {adm.serving_connector}): {problem}"
+                )
         if adm.resume_point == 0 or not self.mamba_group_ids:
             return
         local = adm.resume_point - adm.external_tokens
@@ -235,6 +249,40 @@ class MambaStateChecker:
                 f"{adm.external_tokens} external from {adm.serving_connector}): "
                 f"{problem}"
             )
+
+    def window_problem(self, req: Any, adm: Admission) -> str | None:
+        """Why a sliding-window group lacks the request's own KV inside the window
+        before the resume point, or None. The token at the resume point attends to
+        the ``window - 1`` tokens before it. The load writes the blocks of its
+        external tokens; NIXL writes every unhashed block it is handed, which for a
+        sliding-window group is the tail of the request's blocks (the per-group hit
+        can leave a window group's hit shorter than full attention's). Any other
+        block there must be a cached block of this request's own prefix. A null
+        block there is KV the model reads and nobody writes."""
+        bs = self.block_size
+        local = adm.resume_point - adm.external_tokens
+        nixl = adm.external_tokens > 0 and adm.serving_connector in NIXL_CONNECTORS
+        blocks = self.sched.kv_cache_manager.get_blocks(req.request_id).blocks
+        for gid, window in self.window_groups.items():
+            first = max(0, adm.resume_point - (window - 1)) // bs
+            # NIXL's clip of a window group: the last cdiv(window, bs) + 1 blocks.
+            nixl_tail = -(-adm.resume_point // bs) - (-(-window // bs) + 1)
+            for i in range(first, -(-adm.resume_point // bs)):
+                block = blocks[gid][i]
+                if block.is_null:
+                    return (f"sliding-window group {gid} block {i} inside the window "
+                            "is the null block")
+                if i >= -(-local // bs):
+                    continue  # the load's own blocks
+                if block.block_hash is None and nixl and i >= nixl_tail:
+                    continue
+                if block.block_hash is None:
+                    return (f"sliding-window group {gid} has no cached block {i} "
+                            "inside the window")
+                if get_block_hash(block.block_hash) != req.block_hashes[i]:
+                    return (f"sliding-window group {gid} block {i} holds another "
+                            "prefix's KV")
+        return None
 
     def local_state_problem(self, req: Any, local: int, adm: Admission) -> str | None:
         """Why the Mamba state at the end of a local hit of ``local`` tokens is
@@ -303,3 +351,74 @@ def checked_step(sched: Any, checker: MambaStateChecker, failing=frozenset()):
         ),
     )
     return output
+
+
+class Driver:
+    """Drives a checked scheduler the way vLLM's engine core does.
+
+    One batch at a time (``EngineCore.step``), or with ``async_scheduling`` two in
+    flight: the next batch is scheduled before the previous one's output is applied
+    (``EngineCore.step_with_batch_queue``, queue size 2). The worker samples one
+    token per scheduled request, finishes every KV load in flight (those of
+    ``failing`` fail), and with ``num_spec`` n-gram drafts it proposes that many
+    draft tokens for every running request after each step and accepts a random
+    number of those it was scheduled (``rng``), as a real verifier may.
+    """
+
+    def __init__(self, sched: Any, checker: MambaStateChecker, failing=frozenset(),
+                 num_spec: int = 0, async_scheduling: bool = False, rng: Any = None):
+        import collections
+        import random
+
+        self.sched, self.checker, self.failing = sched, checker, set(failing)
+        self.num_spec, self.async_scheduling = num_spec, async_scheduling
+        self.rng = rng or random.Random(0)
+        self.in_flight: collections.deque = collections.deque()
+        # Loads whose end a worker output reports already: a load ends once (with
+        # two batches in flight, it is still waiting when the next one is scheduled).
+        self.reported: set[str] = set()
+
+    def step(self) -> None:
+        if self.sched.has_requests():
+            output = checked_schedule(self.sched, self.checker)
+            self.in_flight.appendleft((output, self._worker_output(output)))
+            if self.async_scheduling and len(self.in_flight) < 2:
+                return
+        if self.in_flight:
+            output, result = self.in_flight.pop()
+            self.sched.update_from_output(output, result)
+            self._propose_drafts()
+
+    def _worker_output(self, output: Any) -> Any:
+        from .builders import model_runner_output
+
+        reqs = [self.sched.requests[rid] for rid in output.num_scheduled_tokens]
+        waiting = {
+            rid for rid, r in self.sched.requests.items()
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
+        self.reported &= waiting
+        loading = waiting - self.reported
+        self.reported |= loading
+        accepted = {
+            rid: self.rng.randint(0, len(drafts))
+            for rid, drafts in (getattr(output, "scheduled_spec_decode_tokens", {}) or {}).items()
+        }
+        # As the model runner: a batch that leaves a request short of its tokens
+        # (a prompt chunk, or a resumed request's recompute that stops at a
+        # Mamba-aligned point before its earlier outputs end) samples nothing.
+        sampling = {r.request_id for r in reqs if not r.is_prefill_chunk}
+        return model_runner_output(
+            reqs, loading or None, num_accepted=accepted, sampling=sampling,
+            **_load_failure(self.sched, loading & self.failing),
+        )
+
+    def _propose_drafts(self) -> None:
+        if not self.num_spec:
+            return
+        from vllm.v1.outputs import DraftTokenIds
+
+        ids = [r.request_id for r in self.sched.running if not r.is_finished()]
+        self.sched.update_draft_token_ids(
+            DraftTokenIds(ids, [[8] * self.num_spec for _ in ids]))
+
