@@ -8,7 +8,8 @@
 #   2. the correctness gate on a mutant of the patched vLLM build that resumes without
 #      the Mamba state (ci/mutant-correctness.sh) goes red on [LMCacheMP, NIXL], the
 #      order where the series' decode-side decision runs on LMCache's loads too;
-#   3. [NIXL, LMCacheMP] with lmcache built without cpu-shm-kv-cache-allocation must go
+#   3. [NIXL, LMCacheMP] with lmcache built without cpu-shm-kv-cache-allocation (and
+#      cpu-shm-exited-worker-segments, which builds on it) must go
 #      red: LMCache's CPU registration moves the KV cache NIXL registered first, and
 #      every remote prefill decodes garbage (request A, the first one);
 #   4. lmcache built without cpu-shm-kv-cache-allocation and cpu-shm-vllm-state-binding
@@ -68,9 +69,12 @@ must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT...: red, and FILE holds e
     exit 1
   fi
 }
-must_fail nixl+lmcache cpu-shm-kv-cache-allocation stderr \
+# cpu-shm-exited-worker-segments builds on cpu-shm-kv-cache-allocation (its segments'
+# creator record): a run without the allocation patch leaves it out too (it only removes
+# segments once vLLM stopped, after every request was checked).
+must_fail nixl+lmcache cpu-shm-kv-cache-allocation,cpu-shm-exited-worker-segments stderr \
   "FAILED: patched / nixl+lmcache: A "
-must_fail lmcache+nixl cpu-shm-kv-cache-allocation,cpu-shm-vllm-state-binding \
+must_fail lmcache+nixl cpu-shm-kv-cache-allocation,cpu-shm-vllm-state-binding,cpu-shm-exited-worker-segments \
   "patched-lmcache+nixl/decode.log" \
   "assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)"
 # One run for two patches (each check fails on its own; no run more for CI's budget).
