@@ -36,7 +36,7 @@ from hybridpd.progress import Log
 from hybridpd.series import Series
 from hybridpd.series import load as load_series
 
-from .servers import E2EError, Processes
+from .servers import E2EError, Processes, new_lines
 
 #: Connector sets of the decode instance that use LMCache, and their child order.
 CONNECTORS = ("nixl+lmcache", "lmcache+nixl")
@@ -84,15 +84,8 @@ class RetrievedTokens:
         self.offset = self.log.stat().st_size if self.log.exists() else 0
 
     def take(self) -> int:
-        try:
-            with open(self.log, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return 0
-        whole = data[: data.rfind(b"\n") + 1]
-        self.offset += len(whole)
-        return sum(int(n) for n in self.LINE.findall(whole.decode(errors="replace")))
+        text, self.offset = new_lines(self.log, self.offset)
+        return sum(int(n) for n in self.LINE.findall(text))
 
 
 class Trouble:
@@ -113,15 +106,8 @@ class Trouble:
     def take(self) -> list[str]:
         found = []
         for log, offset in self.offsets.items():
-            try:
-                with open(log, "rb") as f:
-                    f.seek(offset)
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            whole = data[: data.rfind(b"\n") + 1]
-            self.offsets[log] = offset + len(whole)
-            for line in whole.decode(errors="replace").splitlines():
+            text, self.offsets[log] = new_lines(log, offset)
+            for line in text.splitlines():
                 line = self.COLOUR.sub("", line).strip()
                 if self.LINE.search(line):
                     found.append(f"{log.name}: {line[:300]}")

@@ -802,12 +802,10 @@ def run_correctness(
         case["reference"] = run(pair.prefill, case)
         post(f"{pair.prefill}/reset_prefix_cache")
 
-    spare = [c for c in cases if c.get("attempt", 1) > 1]  # referenced when they run
-    for case in cases:
-        if case not in spare:
-            reference(case)
-    log(f"  reference outputs of {len(cases) - len(spare)} prompts from the prefill "
-        "instance alone")
+    first = [c for c in cases if c.get("attempt", 1) == 1]  # retries: when they run
+    for case in first:
+        reference(case)
+    log(f"  reference outputs of {len(first)} prompts from the prefill instance alone")
 
     def url(case: dict) -> str:
         return pair.proxy if case["via"] == "pd" else pair.decode

@@ -153,6 +153,20 @@ def log_tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def new_lines(path: Path, offset: int) -> tuple[str, int]:
+    """The whole lines ``path`` gained past byte ``offset``, and the offset after them (a
+    partial last line is read again next time); ``("", offset)`` while it does not
+    exist."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return "", offset
+    end = data.rfind(b"\n") + 1
+    return data[:end].decode(errors="replace"), offset + end
+
+
 @dataclass
 class Proc:
     name: str
@@ -168,14 +182,10 @@ class Proc:
         if not markers:
             return None
         try:
-            with open(self.log, "rb") as f:
-                f.seek(self._scanned)
-                chunk = f.read()
+            text, self._scanned = new_lines(self.log, self._scanned)
         except OSError:
             return None
-        end = chunk.rfind(b"\n") + 1  # a partial last line is read again next time
-        self._scanned += end
-        for line in chunk[:end].decode(errors="replace").splitlines():
+        for line in text.splitlines():
             if any(m in line for m in markers):
                 return line
         return None
