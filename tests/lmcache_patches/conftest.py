@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -66,7 +67,12 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    only = os.environ.get("HYBRIDPD_PATCH_TESTS_OF")
+    if only:  # a tree without that patch: only its own tests decide there
+        kept = [i for i in items if only in {m.args[0] for m in i.iter_markers("patch")}]
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
     for item in items:
         for marker in item.iter_markers("patch"):
             item.user_properties.append(("patch", marker.args[0]))

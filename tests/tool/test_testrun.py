@@ -218,3 +218,29 @@ def test_a_failing_upstream_record_names_the_port_that_carries_the_patch_again(
         "stock 2.0: u; if 2.0 has the fix only in part, carry the patch again: "
         "`hybridpd port --from 1.0 --to 2.0 --replace`, resolving it instead of skipping it"
     ]
+
+
+def test_a_tree_without_a_patch_runs_only_that_patchs_tests(series, tmp_path, monkeypatch) -> None:
+    """red_green reads nothing else of that run: the other tests are deselected there
+    (HYBRIDPD_PATCH_TESTS_OF, read by the patch tests' conftest); a patch without a test
+    of its own gets no run; the first carried patch's tree is the stock one, run once."""
+    from hybridpd import testrun
+    from hybridpd.pytestrun import SuiteResult
+
+    calls = []
+
+    def fake_run_pytest(venv, tree, files, out_dir, *, label, env_overrides=None, **_):
+        calls.append((label, Path(tree).name, dict(env_overrides or {})))
+        (Path(out_dir) / f"{label}.junit.xml").write_text(JUNIT)
+        return SuiteResult(status="ok")
+
+    monkeypatch.setattr(testrun, "run_pytest", fake_run_pytest)
+    trees = {"stock": tmp_path / "stock", "patched": tmp_path / "patched",
+             "without": {"fix-add": tmp_path / "stock", "feature": tmp_path / "w-feature"}}
+    testrun.run_patch_suite(series, series.pin("1.0"), tmp_path / "venv", trees, tmp_path,
+                            tmp_path / "hf", lambda _: None)
+    assert calls == [
+        ("patches-stock", "stock", {}),
+        ("patches-patched", "patched", {}),
+        ("patches-without-feature", "w-feature", {"HYBRIDPD_PATCH_TESTS_OF": "feature"}),
+    ]

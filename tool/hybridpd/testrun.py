@@ -145,6 +145,11 @@ def upstream_json(report: upstream.UpstreamReport) -> dict:
     }
 
 
+#: Set for a run on a tree without one patch: the patch tests' conftest keeps only the
+#: tests of that patch (``tests/patches/conftest.py``, ``tests/lmcache_patches``).
+ONLY_PATCH_ENV = "HYBRIDPD_PATCH_TESTS_OF"
+
+
 def patch_tests_dir(series: Series) -> Path:
     """The series' patch tests (``tests/patches`` for vLLM; see ``[test]``)."""
     return series.tests.patch_tests
@@ -221,10 +226,10 @@ def run_patch_suite(
     tests_dir = patch_tests_dir(series)
     targets = [str(tests_dir)]
 
-    def run(tree: Path, label: str) -> dict[str, str]:
+    def run(tree: Path, label: str, only: str | None = None) -> dict[str, str]:
         result = run_pytest(
             venv, tree, targets, out_dir, hf_home=hf_home, label=label, layers=layers,
-            log=log,
+            env_overrides={ONLY_PATCH_ENV: only} if only else None, log=log,
         )
         junit = out_dir / f"{label}.junit.xml"
         if not result.finished or not junit.is_file():
@@ -236,13 +241,18 @@ def run_patch_suite(
 
     stock = run(trees["stock"], "patches-stock")
     patched = run(trees["patched"], "patches-patched")
+    mapping = patch_properties(out_dir / "patches-patched.junit.xml")
     without: dict[str, dict[str, str]] = {}
     for patch in series.carried(pin):
         tree = trees["without"][patch.id]
-        without[patch.id] = (
-            stock if tree == trees["stock"] else run(tree, f"patches-without-{patch.id}")
-        )
-    mapping = patch_properties(out_dir / "patches-patched.junit.xml")
+        if tree == trees["stock"]:
+            without[patch.id] = stock
+        elif patch.id not in mapping.values():
+            without[patch.id] = {}  # no test of its own: nothing to decide there
+        else:
+            # Only the patch's own tests decide on the tree without it (red_green reads
+            # no other outcome of that run): the others are deselected.
+            without[patch.id] = run(tree, f"patches-without-{patch.id}", only=patch.id)
     return red_green(series, pin, mapping, stock, without, patched)
 
 
