@@ -216,3 +216,28 @@ def test_the_committed_lmcache_series_runs_in_a_ported_vllm_pin() -> None:
     assert (lmcache.tests.patch_tests / "conftest.py").is_file()
     host = load(lmcache.tests.host_series)
     assert host.package == "vllm" and host.pin(lmcache.tests.host_pin).ported
+
+
+def test_fixes_lost_on_a_release_that_predates_their_upstream_fix() -> None:
+    """The one rule port and pin add share: a pin's upstream records are only good for
+    a target at or after the release each names (an unreadable one counts as after)."""
+    from pathlib import Path
+
+    from hybridpd.series import load
+
+    series = load(Path(__file__).resolve().parents[2] / "patches" / "series.toml")
+    # 0.32.0 records coordinator-consumer-skips-mamba-hit upstream since 0.28.0, and
+    # multi-connector-hma since 0.21.0, the others since 0.23.0.
+    assert series.fixes_lost_on("0.32.0", "0.33.0") == []
+    assert series.fixes_lost_on("0.32.0", "0.28.0") == []
+    assert series.fixes_lost_on("0.32.0", "0.27.0") == ["coordinator-consumer-skips-mamba-hit"]
+    assert series.fixes_lost_on("0.32.0", "v0.22.1") == [
+        "scheduler-mamba-external-kv", "nixl-mamba-prefix-cache-read",
+        "coordinator-consumer-skips-mamba-hit"]
+    assert series.fixes_lost_on("0.20.2", "0.19.0") == []  # it records nothing upstream
+    import pytest
+
+    from hybridpd.errors import SeriesError
+
+    with pytest.raises(SeriesError, match="not a release version"):
+        series.fixes_lost_on("0.32.0", "main")

@@ -159,11 +159,7 @@ def propose_source(
     texts = _archive_texts(archive, {path for found in hunks.values() for path, _ in found})
     candidates = []
     for pin_version, found in hunks.items():
-        lose = tuple(
-            patch.id for patch in series.patches
-            if (state := patch.pins.get(pin_version)) is not None
-            and state.state == "upstream" and _after(state.release, target)
-        )
+        lose = tuple(series.fixes_lost_on(pin_version, version))
         applying = sum(("\n" + pre) in ("\n" + texts.get(path, "")) for path, pre in found)
         candidates.append(SourceCandidate(pin_version, applying, len(found), lose))
 
@@ -173,15 +169,6 @@ def propose_source(
                 Version(c.version) > target)
 
     return tuple(sorted(candidates, key=rank))
-
-
-def _after(release: str | None, target: Version) -> bool:
-    """Whether ``release`` is a version after ``target`` (an unreadable one counts,
-    as it cannot be proven earlier)."""
-    try:
-        return release is None or Version(release) > target
-    except InvalidVersion:
-        return True
 
 
 def _distance(a: Version, b: Version) -> tuple[int, ...]:

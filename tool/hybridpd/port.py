@@ -306,9 +306,7 @@ def start(
 def _refuse_lost_fixes(series: Series, v1: Pin, v2: Pin) -> None:
     """A patch upstream on V1 since a release later than V2 has no patch file on V1, and
     V2 does not have the fix: the port would record it upstream on V2 and so drop it."""
-    lost = [p.id for p in series.patches
-            if (on := p.pins.get(v1.version)) is not None and on.state == "upstream"
-            and not _at_or_before(on.release, v2.version)]
+    lost = series.fixes_lost_on(v1.version, v2.version)
     if not lost:
         return
     carriers = [pin.version for pin in series.pins
@@ -322,13 +320,6 @@ def _refuse_lost_fixes(series: Series, v1: Pin, v2: Pin) -> None:
            else "no ported pin carries it")
         + "; nothing was done"
     )
-
-
-def _at_or_before(release: str | None, version: str) -> bool:
-    try:
-        return release is not None and not _newer(release, version)
-    except InvalidVersion:
-        return False
 
 
 def resume(

@@ -190,6 +190,26 @@ class Series:
         """The patches carried on ``pin``, in apply order."""
         return [p for p, state in self.records(pin) if state.state == "carried"]
 
+    def fixes_lost_on(self, source: str, target: str) -> list[str]:
+        """The patches pin ``source`` records upstream since a release after ``target``
+        (a release that is missing or cannot be read counts as after: it cannot be
+        proven earlier). ``source`` has no patch file for them, and ``target`` does not
+        have the fix: taking ``source``'s records onto ``target`` would drop it."""
+        try:
+            limit = Version(target.removeprefix("v"))
+        except InvalidVersion:
+            raise SeriesError(f"{target!r} is not a release version") from None
+
+        def after(release: str | None) -> bool:
+            try:
+                return release is None or Version(release.removeprefix("v")) > limit
+            except InvalidVersion:
+                return True
+
+        return [p.id for p in self.patches
+                if (state := p.pins.get(source)) is not None and state.state == "upstream"
+                and after(state.release)]
+
     def pin_json(self, pin: Pin) -> dict[str, Any]:
         """``pin`` and its patches' states (an entry of ``hybridpd list --json``)."""
         patches = []
