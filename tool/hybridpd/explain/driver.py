@@ -1,0 +1,244 @@
+"""hybridpd explain's driver: runs inside a pin's test environment (stdlib and vLLM
+only), with the vLLM tree under test first on ``PYTHONPATH``, and prints one JSON
+document on a line of stdout that starts with ``HYBRIDPD-EXPLAIN``.
+
+It answers from vLLM's own code, as a GPU engine would reach it, without weights and
+without a GPU:
+
+- ``start``: ``EngineArgs(...).create_engine_config()`` (vLLM's config checks, the
+  per-architecture hooks, the hybrid allocator's decision);
+- ``groups``: the model built on the meta device (no memory, no weights), its layers'
+  own KV cache specs, then the engine core's own ``_initialize_kv_caches`` over an
+  executor that reports those specs and a fixed memory budget: vLLM's grouping, block
+  size and page padding as the engine core computes them, here for this machine's
+  platform (CPU: its attention backend's kernel block sizes, which a GPU's differ from);
+- ``scheduler``: vLLM's ``Scheduler`` built on that KV cache config, with the
+  deployment's KV connector (the connector factory's checks run there).
+
+Each step that raises is reported with the exception's text and the vLLM frame that
+raised it, and the later steps are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame inside vLLM (else the innermost frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if "/vllm/" in f.filename.replace("\\", "/")]
+    f = (inside or frames)[-1]
+    path = f.filename.replace("\\", "/")
+    path = path[path.rfind("/vllm/") + 1:] if "/vllm/" in path else path
+    return f"{path}:{f.lineno}"
+
+
+def _error(exc: BaseException) -> dict:
+    text = str(exc).strip().splitlines()
+    return {"error": f"{type(exc).__name__}: {' '.join(t.strip() for t in text[:6])}"[:1200],
+            "raised_at": _where(exc)}
+
+
+def _executor(vllm_config, specs: dict, memory_bytes: int):
+    """vLLM's own ``Executor`` (its methods are the real ones, each a collective RPC)
+    over one in-process worker: vLLM's ``WorkerBase`` answering from the meta-device
+    model (its KV cache specs) and a fixed memory budget (no profiling), and doing
+    nothing where a worker would allocate or compile."""
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    class Worker(WorkerBase):
+        def __init__(self):  # WorkerBase's would bind a device
+            self.vllm_config = vllm_config
+
+        def get_kv_cache_spec(self):
+            return specs
+
+        def determine_available_memory(self):
+            return memory_bytes
+
+        def initialize_from_config(self, kv_cache_configs) -> None:
+            return None
+
+        def compile_or_warm_up_model(self):
+            return None
+
+        def update_max_model_len(self, *args, **kwargs) -> None:
+            return None
+
+    class OneWorker(Executor):
+        def __init__(self):  # Executor's would start workers
+            self.vllm_config = vllm_config
+            self.worker = Worker()
+
+        def _init_executor(self) -> None:
+            return None
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None, **_):
+            fn = getattr(self.worker, method) if isinstance(method, str) else (
+                lambda *a, **k: method(self.worker, *a, **k))
+            result = fn(*args, **(kwargs or {}))
+            return [] if result is None and method == "compile_or_warm_up_model" else [result]
+
+        def check_health(self) -> None:
+            return None
+
+    OneWorker.__abstractmethods__ = frozenset()
+    return OneWorker()
+
+
+class _EngineCore:
+    """The attributes ``EngineCore._initialize_kv_caches`` uses of its engine core."""
+
+    def __init__(self, executor):
+        self.model_executor = executor
+        self.available_gpu_memory_for_kv_cache = -1
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, **_):
+        return self.model_executor.collective_rpc(method, timeout, args, kwargs)
+
+
+def _build_model(vllm_config) -> None:
+    """The model on the meta device: its layers register in the config's forward
+    context, as a loaded model's do; no memory, no weights."""
+    import torch
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    model_cls, _ = get_model_architecture(vllm_config.model_config)
+    with torch.device("meta"):
+        model_cls(vllm_config=vllm_config, prefix="")
+
+
+def _layer_specs(vllm_config) -> dict:
+    """The model's per-layer KV cache specs, built as the GPU model runner builds them
+    (``GPUModelRunner.get_kv_cache_spec``)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    try:
+        from vllm.model_executor.layers.attention import Attention
+    except ImportError:  # moved between releases
+        from vllm.attention.layer import Attention
+    specs = {}
+    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
+        if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
+            continue
+        if spec := layer.get_kv_cache_spec(vllm_config):
+            specs[name] = spec
+    return specs
+
+
+def _spec(spec) -> dict:
+    out = {"type": type(spec).__name__, "block_size": spec.block_size,
+           "page_size_bytes": spec.page_size_bytes}
+    for field in ("sliding_window", "page_size_padded", "mamba_cache_mode",
+                  "num_speculative_blocks", "dtype", "num_kv_heads", "head_size"):
+        value = getattr(spec, field, None)
+        if value is not None:
+            out[field] = str(value) if field == "dtype" else value
+    return out
+
+
+def explain(request: dict) -> dict:
+    out: dict = {"steps": {}}
+    t0 = time.monotonic()
+    from vllm.config import KVTransferConfig, set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    out["import_s"] = round(time.monotonic() - t0, 1)
+    try:
+        import vllm
+
+        out["vllm_version"] = vllm.__version__
+    except Exception:  # noqa: BLE001 - a version is only reported
+        pass
+    kv = request.get("kv_transfer_config")
+    try:
+        args = EngineArgs(
+            model=request["model"], skip_tokenizer_init=True, load_format="dummy",
+            kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+            **request.get("engine_args", {}),
+        )
+        config = args.create_engine_config()
+    except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the answer
+        out["steps"]["start"] = _error(exc)
+        return out
+    cc, sc = config.cache_config, config.scheduler_config
+    out["steps"]["start"] = {
+        "architecture": config.model_config.architecture,
+        "hybrid_kv_cache_manager": not sc.disable_hybrid_kv_cache_manager,
+        "mamba_cache_mode": getattr(cc, "mamba_cache_mode", None),
+        "enable_prefix_caching": cc.enable_prefix_caching,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "block_size": cc.block_size,
+    }
+    with set_current_vllm_config(config):
+        try:
+            from vllm.distributed import (
+                ensure_model_parallel_initialized,
+                init_distributed_environment,
+            )
+            from vllm.utils.network_utils import get_open_port
+
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
+            ensure_model_parallel_initialized(1, 1)
+            from vllm.v1.engine.core import EngineCore
+
+            from vllm.platforms import current_platform
+
+            _build_model(config)
+            # As the executor does once the model is loaded: the platform sets the
+            # block size (and pads the Mamba page), which the layers' specs read.
+            current_platform.update_block_size_for_backend(config)
+            specs = _layer_specs(config)
+            executor = _executor(config, specs, int(request.get("kv_cache_bytes", 16 << 30)))
+            kv_cache_config = EngineCore._initialize_kv_caches(_EngineCore(executor), config)
+        except Exception as exc:  # noqa: BLE001
+            out["steps"]["groups"] = _error(exc)
+            return out
+        out["steps"]["groups"] = {
+            "block_size": config.cache_config.block_size,
+            "mamba_page_size_padded": getattr(config.cache_config, "mamba_page_size_padded", None),
+            "num_blocks": kv_cache_config.num_blocks,
+            "groups": [{"layers": len(g.layer_names), **_spec(g.kv_cache_spec)}
+                       for g in kv_cache_config.kv_cache_groups],
+        }
+        try:
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.structured_output import StructuredOutputManager
+
+            sched = Scheduler(
+                vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=config.cache_config.block_size,
+            )
+        except Exception as exc:  # noqa: BLE001
+            out["steps"]["scheduler"] = _error(exc)
+            return out
+        connector = getattr(sched, "connector", None)
+        out["steps"]["scheduler"] = {
+            "connector": type(connector).__name__ if connector is not None else None,
+        }
+    out["total_s"] = round(time.monotonic() - t0, 1)
+    return out
+
+
+#: The prefix of the line that carries the answer (vLLM logs to stdout too).
+MARKER = "HYBRIDPD-EXPLAIN"
+
+
+def main() -> int:
+    request = json.loads(sys.argv[1])
+    answer = explain(request)
+    print(f"{MARKER} {json.dumps(answer)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

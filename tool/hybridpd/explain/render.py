@@ -1,0 +1,79 @@
+"""``explain``'s verdict lines: one per question, stock and with the series."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from .runner import SIDES, Explained
+
+#: The questions, in the driver's step order, and how each is named.
+QUESTIONS = (("start", "starts"), ("groups", "KV cache groups"),
+             ("scheduler", "scheduler and connector"))
+SIDE_NAMES = {"stock": "stock", "patched": "with the series"}
+
+
+def _refused(step: dict) -> str:
+    return f"refused: {step['error']} ({step['raised_at']})"
+
+
+def _start(step: dict) -> str:
+    manager = "kept" if step["hybrid_kv_cache_manager"] else "turned off"
+    return (f"starts its config ({step['architecture']}); hybrid KV cache manager "
+            f"{manager}, mamba_cache_mode {step['mamba_cache_mode']}, prefix caching "
+            f"{'on' if step['enable_prefix_caching'] else 'off'}, "
+            f"max_num_batched_tokens {step['max_num_batched_tokens']}")
+
+
+def _groups(step: dict) -> str:
+    kinds = Counter()
+    for g in step["groups"]:
+        detail = g["type"]
+        if g.get("sliding_window"):
+            detail += f" (window {g['sliding_window']})"
+        if g["type"] == "MambaSpec":
+            detail += f" ({g.get('mamba_cache_mode')})"
+        kinds[(detail, g["layers"])] += 1
+    parts = [f"{n} x {detail} of {layers} layers" for (detail, layers), n in kinds.items()]
+    padded = step.get("mamba_page_size_padded")
+    return (f"block size {step['block_size']} tokens; {', '.join(parts)}"
+            + (f"; Mamba pages padded to {padded} bytes" if padded else "")
+            + f"; {step['num_blocks']} blocks")
+
+
+def _scheduler(step: dict) -> str:
+    connector = step.get("connector")
+    return (f"built, scheduler-side connector {connector}" if connector
+            else "built, no KV connector")
+
+
+_FORMAT = {"start": _start, "groups": _groups, "scheduler": _scheduler}
+
+
+def verdict(answer: dict, key: str) -> str:
+    if "failed" in answer:
+        return f"unknown: {answer['failed']}"
+    steps = answer.get("steps", {})
+    if key not in steps:
+        return "not reached"
+    step = steps[key]
+    return _refused(step) if "error" in step else _FORMAT[key](step)
+
+
+def lines(result: Explained) -> list[str]:
+    kv = json.dumps(result.kv_transfer_config) if result.kv_transfer_config else "none"
+    out = [f"explain: vLLM {result.version}, model {result.model}, "
+           f"kv_transfer_config {kv}"]
+    if result.note:
+        out.append(f"  note: {result.note}")
+    out.append("  (block sizes are those of this machine's platform, CPU: a GPU's "
+               "attention kernels may round them differently)")
+    for n, (key, title) in enumerate(QUESTIONS, 1):
+        said = {side: verdict(result.answers.get(side, {}), key) for side in SIDES}
+        if said["stock"] == said["patched"]:
+            out.append(f"{n}. {title}: {said['stock']} (stock and with the series)")
+            continue
+        out.append(f"{n}. {title}:")
+        out += [f"   {SIDE_NAMES[side]}: {said[side]}" for side in SIDES]
+    out.append(f"took {result.seconds:.1f} s")
+    return out
