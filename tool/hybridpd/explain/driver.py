@@ -143,8 +143,26 @@ def _spec(spec) -> dict:
     return out
 
 
+#: The prefix of the line that carries the answer (vLLM logs to stdout too), and of
+#: the lines that say which step runs and what each finished one found.
+MARKER = "HYBRIDPD-EXPLAIN"
+STEP = "HYBRIDPD-EXPLAIN-STEP"
+
+
+class _Steps(dict):
+    """``{step: answer}``, each answer printed as it is found, so that a driver
+    stopped at its time limit still tells what it had answered and where it waited."""
+
+    def running(self, name: str) -> None:
+        print(f"{STEP} {json.dumps({'running': name})}", flush=True)
+
+    def __setitem__(self, name: str, answer: dict) -> None:
+        super().__setitem__(name, answer)
+        print(f"{STEP} {json.dumps({'done': name, 'answer': answer})}", flush=True)
+
+
 def explain(request: dict) -> dict:
-    out: dict = {"steps": {}}
+    out: dict = {"steps": _Steps()}
     t0 = time.monotonic()
     from vllm.config import KVTransferConfig, set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -156,17 +174,25 @@ def explain(request: dict) -> dict:
         out["vllm_version"] = vllm.__version__
     except Exception:  # noqa: BLE001 - a version is only reported
         pass
+    out["steps"].running("start")
     kv = request.get("kv_transfer_config")
+    text_only = {"language_model_only": True} if request.get("text_only") else {}
     try:
         args = EngineArgs(
             model=request["model"], skip_tokenizer_init=True, load_format="dummy",
             kv_transfer_config=KVTransferConfig(**kv) if kv else None,
-            **request.get("engine_args", {}),
+            **text_only, **request.get("engine_args", {}),
         )
         config = args.create_engine_config()
     except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the answer
         out["steps"]["start"] = _error(exc)
         return out
+    mm = getattr(config.model_config, "multimodal_config", None)
+    if text_only and mm is not None:
+        # A KV consumer accepts precomputed embeddings, for which vLLM builds the
+        # multimodal processor, which needs the tokenizer a config-only directory
+        # lacks. Nothing of the KV cache depends on it.
+        mm.enable_mm_embeds = False
     cc, sc = config.cache_config, config.scheduler_config
     out["steps"]["start"] = {
         "architecture": config.model_config.architecture,
@@ -177,6 +203,7 @@ def explain(request: dict) -> dict:
         "block_size": cc.block_size,
     }
     with set_current_vllm_config(config):
+        out["steps"].running("groups")
         try:
             from vllm.distributed import (
                 ensure_model_parallel_initialized,
@@ -209,6 +236,7 @@ def explain(request: dict) -> dict:
             "groups": [{"layers": len(g.layer_names), **_spec(g.kv_cache_spec)}
                        for g in kv_cache_config.kv_cache_groups],
         }
+        out["steps"].running("scheduler")
         try:
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.structured_output import StructuredOutputManager
@@ -227,10 +255,6 @@ def explain(request: dict) -> dict:
         }
     out["total_s"] = round(time.monotonic() - t0, 1)
     return out
-
-
-#: The prefix of the line that carries the answer (vLLM logs to stdout too).
-MARKER = "HYBRIDPD-EXPLAIN"
 
 
 def main() -> int:

@@ -4,7 +4,6 @@ answered for its language model."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -50,31 +49,24 @@ def resolve(model: str, cache: Path | None = None) -> Path:
     return snap
 
 
-def language_model(config_dir: Path, work: Path) -> tuple[Path, str | None]:
-    """``config_dir``, or, for a multimodal checkpoint vLLM cannot build a processor
-    for (no tokenizer files), a directory with its language model's config (the
-    ``text_config``, architecture ``...ForCausalLM``), and why.
+def text_only(config_dir: Path) -> str | None:
+    """Why ``explain`` answers for the language model only, or None.
 
-    The KV cache belongs to the language model: the vision encoder holds none, so the
-    groups, the connectors' checks and the scheduler are those of the full checkpoint
-    (measured: the same groups for Qwen3.5-35B-A3B both ways on 0.32.0).
+    vLLM builds a multimodal checkpoint's processor (the scheduler's encoder budget
+    needs it) only with a tokenizer; a config-only directory has none. The KV cache
+    belongs to the language model (the vision encoder holds none), so the driver runs
+    vLLM's text-only mode (``--language-model-only``) and builds the scheduler without
+    the embeddings input a KV consumer otherwise accepts: the groups, the connectors'
+    checks and the scheduler's KV cache handling are the checkpoint's.
     """
     try:
         config = json.loads((config_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"{config_dir / 'config.json'}: {exc}") from None
     archs = config.get("architectures") or []
-    text = config.get("text_config")
-    if (not archs or not archs[0].endswith("ForConditionalGeneration") or not text
+    if (not archs or not archs[0].endswith("ForConditionalGeneration")
             or any((config_dir / f).is_file() for f in TOKENIZER_FILES)):
-        return config_dir, None
-    arch = archs[0].replace("ForConditionalGeneration", "ForCausalLM")
-    derived = {**text, "architectures": [arch]}
-    body = json.dumps(derived, indent=2, sort_keys=True) + "\n"
-    out = work / f"lm-{hashlib.sha256(body.encode()).hexdigest()[:12]}"
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / "config.json").is_file() or (out / "config.json").read_text() != body:
-        (out / "config.json").write_text(body)
-    return out, (f"answered for its language model ({arch}, its text_config): vLLM "
-                 f"builds {archs[0]}'s multimodal processor only with a tokenizer, and "
-                 "the directory has none; the vision encoder holds no KV cache")
+        return None
+    return (f"answered for {archs[0]}'s language model (--language-model-only): vLLM "
+            "builds its multimodal processor only with a tokenizer, and the directory "
+            "has none; the vision encoder holds no KV cache")

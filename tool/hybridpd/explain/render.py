@@ -51,12 +51,12 @@ _FORMAT = {"start": _start, "groups": _groups, "scheduler": _scheduler}
 
 
 def verdict(answer: dict, key: str) -> str:
-    if "failed" in answer:
-        return f"unknown: {answer['failed']}"
     steps = answer.get("steps", {})
     if key not in steps:
         return "not reached"
     step = steps[key]
+    if "timeout" in step:
+        return f"no answer within {step['timeout']:.0f} s (stopped there; log {step['log']})"
     return _refused(step) if "error" in step else _FORMAT[key](step)
 
 
@@ -66,14 +66,24 @@ def lines(result: Explained) -> list[str]:
            f"kv_transfer_config {kv}"]
     if result.note:
         out.append(f"  note: {result.note}")
-    out.append("  (block sizes are those of this machine's platform, CPU: a GPU's "
-               "attention kernels may round them differently)")
+    answered = [side for side in SIDES if "failed" not in result.answers.get(side, {})]
+    for side in SIDES:
+        if side not in answered:
+            failed = result.answers.get(side, {}).get("failed", "no answer")
+            out.append(f"  {SIDE_NAMES[side]}: unknown here: {failed}")
+    if answered:
+        out.append("  (block sizes are those of this machine's platform, CPU: a GPU's "
+                   "attention kernels may round them differently)")
     for n, (key, title) in enumerate(QUESTIONS, 1):
-        said = {side: verdict(result.answers.get(side, {}), key) for side in SIDES}
-        if said["stock"] == said["patched"]:
-            out.append(f"{n}. {title}: {said['stock']} (stock and with the series)")
+        if not answered:
+            break
+        said = {side: verdict(result.answers[side], key) for side in answered}
+        if len(set(said.values())) == 1:
+            both = " (stock and with the series)" if len(said) == 2 else (
+                f" ({SIDE_NAMES[answered[0]]})")
+            out.append(f"{n}. {title}: {next(iter(said.values()))}{both}")
             continue
         out.append(f"{n}. {title}:")
-        out += [f"   {SIDE_NAMES[side]}: {said[side]}" for side in SIDES]
+        out += [f"   {SIDE_NAMES[side]}: {said[side]}" for side in answered]
     out.append(f"took {result.seconds:.1f} s")
     return out

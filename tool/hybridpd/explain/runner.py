@@ -4,6 +4,7 @@ in the pin's test environment."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from . import model as model_mod
 
 #: The trees the driver runs on, in the order they are reported.
 SIDES = ("stock", "patched")
+#: The script run in the pin's environment.
+DRIVER = Path(driver_mod.__file__)
 
 
 class ExplainError(HybridpdError):
@@ -80,14 +83,15 @@ def explain(series: Series, version: str, opts: ExplainOptions, log: Log = quiet
                            f"stock with (hybridpd port --to {pin.version} first)")
     started = time.monotonic()
     root = cache.cache_dir() / "explain" / series.slug(pin)
-    config_dir, note = model_mod.language_model(model_mod.resolve(opts.model), root / "models")
+    config_dir = model_mod.resolve(opts.model)
+    note = model_mod.text_only(config_dir)
     trees = {side: root / side for side in SIDES}
     for side, tree in trees.items():
         releasetree.prepare(series, pin, tree, patched=side == "patched", log=log)
     venv, layers = testrun.pin_environment(series, pin, trees["stock"], root, log)
     site = _site(root)
     request = {"model": str(config_dir), "kv_transfer_config": opts.kv_transfer_config,
-               "engine_args": opts.engine_args(),
+               "engine_args": opts.engine_args(), "text_only": note is not None,
                "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30))}
     log(f"explain: vLLM {pin.version}, stock and with the series, side by side")
     answers, logs = _run_side_by_side(venv, trees, site, layers, root, request,
@@ -120,7 +124,7 @@ def _run_side_by_side(venv: Path, trees: dict[str, Path], site: Path, layers, ro
         logs[side] = str(logs_dir / f"{side}.log")
         Path(logs[side]).unlink(missing_ok=True)
         children[side] = proc.start(
-            [venv / "bin" / "python", Path(driver_mod.__file__), json.dumps(request)],
+            [venv / "bin" / "python", DRIVER, json.dumps(request)],
             Path(logs[side]), cwd=tree, env=env)
     deadline = time.monotonic() + timeout
     answers = {}
@@ -135,12 +139,34 @@ def _run_side_by_side(venv: Path, trees: dict[str, Path], site: Path, layers, ro
     return answers, logs
 
 
+#: A module vLLM imported and the test environment lacks (a GPU deployment has it).
+_MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+
+
 def _answer(log_file: Path, code: int | None, timeout: float) -> dict:
-    prefix = driver_mod.MARKER + " "
     text = log_file.read_text(errors="replace") if log_file.is_file() else ""
-    line = next((l for l in text.splitlines() if l.startswith(prefix)), None)
-    if line is not None:
-        return json.loads(line[len(prefix):])
+    final, steps, running = None, {}, None
+    for line in text.splitlines():
+        if line.startswith(driver_mod.STEP + " "):
+            said = json.loads(line[len(driver_mod.STEP) + 1:])
+            if "running" in said:
+                running = said["running"]
+            else:
+                steps[said["done"]] = said["answer"]
+        elif line.startswith(driver_mod.MARKER + " "):
+            final = json.loads(line[len(driver_mod.MARKER) + 1:])
+    missing = _MISSING.search(text)
+    answered = final or ({"steps": steps} if steps else None)
+    if answered and missing and any("error" in s for s in answered["steps"].values()):
+        # vLLM's error is the environment's, not the deployment's.
+        return {"failed": f"this pin's test environment lacks {missing.group(1)}, which "
+                          f"vLLM imported for this model (a GPU environment has it); "
+                          f"log {log_file}"}
+    if final is not None:
+        return final
+    if code is None and running is not None:
+        # Stopped at the time limit: what it had answered, and where it waited.
+        return {"steps": {**steps, running: {"timeout": timeout, "log": str(log_file)}}}
     if code is None:
         reason = f"no answer within {timeout:.0f} s"
     else:
