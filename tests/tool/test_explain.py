@@ -159,8 +159,9 @@ def side_by_side(tmp_path: Path, monkeypatch):
         script = tmp_path / "driver.py"
         script.write_text(textwrap.dedent(body))
         monkeypatch.setattr(runner, "DRIVER", script)
-        return runner._run_side_by_side(venv, trees, tmp_path / "site", [], tmp_path,
-                                        {"model": "m"}, timeout)
+        answers, logs = runner._run_side_by_side(
+            venv, trees, tmp_path / "site", [], tmp_path, {"cases": [{"model": "m"}]}, timeout)
+        return {side: answers[side][0] for side in answers}, logs
 
     return run
 
@@ -170,7 +171,8 @@ def test_the_two_drivers_answer_side_by_side(side_by_side) -> None:
         import json, os, sys
         tree = os.path.basename(os.getcwd())
         print("vLLM's own log line")
-        print("HYBRIDPD-EXPLAIN " + json.dumps({"tree": tree, "request": json.loads(sys.argv[1])}))
+        request = json.loads(sys.argv[1])["cases"][0]
+        print("HYBRIDPD-EXPLAIN " + json.dumps([{"tree": tree, "request": request}]))
     ''')
     assert answers["stock"] == {"tree": "stock", "request": {"model": "m"}}
     assert answers["patched"]["tree"] == "patched"
@@ -205,7 +207,7 @@ def test_a_driver_that_dies_says_why(side_by_side) -> None:
 def test_an_error_the_environment_caused_is_not_the_deployments(side_by_side) -> None:
     answers, _ = side_by_side('''
         print("ModuleNotFoundError: No module named 'torchvision'")
-        print('HYBRIDPD-EXPLAIN {"steps": {"start": {"error": "ValidationError: failed to be inspected", "raised_at": "x:1"}}}')
+        print('HYBRIDPD-EXPLAIN [{"steps": {"start": {"error": "ValidationError: failed to be inspected", "raised_at": "x:1"}}}]')
     ''')
     assert answers["stock"]["failed"].startswith(
         "this pin's test environment lacks torchvision, which vLLM imported")
@@ -216,9 +218,11 @@ def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> N
     found before it stay, and the step it waited in says so."""
     answers, logs = side_by_side('''
         import json, time
-        print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"running": "start"}))
-        print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"done": "start", "answer": {"block_size": 128}}))
-        print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"running": "scheduler"}), flush=True)
+        def step(**said):
+            print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"case": 0, **said}), flush=True)
+        step(running="start")
+        step(done="start", answer={"block_size": 128})
+        step(running="scheduler")
         time.sleep(60)
     ''', timeout=3.0)
     assert answers["stock"] == {"steps": {

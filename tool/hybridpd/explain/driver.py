@@ -1,6 +1,7 @@
 """hybridpd explain's driver: runs inside a pin's test environment (stdlib and vLLM
-only), with the vLLM tree under test first on ``PYTHONPATH``, and prints one JSON
-document on a line of stdout that starts with ``HYBRIDPD-EXPLAIN``.
+only), with the vLLM tree under test first on ``PYTHONPATH``; answers one or more
+deployments (cases) in one process and prints the answers, a JSON list, on a line of
+stdout that starts with ``HYBRIDPD-EXPLAIN``.
 
 It answers from vLLM's own code, as a GPU engine would reach it, without weights and
 without a GPU:
@@ -150,19 +151,39 @@ STEP = "HYBRIDPD-EXPLAIN-STEP"
 
 
 class _Steps(dict):
-    """``{step: answer}``, each answer printed as it is found, so that a driver
-    stopped at its time limit still tells what it had answered and where it waited."""
+    """``{step: answer}`` of case ``case``, each answer printed as it is found, so that
+    a driver stopped at its time limit still tells what it had answered and where it
+    waited."""
+
+    def __init__(self, case: int):
+        super().__init__()
+        self.case = case
 
     def running(self, name: str) -> None:
-        print(f"{STEP} {json.dumps({'running': name})}", flush=True)
+        print(f"{STEP} {json.dumps({'case': self.case, 'running': name})}", flush=True)
 
     def __setitem__(self, name: str, answer: dict) -> None:
         super().__setitem__(name, answer)
-        print(f"{STEP} {json.dumps({'done': name, 'answer': answer})}", flush=True)
+        print(f"{STEP} {json.dumps({'case': self.case, 'done': name, 'answer': answer})}",
+              flush=True)
 
 
-def explain(request: dict) -> dict:
-    out: dict = {"steps": _Steps()}
+def _init_distributed() -> None:
+    """One rank, one process group, as a single-GPU engine has (once per process)."""
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.utils.network_utils import get_open_port
+
+    if model_parallel_is_initialized():
+        return
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
+    ensure_model_parallel_initialized(1, 1)
+
+
+def explain(request: dict, case: int = 0) -> dict:
+    out: dict = {"steps": _Steps(case)}
     t0 = time.monotonic()
     from vllm.config import KVTransferConfig, set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -205,16 +226,7 @@ def explain(request: dict) -> dict:
     with set_current_vllm_config(config):
         out["steps"].running("groups")
         try:
-            from vllm.distributed import (
-                ensure_model_parallel_initialized,
-                init_distributed_environment,
-            )
-            from vllm.utils.network_utils import get_open_port
-
-            init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
-            ensure_model_parallel_initialized(1, 1)
+            _init_distributed()
             from vllm.v1.engine.core import EngineCore
 
             from vllm.platforms import current_platform
@@ -258,9 +270,11 @@ def explain(request: dict) -> dict:
 
 
 def main() -> int:
-    request = json.loads(sys.argv[1])
-    answer = explain(request)
-    print(f"{MARKER} {json.dumps(answer)}", flush=True)
+    """``argv[1]``: ``{"cases": [request, ...]}``, answered in order in this process
+    (one vLLM import for all)."""
+    cases = json.loads(sys.argv[1])["cases"]
+    answers = [explain(request, n) for n, request in enumerate(cases)]
+    print(f"{MARKER} {json.dumps(answers)}", flush=True)
     return 0
 
 

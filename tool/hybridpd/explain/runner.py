@@ -77,27 +77,38 @@ class Explained:
 
 
 def explain(series: Series, version: str, opts: ExplainOptions, log: Log = quiet) -> Explained:
+    """One deployment on ``version``, stock and with the series."""
+    return explain_cases(series, version, [opts], log)[0]
+
+
+def explain_cases(series: Series, version: str, cases: list[ExplainOptions],
+                  log: Log = quiet) -> list[Explained]:
+    """Several deployments on ``version``, answered in one driver per tree (one vLLM
+    import each), the two trees side by side; ``cases[0].timeout`` bounds each driver."""
     pin = series.pin(version)
     if not pin.ported:
         raise ExplainError(f"{pin.version} is pinned but not ported yet: nothing to compare "
                            f"stock with (hybridpd port --to {pin.version} first)")
     started = time.monotonic()
     root = cache.cache_dir() / "explain" / series.slug(pin)
-    config_dir = model_mod.resolve(opts.model)
-    note = model_mod.text_only(config_dir)
+    requests, notes = [], []
+    for opts in cases:
+        config_dir = model_mod.resolve(opts.model)
+        notes.append(model_mod.text_only(config_dir))
+        requests.append({"model": str(config_dir), "kv_transfer_config": opts.kv_transfer_config,
+                         "engine_args": opts.engine_args(), "text_only": notes[-1] is not None,
+                         "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30))})
     trees = {side: root / side for side in SIDES}
     for side, tree in trees.items():
         releasetree.prepare(series, pin, tree, patched=side == "patched", log=log)
     venv, layers = testrun.pin_environment(series, pin, trees["stock"], root, log)
-    site = _site(root)
-    request = {"model": str(config_dir), "kv_transfer_config": opts.kv_transfer_config,
-               "engine_args": opts.engine_args(), "text_only": note is not None,
-               "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30))}
     log(f"explain: vLLM {pin.version}, stock and with the series, side by side")
-    answers, logs = _run_side_by_side(venv, trees, site, layers, root, request,
-                                      opts.timeout)
-    return Explained(pin.version, opts.model, opts.kv_transfer_config, note, answers,
-                     time.monotonic() - started, logs)
+    answers, logs = _run_side_by_side(venv, trees, _site(root), layers, root,
+                                      {"cases": requests}, cases[0].timeout)
+    seconds = time.monotonic() - started
+    return [Explained(pin.version, opts.model, opts.kv_transfer_config, note,
+                      {side: answers[side][n] for side in SIDES}, seconds, logs)
+            for n, (opts, note) in enumerate(zip(cases, notes))]
 
 
 def _site(root: Path) -> Path:
@@ -131,7 +142,8 @@ def _run_side_by_side(venv: Path, trees: dict[str, Path], site: Path, layers, ro
     try:
         for side, child in children.items():
             code = proc.wait(child, max(0.0, deadline - time.monotonic()))
-            answers[side] = _answer(Path(logs[side]), code, timeout)
+            answers[side] = _answers(Path(logs[side]), code, timeout,
+                                     len(request["cases"]))
     finally:
         for child in children.values():
             if child.poll() is None:
@@ -143,33 +155,40 @@ def _run_side_by_side(venv: Path, trees: dict[str, Path], site: Path, layers, ro
 _MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
-def _answer(log_file: Path, code: int | None, timeout: float) -> dict:
+def _answers(log_file: Path, code: int | None, timeout: float, cases: int) -> list[dict]:
+    """Each case's answer from a driver's log: its final line, or, for a driver stopped
+    at its time limit, the steps each case had answered and the one it waited in."""
     text = log_file.read_text(errors="replace") if log_file.is_file() else ""
-    final, steps, running = None, {}, None
+    final, steps, running = None, [{} for _ in range(cases)], None
     for line in text.splitlines():
         if line.startswith(driver_mod.STEP + " "):
             said = json.loads(line[len(driver_mod.STEP) + 1:])
             if "running" in said:
-                running = said["running"]
+                running = (said["case"], said["running"])
             else:
-                steps[said["done"]] = said["answer"]
+                steps[said["case"]][said["done"]] = said["answer"]
         elif line.startswith(driver_mod.MARKER + " "):
             final = json.loads(line[len(driver_mod.MARKER) + 1:])
+    if final is None and code is None and running is not None:
+        case, step = running
+        steps[case][step] = {"timeout": timeout, "log": str(log_file)}
+    answered = final or [{"steps": s} if s else None for s in steps]
     missing = _MISSING.search(text)
-    answered = final or ({"steps": steps} if steps else None)
-    if answered and missing and any("error" in s for s in answered["steps"].values()):
-        # vLLM's error is the environment's, not the deployment's.
-        return {"failed": f"this pin's test environment lacks {missing.group(1)}, which "
-                          f"vLLM imported for this model (a GPU environment has it); "
-                          f"log {log_file}"}
-    if final is not None:
-        return final
-    if code is None and running is not None:
-        # Stopped at the time limit: what it had answered, and where it waited.
-        return {"steps": {**steps, running: {"timeout": timeout, "log": str(log_file)}}}
+    out = []
+    for answer in answered:
+        if answer and missing and any("error" in s for s in answer["steps"].values()):
+            # vLLM's error is the environment's, not the deployment's.
+            answer = {"failed": f"this pin's test environment lacks {missing.group(1)}, "
+                                f"which vLLM imported for this model (a GPU environment "
+                                f"has it); log {log_file}"}
+        out.append(answer or {"failed": _why(text, code, timeout, log_file)})
+    return out
+
+
+def _why(text: str, code: int | None, timeout: float, log_file: Path) -> str:
     if code is None:
         reason = f"no answer within {timeout:.0f} s"
     else:
         tail = [l for l in text.splitlines() if l.strip()][-1:] or ["(no output)"]
         reason = f"the driver exited with {code} without an answer: {tail[0][:300]}"
-    return {"failed": f"{reason}; log {log_file}"}
+    return f"{reason}; log {log_file}"
