@@ -86,7 +86,7 @@ def test_a_multimodal_config_without_a_tokenizer_is_answered_text_only(tmp_path:
 START = {"architecture": "Qwen3_5MoeForConditionalGeneration",
          "hybrid_kv_cache_manager": True, "mamba_cache_mode": "align",
          "enable_prefix_caching": True, "max_num_batched_tokens": 2048, "block_size": 128}
-GROUPS = {"block_size": 1152, "mamba_page_size_padded": 2359296, "num_blocks": 728,
+GROUPS = {"kv_cache_bytes": 16 << 30, "block_size": 1152, "mamba_page_size_padded": 2359296, "num_blocks": 728,
           "groups": [*[{"layers": 10, "type": "MambaSpec", "mamba_cache_mode": "align"}] * 3,
                      {"layers": 10, "type": "FullAttentionSpec"}]}
 REFUSED = {"error": "ValueError: Failed to promote local KV cache specs to one unified type.",
@@ -100,18 +100,20 @@ def _result(stock: dict, patched: dict) -> runner.Explained:
 
 def test_verdicts_name_each_question_once_when_both_trees_agree() -> None:
     answer = {"steps": {"start": START, "groups": GROUPS,
-                        "scheduler": {"connector": "NixlPullConnector"}}}
+                        "scheduler": {"class": "Scheduler", "connector": "NixlPullConnector"}}}
     lines = render.lines(_result(answer, answer))
     assert lines[0] == ('explain: vLLM 0.32.0, model Org/Name, kv_transfer_config '
                         '{"kv_connector": "NixlConnector"}')
-    assert lines[2].startswith("1. starts: starts its config "
+    assert lines[1] == render.CAVEAT
+    assert lines[2].startswith("1. config accepted: yes "
                                "(Qwen3_5MoeForConditionalGeneration); hybrid KV cache "
                                "manager kept")
     assert lines[3] == ("2. KV cache groups: block size 1152 tokens; 3 x MambaSpec (align) "
                         "of 10 layers, 1 x FullAttentionSpec of 10 layers; Mamba pages "
-                        "padded to 2359296 bytes; 728 blocks (stock and with the series)")
-    assert lines[4] == ("3. scheduler and connector: built, scheduler-side connector "
-                        "NixlPullConnector (stock and with the series)")
+                        "padded to 2359296 bytes; 728 blocks in 16 GiB (stock and with the "
+                        "series)")
+    assert lines[4] == ("3. scheduler and connector: Scheduler built, scheduler-side "
+                        "connector NixlPullConnector (stock and with the series)")
     assert lines[-1] == "took 12.3 s"
 
 
@@ -119,7 +121,7 @@ def test_a_refusal_is_vllms_text_and_frame_and_later_steps_are_not_reached() -> 
     stock = {"steps": {"start": {**START, "hybrid_kv_cache_manager": False},
                        "groups": REFUSED}}
     patched = {"steps": {"start": START, "groups": GROUPS,
-                         "scheduler": {"connector": None}}}
+                         "scheduler": {"class": "AsyncScheduler", "connector": None}}}
     lines = render.lines(_result(stock, patched))
     at = lines.index("2. KV cache groups:")
     assert lines[at + 1] == ("   stock: refused: ValueError: Failed to promote local KV cache "
@@ -128,7 +130,7 @@ def test_a_refusal_is_vllms_text_and_frame_and_later_steps_are_not_reached() -> 
     assert lines[at + 2].startswith("   with the series: block size 1152 tokens")
     assert "3. scheduler and connector:" in lines
     assert "   stock: not reached" in lines
-    assert "   with the series: built, no KV connector" in lines
+    assert "   with the series: AsyncScheduler built, no KV connector" in lines
 
 
 def test_an_unanswered_side_is_said_once() -> None:
@@ -204,13 +206,67 @@ def test_a_driver_that_dies_says_why(side_by_side) -> None:
         "the driver exited with 3 without an answer: ImportError: cannot import name")
 
 
-def test_an_error_the_environment_caused_is_not_the_deployments(side_by_side) -> None:
-    answers, _ = side_by_side('''
-        print("ModuleNotFoundError: No module named 'torchvision'")
-        print('HYBRIDPD-EXPLAIN [{"steps": {"start": {"error": "ValidationError: failed to be inspected", "raised_at": "x:1"}}}]')
+def test_a_driver_that_dies_in_a_step_keeps_the_steps_before_it(side_by_side) -> None:
+    answers, logs = side_by_side('''
+        import json, os
+        def step(**said):
+            print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"case": 0, **said}), flush=True)
+        step(running="start")
+        step(done="start", answer={"block_size": 128})
+        step(running="groups")
+        print("HYBRIDPD-EXPLAIN-STEP {\\"case\\": 0, \\"do", flush=True)  # cut short
+        os._exit(137)
     ''')
-    assert answers["stock"]["failed"].startswith(
-        "this pin's test environment lacks torchvision, which vLLM imported")
+    assert answers["stock"] == {"steps": {
+        "start": {"block_size": 128}, "groups": {"exited": 137, "log": logs["stock"]}}}
+    assert render.verdict(answers["stock"], "groups") == (
+        f"the driver died here (exit 137; log {logs['stock']})")
+
+
+def test_a_refusal_vllm_would_not_make_on_a_gpu_is_unknown_here() -> None:
+    step = {"error": "AttributeError: 'Worker' object has no attribute 'x'",
+            "raised_at": "vllm/v1/executor/abstract.py:170",
+            "unknown": "explain's stand-in for the engine's worker lacks what vLLM asked"}
+    assert render.verdict({"steps": {"groups": step}}, "groups") == (
+        "unknown here: explain's stand-in for the engine's worker lacks what vLLM asked; "
+        "vLLM raised AttributeError: 'Worker' object has no attribute 'x' "
+        "(vllm/v1/executor/abstract.py:170)")
+
+
+def _raise_in(path: str, exc: BaseException) -> BaseException:
+    """``exc`` raised by code whose file is ``path`` (a frame the driver classifies)."""
+    code = compile("def f(exc):\n    raise exc\n", path, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["f"](exc)
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+    raise AssertionError("not raised")
+
+
+def test_the_driver_tells_vllms_refusals_from_what_it_cannot_answer() -> None:
+    from hybridpd.explain import driver
+
+    refusal = driver._error(_raise_in("/t/vllm/v1/core/kv_cache_utils.py", ValueError(
+        "Failed to promote local KV cache specs to one unified type.")))
+    assert refusal == {"error": "ValueError: Failed to promote local KV cache specs to one "
+                                "unified type.",
+                       "raised_at": "vllm/v1/core/kv_cache_utils.py:2"}
+    cpu = driver._error(_raise_in("/t/vllm/platforms/cpu.py", RuntimeError("no AMX")))
+    assert cpu["unknown"].startswith("raised by vLLM's CPU platform")
+    stand_in = driver._error(_raise_in(driver.__file__, AttributeError("get_x")))
+    assert stand_in["unknown"].startswith("explain's stand-in for the engine's worker")
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+        except ModuleNotFoundError as cause:
+            raise ValueError("Model architectures failed to be inspected") from cause
+    except ValueError as exc:
+        missing = driver._error(exc)
+    assert missing["unknown"].startswith("the test environment lacks torchvision")
+    assert driver._waits_for_a_server(connectors.kv_transfer_config("nixl+lmcache", None))
+    assert not driver._waits_for_a_server(connectors.kv_transfer_config("nixl", None))
 
 
 def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> None:

@@ -22,7 +22,8 @@ from .options import State, json_flag, log
               help="vLLM's --kv-transfer-config JSON (or @FILE), instead of --connector.")
 @click.option("--kv-role", default="kv_both", show_default=True,
               type=click.Choice(["kv_both", "kv_consumer", "kv_producer"]),
-              help="The role --connector's connectors take.")
+              help="The role --connector's connectors take (--kv-transfer-config "
+                   "names its own).")
 @click.option("--block-size", type=int, help="vLLM's --block-size.")
 @click.option("--mamba-cache-mode", type=click.Choice(["none", "align", "all"]),
               help="vLLM's --mamba-cache-mode.")
@@ -30,9 +31,11 @@ from .options import State, json_flag, log
 @click.option("--no-prefix-caching", is_flag=True, help="vLLM's --no-enable-prefix-caching.")
 @click.option("--disable-hybrid-kv-cache-manager", is_flag=True,
               help="vLLM's --disable-hybrid-kv-cache-manager.")
-@click.option("--max-model-len", type=int, default=8192, show_default=True)
+@click.option("--max-model-len", type=int, default=8192, show_default=True,
+              help="vLLM's --max-model-len (vLLM's own default is the model's length).")
 @click.option("--kv-cache-gib", type=float, default=16.0, show_default=True,
-              help="KV cache memory the pool is sized for (it sets the block count only).")
+              help="KV cache memory the engine core sizes the pool in (too little for "
+                   "--max-model-len is vLLM's refusal, as on a GPU).")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="Seconds each side may take.")
 @json_flag

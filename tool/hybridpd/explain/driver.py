@@ -28,20 +28,40 @@ import time
 import traceback
 
 
-def _where(exc: BaseException) -> str:
-    """``file:line`` of the innermost frame inside vLLM (else the innermost frame)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    inside = [f for f in frames if "/vllm/" in f.filename.replace("\\", "/")]
-    f = (inside or frames)[-1]
+def _frame(f) -> str:
     path = f.filename.replace("\\", "/")
     path = path[path.rfind("/vllm/") + 1:] if "/vllm/" in path else path
     return f"{path}:{f.lineno}"
 
 
+#: vLLM files that only a CPU engine runs: what they refuse, a GPU engine never meets.
+_CPU_ONLY = ("vllm/platforms/cpu.py", "/cpu_attn", "/cpu/", "cpu_worker", "cpu_model_runner")
+
+
 def _error(exc: BaseException) -> dict:
+    """vLLM's refusal: its text and the innermost vLLM frame that raised it. Marked
+    ``unknown`` when vLLM's verdict it is not: raised in this driver (a stand-in lacks
+    what vLLM asked of it), in a file only a CPU engine runs, or by a module the test
+    environment lacks (a GPU environment has it)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if "/vllm/" in f.filename.replace("\\", "/")]
     text = str(exc).strip().splitlines()
-    return {"error": f"{type(exc).__name__}: {' '.join(t.strip() for t in text[:6])}"[:1200],
-            "raised_at": _where(exc)}
+    out = {"error": f"{type(exc).__name__}: {' '.join(t.strip() for t in text[:6])}"[:1200],
+           "raised_at": _frame((inside or frames)[-1])}
+    chain, seen = exc, set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, ModuleNotFoundError):
+            out["unknown"] = (f"the test environment lacks {chain.name}, which vLLM imported "
+                              "for this model (a GPU environment has it)")
+            return out
+        chain = chain.__cause__ or chain.__context__
+    if frames and frames[-1].filename == __file__:
+        out["unknown"] = ("explain's stand-in for the engine's worker lacks what vLLM asked "
+                          "of it here (explain cannot answer this configuration yet)")
+    elif any(mark in out["raised_at"] for mark in _CPU_ONLY):
+        out["unknown"] = "raised by vLLM's CPU platform, which a GPU engine does not run"
+    return out
 
 
 def _executor(vllm_config, specs: dict, memory_bytes: int):
@@ -104,33 +124,34 @@ class _EngineCore:
 
 
 def _build_model(vllm_config) -> None:
-    """The model on the meta device: its layers register in the config's forward
-    context, as a loaded model's do; no memory, no weights."""
+    """The model as vLLM's loader initializes it (``BaseModelLoader.load_model``: the
+    model's dtype as the default, ``initialize_model``, which also configures
+    quantization), on the meta device: its layers register in the config's forward
+    context as a loaded model's do; no memory, no weights."""
     import torch
-    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    model_cls, _ = get_model_architecture(vllm_config.model_config)
-    with torch.device("meta"):
-        model_cls(vllm_config=vllm_config, prefix="")
+    with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+        initialize_model(vllm_config=vllm_config)
 
 
 def _layer_specs(vllm_config) -> dict:
-    """The model's per-layer KV cache specs, built as the GPU model runner builds them
-    (``GPUModelRunner.get_kv_cache_spec``)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    """The model's per-layer KV cache specs, from the model runner's own function
+    (``vllm.v1.worker.gpu.attn_utils.get_kv_cache_spec``: the layers' specs, the
+    backends' customization, KV sharing)."""
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
-    try:
-        from vllm.model_executor.layers.attention import Attention
-    except ImportError:  # moved between releases
-        from vllm.attention.layer import Attention
-    specs = {}
-    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
-        if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
-            continue
-        if spec := layer.get_kv_cache_spec(vllm_config):
-            specs[name] = spec
-    return specs
+    return get_kv_cache_spec(vllm_config)
+
+
+def _waits_for_a_server(kv: dict | None) -> bool:
+    """Whether the set holds a connector whose scheduler side waits for its server."""
+    if not kv:
+        return False
+    children = (kv.get("kv_connector_extra_config") or {}).get("connectors") or []
+    return kv.get("kv_connector") == "LMCacheMPConnector" or any(
+        _waits_for_a_server(c) for c in children)
 
 
 def _spec(spec) -> dict:
@@ -242,6 +263,7 @@ def explain(request: dict, case: int = 0) -> dict:
             out["steps"]["groups"] = _error(exc)
             return out
         out["steps"]["groups"] = {
+            "kv_cache_bytes": executor.worker.determine_available_memory(),
             "block_size": config.cache_config.block_size,
             "mamba_page_size_padded": getattr(config.cache_config, "mamba_page_size_padded", None),
             "num_blocks": kv_cache_config.num_blocks,
@@ -249,21 +271,37 @@ def explain(request: dict, case: int = 0) -> dict:
                        for g in kv_cache_config.kv_cache_groups],
         }
         out["steps"].running("scheduler")
+        if _waits_for_a_server(kv):
+            out["steps"]["scheduler"] = {
+                "error": "LMCacheMPConnector's scheduler side connects to its lmcache "
+                         "server when it is built", "raised_at": "(not run)",
+                "unknown": "explain starts no lmcache server (yet), so it cannot build "
+                           "this set's scheduler side"}
+            return out
         try:
-            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
             from vllm.v1.structured_output import StructuredOutputManager
 
-            sched = Scheduler(
+            # As EngineCore.__init__ builds it: the configured class (async
+            # scheduling picks vLLM's AsyncScheduler), the block sizes it resolves.
+            scheduler_cls = config.scheduler_config.get_scheduler_cls()
+            block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
+            sched = scheduler_cls(
                 vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
                 structured_output_manager=StructuredOutputManager(config),
-                block_size=config.cache_config.block_size,
+                include_finished_set=False, block_size=block_size,
+                hash_block_size=hash_block_size,
             )
         except Exception as exc:  # noqa: BLE001
             out["steps"]["scheduler"] = _error(exc)
             return out
         connector = getattr(sched, "connector", None)
+        children = getattr(connector, "_connectors", None) or []
         out["steps"]["scheduler"] = {
+            "class": type(sched).__name__,
             "connector": type(connector).__name__ if connector is not None else None,
+            "children": [type(c).__name__ for c in children],
+            "block_size": block_size, "hash_block_size": hash_block_size,
         }
     out["total_s"] = round(time.monotonic() - t0, 1)
     return out

@@ -8,18 +8,26 @@ from collections import Counter
 from .runner import SIDES, Explained
 
 #: The questions, in the driver's step order, and how each is named.
-QUESTIONS = (("start", "starts"), ("groups", "KV cache groups"),
+QUESTIONS = (("start", "config accepted"), ("groups", "KV cache groups"),
              ("scheduler", "scheduler and connector"))
+#: What the answers are not: said once, above them.
+CAVEAT = ("  (a CPU engine of this pin answered: block sizes are rounded to its attention "
+          "kernels, max_num_batched_tokens and async scheduling are its defaults unless "
+          "given; tensor parallel 1, no speculative decoding; the connectors' worker side "
+          "(KV cache registration) is not run)")
 SIDE_NAMES = {"stock": "stock", "patched": "with the series"}
 
 
 def _refused(step: dict) -> str:
-    return f"refused: {step['error']} ({step['raised_at']})"
+    said = f"{step['error']} ({step['raised_at']})"
+    if "unknown" in step:
+        return f"unknown here: {step['unknown']}; vLLM raised {said}"
+    return f"refused: {said}"
 
 
 def _start(step: dict) -> str:
     manager = "kept" if step["hybrid_kv_cache_manager"] else "turned off"
-    return (f"starts its config ({step['architecture']}); hybrid KV cache manager "
+    return (f"yes ({step['architecture']}); hybrid KV cache manager "
             f"{manager}, mamba_cache_mode {step['mamba_cache_mode']}, prefix caching "
             f"{'on' if step['enable_prefix_caching'] else 'off'}, "
             f"max_num_batched_tokens {step['max_num_batched_tokens']}")
@@ -38,13 +46,18 @@ def _groups(step: dict) -> str:
     padded = step.get("mamba_page_size_padded")
     return (f"block size {step['block_size']} tokens; {', '.join(parts)}"
             + (f"; Mamba pages padded to {padded} bytes" if padded else "")
-            + f"; {step['num_blocks']} blocks")
+            + f"; {step['num_blocks']} blocks"
+            + (f" in {step['kv_cache_bytes'] / (1 << 30):g} GiB" if "kv_cache_bytes" in step
+               else ""))
 
 
 def _scheduler(step: dict) -> str:
     connector = step.get("connector")
-    return (f"built, scheduler-side connector {connector}" if connector
-            else "built, no KV connector")
+    if connector and step.get("children"):
+        connector += f"[{', '.join(step['children'])}]"
+    built = f"{step.get('class', 'scheduler')} built"
+    return (f"{built}, scheduler-side connector {connector}" if connector
+            else f"{built}, no KV connector")
 
 
 _FORMAT = {"start": _start, "groups": _groups, "scheduler": _scheduler}
@@ -57,6 +70,8 @@ def verdict(answer: dict, key: str) -> str:
     step = steps[key]
     if "timeout" in step:
         return f"no answer within {step['timeout']:.0f} s (stopped there; log {step['log']})"
+    if "exited" in step:
+        return f"the driver died here (exit {step['exited']}; log {step['log']})"
     return _refused(step) if "error" in step else _FORMAT[key](step)
 
 
@@ -72,8 +87,7 @@ def lines(result: Explained) -> list[str]:
             failed = result.answers.get(side, {}).get("failed", "no answer")
             out.append(f"  {SIDE_NAMES[side]}: unknown here: {failed}")
     if answered:
-        out.append("  (block sizes are those of this machine's platform, CPU: a GPU's "
-                   "attention kernels may round them differently)")
+        out.append(CAVEAT)
     for n, (key, title) in enumerate(QUESTIONS, 1):
         if not answered:
             break

@@ -4,7 +4,6 @@ in the pin's test environment."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,43 +145,37 @@ def _run_side_by_side(venv: Path, trees: dict[str, Path], site: Path, layers, ro
                                      len(request["cases"]))
     finally:
         for child in children.values():
-            if child.poll() is None:
-                proc.stop(child)
+            proc.stop(child)  # also what a finished driver left in its group
     return answers, logs
-
-
-#: A module vLLM imported and the test environment lacks (a GPU deployment has it).
-_MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
 def _answers(log_file: Path, code: int | None, timeout: float, cases: int) -> list[dict]:
     """Each case's answer from a driver's log: its final line, or, for a driver stopped
-    at its time limit, the steps each case had answered and the one it waited in."""
+    at its time limit or dead before it answered, the steps each case had answered and
+    what ended the one it was in."""
     text = log_file.read_text(errors="replace") if log_file.is_file() else ""
     final, steps, running = None, [{} for _ in range(cases)], None
     for line in text.splitlines():
-        if line.startswith(driver_mod.STEP + " "):
-            said = json.loads(line[len(driver_mod.STEP) + 1:])
-            if "running" in said:
-                running = (said["case"], said["running"])
-            else:
-                steps[said["case"]][said["done"]] = said["answer"]
-        elif line.startswith(driver_mod.MARKER + " "):
-            final = json.loads(line[len(driver_mod.MARKER) + 1:])
-    if final is None and code is None and running is not None:
+        try:
+            if line.startswith(driver_mod.STEP + " "):
+                said = json.loads(line[len(driver_mod.STEP) + 1:])
+                if "running" in said:
+                    running = (said["case"], said["running"])
+                else:
+                    steps[said["case"]][said["done"]] = said["answer"]
+                    running = None
+            elif line.startswith(driver_mod.MARKER + " "):
+                final = json.loads(line[len(driver_mod.MARKER) + 1:])
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue  # a line cut short by a kill: what came before it stands
+    if final is not None:
+        return final
+    if running is not None:
         case, step = running
-        steps[case][step] = {"timeout": timeout, "log": str(log_file)}
-    answered = final or [{"steps": s} if s else None for s in steps]
-    missing = _MISSING.search(text)
-    out = []
-    for answer in answered:
-        if answer and missing and any("error" in s for s in answer["steps"].values()):
-            # vLLM's error is the environment's, not the deployment's.
-            answer = {"failed": f"this pin's test environment lacks {missing.group(1)}, "
-                                f"which vLLM imported for this model (a GPU environment "
-                                f"has it); log {log_file}"}
-        out.append(answer or {"failed": _why(text, code, timeout, log_file)})
-    return out
+        steps[case][step] = ({"timeout": timeout, "log": str(log_file)} if code is None
+                             else {"exited": code, "log": str(log_file)})
+    return [{"steps": s} if s else {"failed": _why(text, code, timeout, log_file)}
+            for s in steps]
 
 
 def _why(text: str, code: int | None, timeout: float, log_file: Path) -> str:
