@@ -266,6 +266,8 @@ def test_the_driver_tells_vllms_refusals_from_what_it_cannot_answer() -> None:
         missing = driver._error(exc)
     assert missing["unknown"].startswith("the test environment lacks torchvision")
     assert driver._waits_for_a_server(connectors.kv_transfer_config("nixl+lmcache", None))
+    assert render.verdict({"steps": {"scheduler": {"unknown": "no server"}}},
+                          "scheduler") == "unknown here: no server"
     assert not driver._waits_for_a_server(connectors.kv_transfer_config("nixl", None))
 
 

@@ -273,10 +273,8 @@ def explain(request: dict, case: int = 0) -> dict:
         out["steps"].running("scheduler")
         if _waits_for_a_server(kv):
             out["steps"]["scheduler"] = {
-                "error": "LMCacheMPConnector's scheduler side connects to its lmcache "
-                         "server when it is built", "raised_at": "(not run)",
-                "unknown": "explain starts no lmcache server (yet), so it cannot build "
-                           "this set's scheduler side"}
+                "unknown": "LMCacheMPConnector's scheduler side connects to its lmcache "
+                           "server when it is built, and explain starts none (yet)"}
             return out
         try:
             from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes

@@ -72,7 +72,11 @@ def verdict(answer: dict, key: str) -> str:
         return f"no answer within {step['timeout']:.0f} s (stopped there; log {step['log']})"
     if "exited" in step:
         return f"the driver died here (exit {step['exited']}; log {step['log']})"
-    return _refused(step) if "error" in step else _FORMAT[key](step)
+    if "error" in step:
+        return _refused(step)
+    if "unknown" in step:
+        return f"unknown here: {step['unknown']}"
+    return _FORMAT[key](step)
 
 
 def lines(result: Explained) -> list[str]:
