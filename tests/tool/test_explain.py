@@ -289,3 +289,35 @@ def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> N
     assert render.verdict(answers["stock"], "scheduler") == (
         f"no answer within 3 s (stopped there; log {logs['stock']})")
     assert render.verdict(answers["stock"], "groups") == "not reached"
+
+
+def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypatch) -> None:
+    from click.testing import CliRunner
+    from hybridpd.cli import main
+
+    seen = []
+
+    def fake(series, version, cases, log):
+        seen.append((version, cases))
+        return [runner.Explained(version, cases[0].model, cases[0].kv_transfer_config, None,
+                                 {"stock": {"failed": "x"}, "patched": {"failed": "y"}},
+                                 1.0, {"stock": "s.log", "patched": "p.log"})]
+
+    monkeypatch.setattr(runner, "explain_cases", fake)
+    out = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "Org/Name",
+                                    "--connector", "nixl", "--block-size", "256",
+                                    "--no-prefix-caching", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == {
+        "version": "0.32.0", "model": "Org/Name",
+        "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+        "note": None, "answers": {"stock": {"failed": "x"}, "patched": {"failed": "y"}},
+        "seconds": 1.0, "logs": {"stock": "s.log", "patched": "p.log"}}
+    [(version, [opts])] = seen
+    assert opts.engine_args() == {"enable_prefix_caching": False, "max_model_len": 8192,
+                                  "block_size": 256}
+    bad = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
+                                    "--connector", "nixl", "--kv-transfer-config", "{}"])
+    assert bad.exit_code == 1
+    assert bad.output.strip().splitlines() == [
+        "Error: give --connector or --kv-transfer-config, not both"]
