@@ -365,7 +365,9 @@ def _pin(
         step = (f"hybridpd checkout {version} --source sdist --dir DIR (downloads the "
                 f"source), then hybridpd doctor")
     elif test_ok:
-        step = f"hybridpd test --pin {version}"
+        step = (f"hybridpd test --pin {version}; hybridpd explain --pin {version} --model "
+                "CONFIG_DIR --connector SET says whether a model and connector set start "
+                "and keep their hybrid KV cache")
     else:
         step = f"make {torch_req} installable (HYBRIDPD_TORCH, pip's indexes or find-links)"
     return PinCapability(version, test_ok, serve, why, step)

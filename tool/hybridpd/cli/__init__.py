@@ -27,6 +27,7 @@ from .bench import bench_group
 from .checkout import checkout
 from .doctor import doctor_
 from .e2e import e2e_command
+from .explain import explain
 from .export import check, export
 from .export_pr import export_pr
 from .install import build, install
@@ -79,6 +80,6 @@ def _interrupt_on(*signals: signal.Signals) -> None:
 # In the order `hybridpd --help` has always listed them (click sorts them by name).
 for _command in (
     checkout, apply, status, list_, export, doctor_, check, pin_group, port, install, build,
-    test, export_pr, e2e_command, bench_group,
+    test, export_pr, e2e_command, bench_group, explain,
 ):
     main.add_command(_command)

@@ -1,0 +1,323 @@
+"""``hybridpd explain`` without vLLM: the connector sets, the model lookup, the
+verdict lines, and the runner's handling of its two drivers (stand-in scripts in
+their own process groups). The driver on real pins: tests/tool/test_explain_real.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hybridpd import proc
+from hybridpd.explain import connectors, model, render, runner
+
+
+def test_named_sets_are_vllms_kv_transfer_configs() -> None:
+    nixl = connectors.kv_transfer_config("nixl", None)
+    assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    multi = connectors.kv_transfer_config("lmcache+nixl", None, "kv_consumer")
+    assert multi["kv_connector"] == "MultiConnector" and multi["kv_role"] == "kv_consumer"
+    children = multi["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == ["LMCacheMPConnector", "NixlConnector"]
+    assert all(c["kv_role"] == "kv_consumer" for c in children)
+    offload = connectors.kv_transfer_config("nixl+offloading", None)
+    tier = offload["kv_connector_extra_config"]["connectors"][1]
+    # vLLM refuses an OffloadingConnector without the CPU tier's size.
+    assert tier["kv_connector_extra_config"] == {"cpu_bytes_to_use": 10 << 30}
+    assert connectors.kv_transfer_config(None, None) is None
+
+
+def test_vllms_own_json_is_taken_as_it_is(tmp_path: Path) -> None:
+    cfg = {"kv_connector": "PdConnector", "kv_role": "kv_both", "x": [1]}
+    assert connectors.kv_transfer_config(None, json.dumps(cfg)) == cfg
+    (tmp_path / "kv.json").write_text(json.dumps(cfg))
+    assert connectors.kv_transfer_config(None, f"@{tmp_path / 'kv.json'}") == cfg
+
+
+@pytest.mark.parametrize(("connector", "text", "message"), [
+    ("nixl", "{}", "not both"),
+    ("pd", None, "not a known set"),
+    (None, "{nope", "not JSON"),
+    (None, "[1]", "a JSON object with kv_connector"),
+    (None, "@/nonexistent/kv.json", "No such file"),
+])
+def test_bad_connector_input_is_one_line(connector, text, message) -> None:
+    with pytest.raises(connectors.ConnectorError, match=message) as err:
+        connectors.kv_transfer_config(connector, text)
+    assert "\n" not in str(err.value)
+
+
+def test_a_model_is_a_config_directory_or_a_cached_hub_id(tmp_path: Path) -> None:
+    local = tmp_path / "m"
+    local.mkdir()
+    with pytest.raises(model.ModelError, match="no config.json"):
+        model.resolve(str(local))
+    (local / "config.json").write_text("{}")
+    assert model.resolve(str(local)) == local.resolve()
+    hub = tmp_path / "hub"
+    snap = hub / "models--Org--Name" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    with pytest.raises(model.ModelError, match="not in the Hugging Face cache"):
+        model.resolve("Org/Name", hub)
+    (hub / "models--Org--Name" / "refs").mkdir()
+    (hub / "models--Org--Name" / "refs" / "main").write_text("abc\n")
+    assert model.resolve("Org/Name", hub) == snap
+    with pytest.raises(model.ModelError, match="neither a directory nor a hub id"):
+        model.resolve("a/b/c", hub)
+
+
+def test_a_multimodal_config_without_a_tokenizer_is_answered_text_only(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2] / "tool" / "hybridpd" / "data" / "hf"
+    note = model.text_only(root / "Qwen--Qwen3.5-35B-A3B")
+    assert note and "Qwen3_5MoeForConditionalGeneration's language model" in note
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3_5ForConditionalGeneration"]}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert model.text_only(tmp_path) is None  # vLLM can build its processor
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    assert model.text_only(tmp_path) is None
+
+
+START = {"architecture": "Qwen3_5MoeForConditionalGeneration",
+         "hybrid_kv_cache_manager": True, "mamba_cache_mode": "align",
+         "enable_prefix_caching": True, "max_num_batched_tokens": 2048, "block_size": 128}
+GROUPS = {"kv_cache_bytes": 16 << 30, "block_size": 1152, "mamba_page_size_padded": 2359296, "num_blocks": 728,
+          "groups": [*[{"layers": 10, "type": "MambaSpec", "mamba_cache_mode": "align"}] * 3,
+                     {"layers": 10, "type": "FullAttentionSpec"}]}
+REFUSED = {"error": "ValueError: Failed to promote local KV cache specs to one unified type.",
+           "raised_at": "vllm/v1/core/kv_cache_utils.py:1760"}
+
+
+def _result(stock: dict, patched: dict) -> runner.Explained:
+    return runner.Explained("0.32.0", "Org/Name", {"kv_connector": "NixlConnector"}, None,
+                            {"stock": stock, "patched": patched}, 12.34)
+
+
+def test_verdicts_name_each_question_once_when_both_trees_agree() -> None:
+    answer = {"steps": {"start": START, "groups": GROUPS,
+                        "scheduler": {"class": "Scheduler", "connector": "NixlPullConnector"}}}
+    lines = render.lines(_result(answer, answer))
+    assert lines[0] == ('explain: vLLM 0.32.0, model Org/Name, kv_transfer_config '
+                        '{"kv_connector": "NixlConnector"}')
+    assert lines[1] == render.CAVEAT
+    assert lines[2].startswith("1. config accepted: yes "
+                               "(Qwen3_5MoeForConditionalGeneration); hybrid KV cache "
+                               "manager kept")
+    assert lines[3] == ("2. KV cache groups: block size 1152 tokens; 3 x MambaSpec (align) "
+                        "of 10 layers, 1 x FullAttentionSpec of 10 layers; Mamba pages "
+                        "padded to 2359296 bytes; 728 blocks in 16 GiB (stock and with the "
+                        "series)")
+    assert lines[4] == ("3. scheduler and connector: Scheduler built, scheduler-side "
+                        "connector NixlPullConnector (stock and with the series)")
+    assert lines[-1] == "took 12.3 s"
+
+
+def test_a_refusal_is_vllms_text_and_frame_and_later_steps_are_not_reached() -> None:
+    stock = {"steps": {"start": {**START, "hybrid_kv_cache_manager": False},
+                       "groups": REFUSED}}
+    patched = {"steps": {"start": START, "groups": GROUPS,
+                         "scheduler": {"class": "AsyncScheduler", "connector": None}}}
+    lines = render.lines(_result(stock, patched))
+    at = lines.index("2. KV cache groups:")
+    assert lines[at + 1] == ("   stock: refused: ValueError: Failed to promote local KV cache "
+                             "specs to one unified type. "
+                             "(vllm/v1/core/kv_cache_utils.py:1760)")
+    assert lines[at + 2].startswith("   with the series: block size 1152 tokens")
+    assert "3. scheduler and connector:" in lines
+    assert "   stock: not reached" in lines
+    assert "   with the series: AsyncScheduler built, no KV connector" in lines
+
+
+def test_an_unanswered_side_is_said_once() -> None:
+    answer = {"steps": {"start": START, "groups": GROUPS,
+                        "scheduler": {"connector": "NixlPullConnector"}}}
+    lines = render.lines(_result({"failed": "no answer within 300 s; log x"}, answer))
+    assert "  stock: unknown here: no answer within 300 s; log x" in lines
+    assert lines[3].endswith("(with the series)")
+    none = render.lines(_result({"failed": "a"}, {"failed": "b"}))
+    assert [l for l in none if l[0].isdigit()] == []
+
+
+@pytest.fixture
+def side_by_side(tmp_path: Path, monkeypatch):
+    """The runner's two drivers as stand-in scripts (``stock`` and ``patched`` trees
+    are plain directories); returns a function running them with a script body."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    trees = {}
+    for side in runner.SIDES:
+        trees[side] = tmp_path / side
+        (trees[side] / "vllm.egg-info").mkdir(parents=True)  # an sdist tree's metadata
+        (trees[side] / "vllm.egg-info" / "PKG-INFO").write_text(
+            "Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+
+    def run(body: str, timeout: float = 30.0):
+        script = tmp_path / "driver.py"
+        script.write_text(textwrap.dedent(body))
+        monkeypatch.setattr(runner, "DRIVER", script)
+        answers, logs = runner._run_side_by_side(
+            venv, trees, tmp_path / "site", [], tmp_path, {"cases": [{"model": "m"}]}, timeout)
+        return {side: answers[side][0] for side in answers}, logs
+
+    return run
+
+
+def test_the_two_drivers_answer_side_by_side(side_by_side) -> None:
+    answers, logs = side_by_side('''
+        import json, os, sys
+        tree = os.path.basename(os.getcwd())
+        print("vLLM's own log line")
+        request = json.loads(sys.argv[1])["cases"][0]
+        print("HYBRIDPD-EXPLAIN " + json.dumps([{"tree": tree, "request": request}]))
+    ''')
+    assert answers["stock"] == {"tree": "stock", "request": {"model": "m"}}
+    assert answers["patched"]["tree"] == "patched"
+    assert "vLLM's own log line" in Path(logs["stock"]).read_text()
+
+
+def test_a_driver_that_hangs_is_stopped_with_its_group(side_by_side, tmp_path: Path) -> None:
+    answers, logs = side_by_side('''
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open(os.path.join(os.path.dirname(os.getcwd()), os.path.basename(os.getcwd()) + ".pids"),
+             "w").write(f"{os.getpid()} {child.pid}")
+        time.sleep(60)
+    ''', timeout=3.0)
+    for side in runner.SIDES:
+        assert answers[side]["failed"].startswith("no answer within 3 s; log ")
+        for pid in map(int, (tmp_path / f"{side}.pids").read_text().split()):
+            assert proc.identity(pid) is None, f"{side}: {pid} left running"
+
+
+def test_a_driver_that_dies_says_why(side_by_side) -> None:
+    answers, _ = side_by_side('''
+        import sys
+        print("Traceback (most recent call last):")
+        print("ImportError: cannot import name 'EngineArgs'")
+        sys.exit(3)
+    ''')
+    assert answers["stock"]["failed"].startswith(
+        "the driver exited with 3 without an answer: ImportError: cannot import name")
+
+
+def test_a_driver_that_dies_in_a_step_keeps_the_steps_before_it(side_by_side) -> None:
+    answers, logs = side_by_side('''
+        import json, os
+        def step(**said):
+            print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"case": 0, **said}), flush=True)
+        step(running="start")
+        step(done="start", answer={"block_size": 128})
+        step(running="groups")
+        print("HYBRIDPD-EXPLAIN-STEP {\\"case\\": 0, \\"do", flush=True)  # cut short
+        os._exit(137)
+    ''')
+    assert answers["stock"] == {"steps": {
+        "start": {"block_size": 128}, "groups": {"exited": 137, "log": logs["stock"]}}}
+    assert render.verdict(answers["stock"], "groups") == (
+        f"the driver died here (exit 137; log {logs['stock']})")
+
+
+def test_a_refusal_vllm_would_not_make_on_a_gpu_is_unknown_here() -> None:
+    step = {"error": "AttributeError: 'Worker' object has no attribute 'x'",
+            "raised_at": "vllm/v1/executor/abstract.py:170",
+            "unknown": "explain's stand-in for the engine's worker lacks what vLLM asked"}
+    assert render.verdict({"steps": {"groups": step}}, "groups") == (
+        "unknown here: explain's stand-in for the engine's worker lacks what vLLM asked; "
+        "vLLM raised AttributeError: 'Worker' object has no attribute 'x' "
+        "(vllm/v1/executor/abstract.py:170)")
+
+
+def _raise_in(path: str, exc: BaseException) -> BaseException:
+    """``exc`` raised by code whose file is ``path`` (a frame the driver classifies)."""
+    code = compile("def f(exc):\n    raise exc\n", path, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["f"](exc)
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+    raise AssertionError("not raised")
+
+
+def test_the_driver_tells_vllms_refusals_from_what_it_cannot_answer() -> None:
+    from hybridpd.explain import driver
+
+    refusal = driver._error(_raise_in("/t/vllm/v1/core/kv_cache_utils.py", ValueError(
+        "Failed to promote local KV cache specs to one unified type.")))
+    assert refusal == {"error": "ValueError: Failed to promote local KV cache specs to one "
+                                "unified type.",
+                       "raised_at": "vllm/v1/core/kv_cache_utils.py:2"}
+    cpu = driver._error(_raise_in("/t/vllm/platforms/cpu.py", RuntimeError("no AMX")))
+    assert cpu["unknown"].startswith("raised by vLLM's CPU platform")
+    stand_in = driver._error(_raise_in(driver.__file__, AttributeError("get_x")))
+    assert stand_in["unknown"].startswith("explain's stand-in for the engine's worker")
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+        except ModuleNotFoundError as cause:
+            raise ValueError("Model architectures failed to be inspected") from cause
+    except ValueError as exc:
+        missing = driver._error(exc)
+    assert missing["unknown"].startswith("the test environment lacks torchvision")
+    assert driver._waits_for_a_server(connectors.kv_transfer_config("nixl+lmcache", None))
+    assert render.verdict({"steps": {"scheduler": {"unknown": "no server"}}},
+                          "scheduler") == "unknown here: no server"
+    assert not driver._waits_for_a_server(connectors.kv_transfer_config("nixl", None))
+
+
+def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> None:
+    """LMCacheMPConnector's scheduler side waits for its lmcache server: the answers
+    found before it stay, and the step it waited in says so."""
+    answers, logs = side_by_side('''
+        import json, time
+        def step(**said):
+            print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"case": 0, **said}), flush=True)
+        step(running="start")
+        step(done="start", answer={"block_size": 128})
+        step(running="scheduler")
+        time.sleep(60)
+    ''', timeout=3.0)
+    assert answers["stock"] == {"steps": {
+        "start": {"block_size": 128},
+        "scheduler": {"timeout": 3.0, "log": logs["stock"]}}}
+    assert render.verdict(answers["stock"], "scheduler") == (
+        f"no answer within 3 s (stopped there; log {logs['stock']})")
+    assert render.verdict(answers["stock"], "groups") == "not reached"
+
+
+def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypatch) -> None:
+    from click.testing import CliRunner
+    from hybridpd.cli import main
+
+    seen = []
+
+    def fake(series, version, cases, log):
+        seen.append((version, cases))
+        return [runner.Explained(version, cases[0].model, cases[0].kv_transfer_config, None,
+                                 {"stock": {"failed": "x"}, "patched": {"failed": "y"}},
+                                 1.0, {"stock": "s.log", "patched": "p.log"})]
+
+    monkeypatch.setattr(runner, "explain_cases", fake)
+    out = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "Org/Name",
+                                    "--connector", "nixl", "--block-size", "256",
+                                    "--no-prefix-caching", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == {
+        "version": "0.32.0", "model": "Org/Name",
+        "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+        "note": None, "answers": {"stock": {"failed": "x"}, "patched": {"failed": "y"}},
+        "seconds": 1.0, "logs": {"stock": "s.log", "patched": "p.log"}}
+    [(version, [opts])] = seen
+    assert opts.engine_args() == {"enable_prefix_caching": False, "max_model_len": 8192,
+                                  "block_size": 256}
+    bad = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
+                                    "--connector", "nixl", "--kv-transfer-config", "{}"])
+    assert bad.exit_code == 1
+    assert bad.output.strip().splitlines() == [
+        "Error: give --connector or --kv-transfer-config, not both"]

@@ -1,0 +1,318 @@
+"""hybridpd explain's driver: runs inside a pin's test environment (stdlib and vLLM
+only), with the vLLM tree under test first on ``PYTHONPATH``; answers one or more
+deployments (cases) in one process and prints the answers, a JSON list, on a line of
+stdout that starts with ``HYBRIDPD-EXPLAIN``.
+
+It answers from vLLM's own code, as a GPU engine would reach it, without weights and
+without a GPU:
+
+- ``start``: ``EngineArgs(...).create_engine_config()`` (vLLM's config checks, the
+  per-architecture hooks, the hybrid allocator's decision);
+- ``groups``: the model built on the meta device (no memory, no weights), its layers'
+  own KV cache specs, then the engine core's own ``_initialize_kv_caches`` over an
+  executor that reports those specs and a fixed memory budget: vLLM's grouping, block
+  size and page padding as the engine core computes them, here for this machine's
+  platform (CPU: its attention backend's kernel block sizes, which a GPU's differ from);
+- ``scheduler``: vLLM's ``Scheduler`` built on that KV cache config, with the
+  deployment's KV connector (the connector factory's checks run there).
+
+Each step that raises is reported with the exception's text and the vLLM frame that
+raised it, and the later steps are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+
+def _frame(f) -> str:
+    path = f.filename.replace("\\", "/")
+    path = path[path.rfind("/vllm/") + 1:] if "/vllm/" in path else path
+    return f"{path}:{f.lineno}"
+
+
+#: vLLM files that only a CPU engine runs: what they refuse, a GPU engine never meets.
+_CPU_ONLY = ("vllm/platforms/cpu.py", "/cpu_attn", "/cpu/", "cpu_worker", "cpu_model_runner")
+
+
+def _error(exc: BaseException) -> dict:
+    """vLLM's refusal: its text and the innermost vLLM frame that raised it. Marked
+    ``unknown`` when vLLM's verdict it is not: raised in this driver (a stand-in lacks
+    what vLLM asked of it), in a file only a CPU engine runs, or by a module the test
+    environment lacks (a GPU environment has it)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if "/vllm/" in f.filename.replace("\\", "/")]
+    text = str(exc).strip().splitlines()
+    out = {"error": f"{type(exc).__name__}: {' '.join(t.strip() for t in text[:6])}"[:1200],
+           "raised_at": _frame((inside or frames)[-1])}
+    chain, seen = exc, set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, ModuleNotFoundError):
+            out["unknown"] = (f"the test environment lacks {chain.name}, which vLLM imported "
+                              "for this model (a GPU environment has it)")
+            return out
+        chain = chain.__cause__ or chain.__context__
+    if frames and frames[-1].filename == __file__:
+        out["unknown"] = ("explain's stand-in for the engine's worker lacks what vLLM asked "
+                          "of it here (explain cannot answer this configuration yet)")
+    elif any(mark in out["raised_at"] for mark in _CPU_ONLY):
+        out["unknown"] = "raised by vLLM's CPU platform, which a GPU engine does not run"
+    return out
+
+
+def _executor(vllm_config, specs: dict, memory_bytes: int):
+    """vLLM's own ``Executor`` (its methods are the real ones, each a collective RPC)
+    over one in-process worker: vLLM's ``WorkerBase`` answering from the meta-device
+    model (its KV cache specs) and a fixed memory budget (no profiling), and doing
+    nothing where a worker would allocate or compile."""
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    class Worker(WorkerBase):
+        def __init__(self):  # WorkerBase's would bind a device
+            self.vllm_config = vllm_config
+
+        def get_kv_cache_spec(self):
+            return specs
+
+        def determine_available_memory(self):
+            return memory_bytes
+
+        def initialize_from_config(self, kv_cache_configs) -> None:
+            return None
+
+        def compile_or_warm_up_model(self):
+            return None
+
+        def update_max_model_len(self, *args, **kwargs) -> None:
+            return None
+
+    class OneWorker(Executor):
+        def __init__(self):  # Executor's would start workers
+            self.vllm_config = vllm_config
+            self.worker = Worker()
+
+        def _init_executor(self) -> None:
+            return None
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None, **_):
+            fn = getattr(self.worker, method) if isinstance(method, str) else (
+                lambda *a, **k: method(self.worker, *a, **k))
+            result = fn(*args, **(kwargs or {}))
+            return [] if result is None and method == "compile_or_warm_up_model" else [result]
+
+        def check_health(self) -> None:
+            return None
+
+    OneWorker.__abstractmethods__ = frozenset()
+    return OneWorker()
+
+
+class _EngineCore:
+    """The attributes ``EngineCore._initialize_kv_caches`` uses of its engine core."""
+
+    def __init__(self, executor):
+        self.model_executor = executor
+        self.available_gpu_memory_for_kv_cache = -1
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, **_):
+        return self.model_executor.collective_rpc(method, timeout, args, kwargs)
+
+
+def _build_model(vllm_config) -> None:
+    """The model as vLLM's loader initializes it (``BaseModelLoader.load_model``: the
+    model's dtype as the default, ``initialize_model``, which also configures
+    quantization), on the meta device: its layers register in the config's forward
+    context as a loaded model's do; no memory, no weights."""
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+        initialize_model(vllm_config=vllm_config)
+
+
+def _layer_specs(vllm_config) -> dict:
+    """The model's per-layer KV cache specs, from the model runner's own function
+    (``vllm.v1.worker.gpu.attn_utils.get_kv_cache_spec``: the layers' specs, the
+    backends' customization, KV sharing)."""
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    return get_kv_cache_spec(vllm_config)
+
+
+def _waits_for_a_server(kv: dict | None) -> bool:
+    """Whether the set holds a connector whose scheduler side waits for its server."""
+    if not kv:
+        return False
+    children = (kv.get("kv_connector_extra_config") or {}).get("connectors") or []
+    return kv.get("kv_connector") == "LMCacheMPConnector" or any(
+        _waits_for_a_server(c) for c in children)
+
+
+def _spec(spec) -> dict:
+    out = {"type": type(spec).__name__, "block_size": spec.block_size,
+           "page_size_bytes": spec.page_size_bytes}
+    for field in ("sliding_window", "page_size_padded", "mamba_cache_mode",
+                  "num_speculative_blocks", "dtype", "num_kv_heads", "head_size"):
+        value = getattr(spec, field, None)
+        if value is not None:
+            out[field] = str(value) if field == "dtype" else value
+    return out
+
+
+#: The prefix of the line that carries the answer (vLLM logs to stdout too), and of
+#: the lines that say which step runs and what each finished one found.
+MARKER = "HYBRIDPD-EXPLAIN"
+STEP = "HYBRIDPD-EXPLAIN-STEP"
+
+
+class _Steps(dict):
+    """``{step: answer}`` of case ``case``, each answer printed as it is found, so that
+    a driver stopped at its time limit still tells what it had answered and where it
+    waited."""
+
+    def __init__(self, case: int):
+        super().__init__()
+        self.case = case
+
+    def running(self, name: str) -> None:
+        print(f"{STEP} {json.dumps({'case': self.case, 'running': name})}", flush=True)
+
+    def __setitem__(self, name: str, answer: dict) -> None:
+        super().__setitem__(name, answer)
+        print(f"{STEP} {json.dumps({'case': self.case, 'done': name, 'answer': answer})}",
+              flush=True)
+
+
+def _init_distributed() -> None:
+    """One rank, one process group, as a single-GPU engine has (once per process)."""
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.utils.network_utils import get_open_port
+
+    if model_parallel_is_initialized():
+        return
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
+    ensure_model_parallel_initialized(1, 1)
+
+
+def explain(request: dict, case: int = 0) -> dict:
+    out: dict = {"steps": _Steps(case)}
+    t0 = time.monotonic()
+    from vllm.config import KVTransferConfig, set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    out["import_s"] = round(time.monotonic() - t0, 1)
+    try:
+        import vllm
+
+        out["vllm_version"] = vllm.__version__
+    except Exception:  # noqa: BLE001 - a version is only reported
+        pass
+    out["steps"].running("start")
+    kv = request.get("kv_transfer_config")
+    text_only = {"language_model_only": True} if request.get("text_only") else {}
+    try:
+        args = EngineArgs(
+            model=request["model"], skip_tokenizer_init=True, load_format="dummy",
+            kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+            **text_only, **request.get("engine_args", {}),
+        )
+        config = args.create_engine_config()
+    except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the answer
+        out["steps"]["start"] = _error(exc)
+        return out
+    mm = getattr(config.model_config, "multimodal_config", None)
+    if text_only and mm is not None:
+        # A KV consumer accepts precomputed embeddings, for which vLLM builds the
+        # multimodal processor, which needs the tokenizer a config-only directory
+        # lacks. Nothing of the KV cache depends on it.
+        mm.enable_mm_embeds = False
+    cc, sc = config.cache_config, config.scheduler_config
+    out["steps"]["start"] = {
+        "architecture": config.model_config.architecture,
+        "hybrid_kv_cache_manager": not sc.disable_hybrid_kv_cache_manager,
+        "mamba_cache_mode": getattr(cc, "mamba_cache_mode", None),
+        "enable_prefix_caching": cc.enable_prefix_caching,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "block_size": cc.block_size,
+    }
+    with set_current_vllm_config(config):
+        out["steps"].running("groups")
+        try:
+            _init_distributed()
+            from vllm.v1.engine.core import EngineCore
+
+            from vllm.platforms import current_platform
+
+            _build_model(config)
+            # As the executor does once the model is loaded: the platform sets the
+            # block size (and pads the Mamba page), which the layers' specs read.
+            current_platform.update_block_size_for_backend(config)
+            specs = _layer_specs(config)
+            executor = _executor(config, specs, int(request.get("kv_cache_bytes", 16 << 30)))
+            kv_cache_config = EngineCore._initialize_kv_caches(_EngineCore(executor), config)
+        except Exception as exc:  # noqa: BLE001
+            out["steps"]["groups"] = _error(exc)
+            return out
+        out["steps"]["groups"] = {
+            "kv_cache_bytes": executor.worker.determine_available_memory(),
+            "block_size": config.cache_config.block_size,
+            "mamba_page_size_padded": getattr(config.cache_config, "mamba_page_size_padded", None),
+            "num_blocks": kv_cache_config.num_blocks,
+            "groups": [{"layers": len(g.layer_names), **_spec(g.kv_cache_spec)}
+                       for g in kv_cache_config.kv_cache_groups],
+        }
+        out["steps"].running("scheduler")
+        if _waits_for_a_server(kv):
+            out["steps"]["scheduler"] = {
+                "unknown": "LMCacheMPConnector's scheduler side connects to its lmcache "
+                           "server when it is built, and explain starts none (yet)"}
+            return out
+        try:
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+            from vllm.v1.structured_output import StructuredOutputManager
+
+            # As EngineCore.__init__ builds it: the configured class (async
+            # scheduling picks vLLM's AsyncScheduler), the block sizes it resolves.
+            scheduler_cls = config.scheduler_config.get_scheduler_cls()
+            block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
+            sched = scheduler_cls(
+                vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+                structured_output_manager=StructuredOutputManager(config),
+                include_finished_set=False, block_size=block_size,
+                hash_block_size=hash_block_size,
+            )
+        except Exception as exc:  # noqa: BLE001
+            out["steps"]["scheduler"] = _error(exc)
+            return out
+        connector = getattr(sched, "connector", None)
+        children = getattr(connector, "_connectors", None) or []
+        out["steps"]["scheduler"] = {
+            "class": type(sched).__name__,
+            "connector": type(connector).__name__ if connector is not None else None,
+            "children": [type(c).__name__ for c in children],
+            "block_size": block_size, "hash_block_size": hash_block_size,
+        }
+    out["total_s"] = round(time.monotonic() - t0, 1)
+    return out
+
+
+def main() -> int:
+    """``argv[1]``: ``{"cases": [request, ...]}``, answered in order in this process
+    (one vLLM import for all)."""
+    cases = json.loads(sys.argv[1])["cases"]
+    answers = [explain(request, n) for n, request in enumerate(cases)]
+    print(f"{MARKER} {json.dumps(answers)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
