@@ -139,14 +139,16 @@ def apply(series: Series, repo: Path) -> ApplyResult:
 
 
 def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -> ApplyResult:
+    plan = _plan(series, repo, pin)
     changes = gitops.status(repo)
-    if changes:
+    # A series applied already changes nothing: the user's work beside it is no reason
+    # to refuse (`install` and `build` run apply on a checkout the user works in).
+    if changes and plan.remaining:
         shown = ", ".join(line.strip() for line in changes[:_SHOWN_DIRTY])
         more = f" and {len(changes) - _SHOWN_DIRTY} more" if len(changes) > _SHOWN_DIRTY else ""
         raise DirtyTreeError(
             f"{repo} has uncommitted changes ({shown}{more}); commit or stash them"
         )
-    plan = _plan(series, repo, pin)
     missing = [
         i for i in plan.skipped if not gitops.reverse_applies(repo, series.patch_path(pin, i))
     ]
