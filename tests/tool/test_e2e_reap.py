@@ -287,6 +287,21 @@ def test_an_unreadable_record_is_one_line(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("text", [
+    "[]", "null", '"x"', '{"processes": 5}', '{"processes": ["x"]}',
+    '{"processes": [{"name": "a", "pid": 1, "pgid": 1, "start_time": 1, "members": 5}]}',
+    '{"processes": [], "writer": 5}',
+])
+def test_valid_json_of_the_wrong_shape_is_one_line(tmp_path: Path, text: str) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / reap.RECORD).write_text(text)
+    result = CliRunner().invoke(main, ["e2e", "--reap", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"Error: {tmp_path / 'out' / reap.RECORD}: not a record of processes")
+    assert line.endswith("end them by hand and delete it")
+
+
 def test_a_closed_run_leaves_no_record(tmp_path: Path) -> None:
     (tmp_path / "server.py").write_text(SERVER)
     with Processes(tmp_path / "logs", grace=1, poll=0.1) as procs:

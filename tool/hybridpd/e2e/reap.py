@@ -130,8 +130,12 @@ def read(path: Path) -> tuple[str, list[Entry]]:
     runs (:class:`StillRunning`)."""
     try:
         doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise TypeError(f"JSON {json.dumps(doc)[:40]}, not an object")
         boot, entries = str(doc.get("boot_id", "")), [Entry.from_json(e) for e in doc["processes"]]
         writer = doc.get("writer")
+        if writer is not None:
+            writer = [int(writer[0]), int(writer[1])]
         alive = (writer and boot == proc.boot_id()
                  and (now := proc.identity(int(writer[0]))) is not None
                  and now.start_time == int(writer[1]))
