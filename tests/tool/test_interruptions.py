@@ -8,6 +8,7 @@ process (``python -m hybridpd.cli``), so signals act as they do for a user.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -101,6 +102,31 @@ def test_sigkill_mid_apply_is_recovered_by_the_next_run(project, point: str) -> 
     assert f"restored to {stock[:12]}" in again.stderr
     assert tree(repo) == full
     assert snapshot(repo)[1:] == ([], False, False)
+
+
+def test_status_says_a_killed_apply_left_the_checkout(project) -> None:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    killed = hybridpd(series, "apply", "--dir", str(repo), fault="apply:patch-2")
+    assert killed.returncode == -signal.SIGKILL
+    before = snapshot(repo)
+    shown = hybridpd(series, "status", "--dir", str(repo))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[1] == (
+        f"  interrupted: a killed `hybridpd apply` (pid {killed_pid(repo)}) left this checkout "
+        "mid-operation; the next apply, export or build on it recovers it first, or says in "
+        "one line what to do"
+    )
+    doc = json.loads(hybridpd(series, "status", "--dir", str(repo), "--json").stdout)
+    assert doc["interrupted"].startswith("a killed `hybridpd apply`")
+    assert snapshot(repo) == before  # status reads only
+    assert hybridpd(series, "apply", "--dir", str(repo)).returncode == 0
+    doc = json.loads(hybridpd(series, "status", "--dir", str(repo), "--json").stdout)
+    assert doc["interrupted"] is None
+
+
+def killed_pid(repo: Path) -> int:
+    return json.loads((guard.git_dir(repo) / guard.JOURNAL).read_text())["pid"]
 
 
 def _git_that_dies_in_am(root: Path, only_in: Path | None = None) -> Path:

@@ -64,6 +64,8 @@ class Status:
     applied: tuple[str, ...]
     pending: tuple[str, ...]
     upstream: tuple[str, ...]
+    #: What a killed operation left on the checkout (a line), or None.
+    interrupted: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return _to_json(self)
@@ -186,7 +188,8 @@ def status(series: Series, repo: Path) -> Status:
         found = path.is_file() and gitops.reverse_applies(repo, path)
         (present if found else pending).append(patch_id)
     recorded = [p.id for p, st in series.records(pin) if st.state == "upstream"]
-    return Status(pin.version, tuple(plan.applied), tuple(pending), (*recorded, *present))
+    return Status(pin.version, tuple(plan.applied), tuple(pending), (*recorded, *present),
+                  guard.interrupted(repo))
 
 
 def _plan(series: Series, repo: Path, pin: Pin) -> _Plan:
