@@ -334,6 +334,33 @@ def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path
     assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0
 
 
+@pytest.mark.parametrize("then", [["--continue"], ["--abort"]], ids=" ".join)
+def test_a_killed_port_skip_then_the_users_work_then_continue_or_abort(
+    tmp_path: Path, then: list[str]
+) -> None:
+    """`port --skip` killed as it writes the series; the user edits series.toml and
+    starts a patch file of the target; the next port call keeps both or says why in
+    one line."""
+    series = port_project(tmp_path, {"README.txt": "proj, rewritten\n"})[1]
+    dest = tmp_path / "port"
+    stopped = hybridpd(series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+    assert stopped.returncode == 1 and "conflicts" in stopped.stdout + stopped.stderr
+    killed = hybridpd(series, "port", "--skip", "--upstream", "2.0", "--dir", str(dest),
+                      fault="port:series-written")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with open(series.path, "a") as fh:
+        fh.write("# the user's note\n")
+    wip = series.patch_dir(series.pin("2.0")) / "my-wip.patch"
+    wip.parent.mkdir(parents=True, exist_ok=True)
+    wip.write_bytes(b"the user's patch in progress\n")
+    result = hybridpd(series, "port", *then, "--dir", str(dest))
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert result.returncode == 0 or (result.returncode == 1 and len(errors) == 1), result.stderr
+    assert series.path.read_text().endswith("# the user's note\n")
+    assert wip.read_bytes() == b"the user's patch in progress\n"
+
+
 @pytest.mark.parametrize(
     "args", [["--abort"], ["--abort", "--json"], ["--continue", "--json"]], ids=" ".join
 )
