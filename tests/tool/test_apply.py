@@ -51,6 +51,22 @@ def test_dirty_tree_is_refused(tmp_path: Path) -> None:
         apply(series, repo)
 
 
+def test_work_beside_an_applied_series_is_no_reason_to_refuse(tmp_path: Path) -> None:
+    """`install` and `build` run apply on a checkout the user works in: with nothing
+    left to apply, their edits and new files are kept and apply says "already"."""
+    project, series = standard_project(tmp_path)
+    repo = project.checkout("1.0")
+    apply(series, repo)
+    (repo / "README.txt").write_text("edited\n")
+    (repo / "scratch.py").write_text("mine\n")
+    head = gitops.head(repo)
+    result = apply(series, repo)
+    assert (result.applied, result.already) == ((), ("fix-add", "feature"))
+    assert gitops.head(repo) == head
+    assert (repo / "README.txt").read_text() == "edited\n"
+    assert (repo / "scratch.py").read_text() == "mine\n"
+
+
 def test_conflict_restores_the_checkout_exactly(tmp_path: Path) -> None:
     # 2.0 rewrote the README line `feature` changes; `fix-add` still applies first.
     project, series = standard_project(tmp_path, {"README.txt": "proj, rewritten\n"})

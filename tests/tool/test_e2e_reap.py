@@ -126,20 +126,24 @@ def _recorded(run_dir: Path) -> dict[str, reap.Entry] | None:
     return None
 
 
-def _hybridpd(tmp_path: Path, tag: str, stubborn: str = "plain") -> tuple[subprocess.Popen, Path]:
-    project = Project(tmp_path / "project")
-    project.release("1.0")
-    project.record("fix", {"1.0": "carried"})
-    series = project.write()
+def _hybridpd(
+    tmp_path: Path, tag: str, stubborn: str = "plain", out: str = "out", stdout=subprocess.PIPE
+) -> tuple[subprocess.Popen, Path]:
+    series = tmp_path / "series-path"
+    if not series.is_file():
+        project = Project(tmp_path / "project")
+        project.release("1.0")
+        project.record("fix", {"1.0": "carried"})
+        series.write_text(str(project.write().path))
     (tmp_path / "server.py").write_text(SERVER)
     (tmp_path / "hybridpd_e2e.py").write_text(HYBRIDPD)
-    out = tmp_path / "out"
     child = subprocess.Popen(
         [sys.executable, tmp_path / "hybridpd_e2e.py", tmp_path / "server.py", tag, stubborn,
-         "--series", str(series.path), "e2e", "--pin", "1.0", "--tiny", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--series", series.read_text(), "e2e", "--pin",
+         "1.0", "--tiny", "--out", str(tmp_path / out)],
+        stdout=stdout, stderr=subprocess.STDOUT, text=True,
     )
-    return child, out / "patched-nixl"
+    return child, tmp_path / out / "patched-nixl"
 
 
 def _alive(entries) -> dict[str, list[int]]:
@@ -176,6 +180,40 @@ def test_a_sigkilled_run_leaves_its_groups_and_reap_ends_them(tmp_path: Path, ta
             child.kill()
         for entry in (_recorded(run_dir) or {}).values():
             proc.signal_group(entry.pgid, signal.SIGKILL)
+
+
+def test_the_next_run_into_another_out_reaps_what_a_killed_one_left(
+    tmp_path: Path, tag: str
+) -> None:
+    """--out is new per run by default: the next run finds the killed one's record
+    through <cache>/e2e/live/ and ends its groups before it starts its own."""
+    first, run_dir = _hybridpd(tmp_path, tag)
+    second = None
+    try:
+        entries = _wait("the record", lambda: _recorded(run_dir) or first.poll() is not None)
+        assert first.poll() is None, first.stdout.read()
+        first.kill()
+        first.wait()
+        assert len(_alive(entries)) == 3
+        with open(tmp_path / "second.log", "w") as log:
+            second, second_dir = _hybridpd(tmp_path, f"{tag}-2", out="out-2", stdout=log)
+            own = _wait("the second run's groups", lambda: _recorded(second_dir))
+        text = (tmp_path / "second.log").read_text()
+        assert _alive(entries) == {}, text
+        for name in ("prefill", "decode", "proxy"):
+            assert f"left by an earlier run: {run_dir}: {name} ended process group" in text
+        assert not (run_dir / reap.RECORD).exists()
+        assert len(_alive(own)) == 3  # its own, live run: untouched by itself
+        live = list((tmp_path / "cache" / "e2e" / "live").iterdir())
+        assert [f.read_text().strip() for f in live] == [str(second_dir / reap.RECORD)]
+    finally:
+        for child in (first, second):
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait()
+        for d in (run_dir, tmp_path / "out-2" / "patched-nixl"):
+            for entry in (_recorded(d) or {}).values():
+                proc.signal_group(entry.pgid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("signals", [(signal.SIGHUP,), (signal.SIGTERM, signal.SIGTERM)],
@@ -285,6 +323,21 @@ def test_an_unreadable_record_is_one_line(tmp_path: Path) -> None:
         "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
         "end them by hand and delete it"
     ]
+
+
+@pytest.mark.parametrize("text", [
+    "[]", "null", '"x"', '{"processes": 5}', '{"processes": ["x"]}',
+    '{"processes": [{"name": "a", "pid": 1, "pgid": 1, "start_time": 1, "members": 5}]}',
+    '{"processes": [], "writer": 5}',
+])
+def test_valid_json_of_the_wrong_shape_is_one_line(tmp_path: Path, text: str) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / reap.RECORD).write_text(text)
+    result = CliRunner().invoke(main, ["e2e", "--reap", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"Error: {tmp_path / 'out' / reap.RECORD}: not a record of processes")
+    assert line.endswith("end them by hand and delete it")
 
 
 def test_a_closed_run_leaves_no_record(tmp_path: Path) -> None:

@@ -263,6 +263,51 @@ def test_a_killed_revert_is_finished_by_the_next_run(tmp_path: Path, point: str)
     assert snapshot(py) == before
 
 
+#: The points a killed ``apply --installed`` (and ``--revert``) stops at.
+APPLY_POINTS = ["installed:backed-up", "installed:file-1", "installed:file-2",
+                "installed:manifest", "installed:proven"]
+REVERT_POINTS = ["installed:undo", "installed:restored", "installed:cleaned"]
+
+
+@pytest.mark.parametrize(
+    "revert,point,edited",
+    [pytest.param(False, p, "proj/core.py", id=f"apply-{p}") for p in APPLY_POINTS]
+    + [pytest.param(True, p, "proj/core.py", id=f"revert-{p}") for p in REVERT_POINTS]
+    + [pytest.param(False, "installed:file-1", "proj/__init__.py", id="apply-untouched"),
+       pytest.param(True, "installed:restored", "proj/__init__.py", id="revert-untouched")],
+)
+def test_sweep_a_killed_overlay_then_an_edit_then_any_command(
+    tmp_path: Path, revert: bool, point: str, edited: str
+) -> None:
+    """Kill ``apply --installed`` (or ``--revert``) at a named point, edit an installed
+    file as a user would, then run apply, revert, status and apply: the edit is never
+    lost (in place, or kept beside it as the line that says so names), and each command
+    finishes or says in one line what to do."""
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    if revert:
+        installed.apply(series, py)
+    flags = ["--revert"] if revert else []
+    killed = hybridpd(series, "apply", "--installed", "--python", str(py), *flags, fault=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    path = site_of(py) / edited
+    mine = b"# the user's edit after the kill\n"
+    path.write_bytes(mine)
+    kept: set[Path] = set()
+    for then in (["apply"], ["apply", "--revert"], ["status"], ["apply"]):
+        result = hybridpd(series, *then, "--installed", "--python", str(py))
+        assert "Traceback" not in result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+        assert result.returncode == 0 or (result.returncode == 1 and len(errors) == 1), (
+            then, result.stderr)
+        now = set(path.parent.glob(f"{path.name}.hybridpd-kept*"))
+        for copy in now - kept:  # a copy made aside is named by the command that made it
+            assert str(copy) in result.stderr, (then, copy, result.stderr)
+        kept = now
+        assert any(c.is_file() and c.read_bytes() == mine for c in [path, *now]), (
+            then, result.stderr)
+
+
 def test_environments_that_cannot_be_patched_get_one_line(tmp_path: Path) -> None:
     _, series = standard_project(tmp_path)
     cases = {

@@ -8,6 +8,7 @@ process (``python -m hybridpd.cli``), so signals act as they do for a user.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -101,6 +102,31 @@ def test_sigkill_mid_apply_is_recovered_by_the_next_run(project, point: str) -> 
     assert f"restored to {stock[:12]}" in again.stderr
     assert tree(repo) == full
     assert snapshot(repo)[1:] == ([], False, False)
+
+
+def test_status_says_a_killed_apply_left_the_checkout(project) -> None:
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    killed = hybridpd(series, "apply", "--dir", str(repo), fault="apply:patch-2")
+    assert killed.returncode == -signal.SIGKILL
+    before = snapshot(repo)
+    shown = hybridpd(series, "status", "--dir", str(repo))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[1] == (
+        f"  interrupted: a killed `hybridpd apply` (pid {killed_pid(repo)}) left this checkout "
+        "mid-operation; the next apply, export or build on it recovers it first, or says in "
+        "one line what to do"
+    )
+    doc = json.loads(hybridpd(series, "status", "--dir", str(repo), "--json").stdout)
+    assert doc["interrupted"].startswith("a killed `hybridpd apply`")
+    assert snapshot(repo) == before  # status reads only
+    assert hybridpd(series, "apply", "--dir", str(repo)).returncode == 0
+    doc = json.loads(hybridpd(series, "status", "--dir", str(repo), "--json").stdout)
+    assert doc["interrupted"] is None
+
+
+def killed_pid(repo: Path) -> int:
+    return json.loads((guard.git_dir(repo) / guard.JOURNAL).read_text())["pid"]
 
 
 def _git_that_dies_in_am(root: Path, only_in: Path | None = None) -> Path:
@@ -306,6 +332,33 @@ def test_sigkill_as_a_port_stops_on_a_conflict_is_recovered_by_continue(tmp_path
     assert "stopped: patch feature conflicts with 2.0" in resumed.stdout + resumed.stderr
     assert "ended outside hybridpd port" not in resumed.stderr
     assert hybridpd(series, "port", "--abort", "--dir", str(dest)).returncode == 0
+
+
+@pytest.mark.parametrize("then", [["--continue"], ["--abort"]], ids=" ".join)
+def test_a_killed_port_skip_then_the_users_work_then_continue_or_abort(
+    tmp_path: Path, then: list[str]
+) -> None:
+    """`port --skip` killed as it writes the series; the user edits series.toml and
+    starts a patch file of the target; the next port call keeps both or says why in
+    one line."""
+    series = port_project(tmp_path, {"README.txt": "proj, rewritten\n"})[1]
+    dest = tmp_path / "port"
+    stopped = hybridpd(series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+    assert stopped.returncode == 1 and "conflicts" in stopped.stdout + stopped.stderr
+    killed = hybridpd(series, "port", "--skip", "--upstream", "2.0", "--dir", str(dest),
+                      fault="port:series-written")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with open(series.path, "a") as fh:
+        fh.write("# the user's note\n")
+    wip = series.patch_dir(series.pin("2.0")) / "my-wip.patch"
+    wip.parent.mkdir(parents=True, exist_ok=True)
+    wip.write_bytes(b"the user's patch in progress\n")
+    result = hybridpd(series, "port", *then, "--dir", str(dest))
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert result.returncode == 0 or (result.returncode == 1 and len(errors) == 1), result.stderr
+    assert series.path.read_text().endswith("# the user's note\n")
+    assert wip.read_bytes() == b"the user's patch in progress\n"
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,32 @@ def test_a_usage_error_in_the_command_keeps_exit_2(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "args,error",
+    [
+        (["apply", "--json", "--bogus"], "No such option '--bogus'."),
+        (["status", "--json", "--dir"], "Option '--dir' requires an argument."),
+        (["bench", "replay", "--json", "--nope"], "No such option '--nope'."),
+    ],
+)
+def test_a_parse_error_before_json_is_read_still_prints_the_document(
+    tmp_path: Path, args: list[str], error: str
+) -> None:
+    """click's parser stops before the --json option's callback runs: the command line
+    itself says that JSON was asked for."""
+    _, series = standard_project(tmp_path)
+    result = run(series.path, *args)
+    assert result.exit_code == 2
+    assert json.loads(result.stdout) == {"ok": False, "error": error}
+    assert f"Error: {error}" in result.stderr
+
+
+def test_a_parse_error_without_json_prints_nothing_on_stdout(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    result = run(series.path, "apply", "--bogus", "--", "--json")
+    assert result.exit_code == 2 and result.stdout == ""
+
+
 def test_a_command_that_describes_its_failure_prints_one_document(tmp_path: Path) -> None:
     _, series = standard_project(tmp_path)
     (series.patch_dir(series.pin("1.0")) / "fix-add.patch").unlink()

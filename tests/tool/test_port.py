@@ -311,6 +311,22 @@ def test_skip_upstream_newer_than_the_target_is_refused(
     assert series.path.read_text() == series_text
 
 
+@pytest.mark.parametrize("release", ["0.5", "1.0"])
+def test_skip_upstream_not_after_the_source_that_carries_it_is_refused(
+    stopped: tuple[Series, Path, Result], release: str
+) -> None:
+    series, dest, _ = stopped  # 1.0 carries feature: no release up to 1.0 has it
+    series_text = series.path.read_text()
+    result = cli(series, "--skip", "--upstream", release, "--dir", str(dest))
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: --upstream {release} is not newer than 1.0, which carries feature: the "
+        "first release with the change comes after 1.0"
+    ]
+    assert port_mod.PortState.load(dest).current == "feature"
+    assert series.path.read_text() == series_text
+
+
 def test_a_backwards_port_onto_a_ported_pin_is_refused_and_deletes_nothing(
     tmp_path: Path,
 ) -> None:

@@ -64,6 +64,8 @@ class Status:
     applied: tuple[str, ...]
     pending: tuple[str, ...]
     upstream: tuple[str, ...]
+    #: What a killed operation left on the checkout (a line), or None.
+    interrupted: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return _to_json(self)
@@ -139,14 +141,16 @@ def apply(series: Series, repo: Path) -> ApplyResult:
 
 
 def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -> ApplyResult:
+    plan = _plan(series, repo, pin)
     changes = gitops.status(repo)
-    if changes:
+    # A series applied already changes nothing: the user's work beside it is no reason
+    # to refuse (`install` and `build` run apply on a checkout the user works in).
+    if changes and plan.remaining:
         shown = ", ".join(line.strip() for line in changes[:_SHOWN_DIRTY])
         more = f" and {len(changes) - _SHOWN_DIRTY} more" if len(changes) > _SHOWN_DIRTY else ""
         raise DirtyTreeError(
             f"{repo} has uncommitted changes ({shown}{more}); commit or stash them"
         )
-    plan = _plan(series, repo, pin)
     missing = [
         i for i in plan.skipped if not gitops.reverse_applies(repo, series.patch_path(pin, i))
     ]
@@ -184,7 +188,8 @@ def status(series: Series, repo: Path) -> Status:
         found = path.is_file() and gitops.reverse_applies(repo, path)
         (present if found else pending).append(patch_id)
     recorded = [p.id for p, st in series.records(pin) if st.state == "upstream"]
-    return Status(pin.version, tuple(plan.applied), tuple(pending), (*recorded, *present))
+    return Status(pin.version, tuple(plan.applied), tuple(pending), (*recorded, *present),
+                  guard.interrupted(repo))
 
 
 def _plan(series: Series, repo: Path, pin: Pin) -> _Plan:

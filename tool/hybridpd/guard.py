@@ -238,6 +238,30 @@ def recover(repo: Path, own: bool = False) -> str | None:
     )
 
 
+def interrupted(repo: Path) -> str | None:
+    """What a killed operation left on ``repo`` (a line), or None: no journal, or its
+    operation still runs (it holds the lock). Reads only."""
+    gdir = git_dir(repo)
+    path = gdir / JOURNAL
+    if not path.is_file():
+        return None
+    if (gdir / LOCK).is_file():
+        with open(gdir / LOCK) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # running, not interrupted
+    try:
+        data = _read_journal(repo, path)
+    except InterruptedStateError as exc:
+        return exc.message
+    return (
+        f"a killed `hybridpd {data['operation']}` (pid {data['pid']}) left this checkout "
+        "mid-operation; the next apply, export or build on it recovers it first, or says "
+        "in one line what to do"
+    )
+
+
 def _read_journal(repo: Path, path: Path) -> dict:
     try:
         data = json.loads(path.read_text())

@@ -370,6 +370,14 @@ def _resume_locked(
                 f"port is to: the first release with the change is {state.to_version} or older"
             )
         patch_id = state.current
+        source = series.state(series.pin(state.from_version), patch_id)
+        if source.state == "carried" and not _newer(upstream, state.from_version):
+            # The source release needs the patch, so no release up to it has the change.
+            raise PortError(
+                f"--upstream {upstream} is not newer than {state.from_version}, which "
+                f"carries {patch_id}: the first release with the change comes after "
+                f"{state.from_version}"
+            )
         files = _patch_files(series, dest, state, patch_id)
         _am(dest, "--skip", optional=True)
         _reset_to(dest, state.before)

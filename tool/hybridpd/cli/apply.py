@@ -110,6 +110,8 @@ def status(
         jsonout.emit(result.to_json())
         return
     click.echo(f"pin {result.pin}")
+    if result.interrupted:
+        click.echo(f"  interrupted: {result.interrupted}")
     groups = {"applied": result.applied, "pending": result.pending, "upstream": result.upstream}
     for label, ids in groups.items():
         for patch_id in ids:

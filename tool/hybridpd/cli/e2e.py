@@ -145,8 +145,8 @@ def e2e_command(state, as_json, reap_dir, **params):
       hybridpd e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \\
         --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit
 
-    A run killed with SIGKILL leaves its servers running; the next run into the same
-    --out, or `hybridpd e2e --reap DIR`, ends them (by process group, after checking
+    A run killed with SIGKILL leaves its servers running; the next run (into any
+    --out), or `hybridpd e2e --reap DIR`, ends them (by process group, after checking
     each recorded process's start time).
     """
     if reap_dir is not None:

@@ -91,6 +91,10 @@ class JsonGroup(UsageGroup):
     """
 
     def invoke(self, ctx: click.Context) -> Any:
+        # A usage error that click's parser raises (an unknown option, an option without
+        # its value) comes before the subcommand's --json callback has run: its own
+        # command line says whether it asked for JSON.
+        asked = _asks_json([*_protected_args(ctx), *ctx.args])
         try:
             try:
                 try:
@@ -118,6 +122,8 @@ class JsonGroup(UsageGroup):
                 )) from exc
         except click.ClickException as exc:
             doc = failure_document(ctx, exc)
+            if doc is None and asked and _META not in ctx.meta:
+                doc = {"ok": False, "error": exc.format_message()}
             if doc is not None:
                 click.echo(json.dumps(doc))
             raise
@@ -128,3 +134,16 @@ def _command_context(group: click.Group, ctx: click.Context) -> click.Context | 
     name = ctx.invoked_subcommand
     command = group.get_command(ctx, name) if name else None
     return None if command is None else click.Context(command, info_name=name, parent=ctx)
+
+
+def _protected_args(ctx: click.Context) -> list[str]:
+    """The group's subcommand name and the arguments before its options (click 8.2
+    renamed ``protected_args`` to ``_protected_args`` and deprecated the old name)."""
+    if hasattr(ctx, "_protected_args"):
+        return list(ctx._protected_args)
+    return list(ctx.protected_args)
+
+
+def _asks_json(args: list[str]) -> bool:
+    """Whether a command line asks for ``--json`` (an option: before any ``--``)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)

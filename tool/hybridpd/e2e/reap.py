@@ -10,7 +10,9 @@ of the group, e.g. LMCache's ``/dev/shm/lmcache_kv_{pid}_*``). A closed run dele
 
 A run killed with SIGKILL cannot clean up: its servers live on in their own sessions.
 :func:`reap` (``hybridpd e2e --reap DIR``, and every ``hybridpd e2e`` into an ``--out``
-that has a record) ends them. Invariants:
+that has a record) ends them. A run's ``--out`` is new each time by default, so each
+record is also named in ``<cache>/e2e/live/`` while it exists, and every ``hybridpd e2e``
+first reaps what a killed run left wherever it wrote (:func:`reap_registered`). Invariants:
 
 - a group is signalled only when one of its recorded processes is still alive with the
   recorded start time, in the recorded group, in the same boot: a pid the kernel gave to
@@ -33,13 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-from hybridpd import guard, proc
+from hybridpd import cache, guard, proc
 from hybridpd.errors import HybridpdError, LocalFileError
 
 #: The record's name in a run directory.
@@ -115,7 +118,11 @@ def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None)
     none)."""
     if not entries:
         path.unlink(missing_ok=True)
+        _named(path).unlink(missing_ok=True)
         return
+    named = _named(path)
+    if not named.is_file():
+        guard.write_atomic(named, str(path.resolve()) + "\n")
     doc = {
         "boot_id": proc.boot_id(),
         "writer": [writer.pid, writer.start_time] if writer else None,
@@ -130,8 +137,12 @@ def read(path: Path) -> tuple[str, list[Entry]]:
     runs (:class:`StillRunning`)."""
     try:
         doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise TypeError(f"JSON {json.dumps(doc)[:40]}, not an object")
         boot, entries = str(doc.get("boot_id", "")), [Entry.from_json(e) for e in doc["processes"]]
         writer = doc.get("writer")
+        if writer is not None:
+            writer = [int(writer[0]), int(writer[1])]
         alive = (writer and boot == proc.boot_id()
                  and (now := proc.identity(int(writer[0]))) is not None
                  and now.start_time == int(writer[1]))
@@ -185,12 +196,54 @@ def reap(directory: Path, grace: float = 5.0) -> list[Reaped]:
     invariants); what was done with each recorded group."""
     out: list[Reaped] = []
     for path in records(directory):
-        boot, entries = read(path)
-        same_boot = boot == proc.boot_id()
-        for entry in entries:
-            out.append(_reap_one(path, entry, same_boot, grace))
-        path.unlink(missing_ok=True)
+        out.extend(_reap_record(path, grace))
     return out
+
+
+def reap_registered(grace: float = 5.0) -> tuple[list[Reaped], list[str]]:
+    """End what killed runs left wherever they wrote (the records named in
+    ``<cache>/e2e/live/``); a live run's record is left to it. What was done with each
+    group, and a line per record that could not be read (kept, never signalled)."""
+    out: list[Reaped] = []
+    unreadable: list[str] = []
+    if not _live().is_dir():
+        return out, unreadable
+    for named in sorted(_live().iterdir()):
+        try:
+            path = Path(named.read_text().strip())
+        except (OSError, UnicodeDecodeError):
+            continue  # being written, or not ours: nothing to signal from it
+        if not path.is_absolute() or path.name != RECORD:
+            continue
+        if not path.is_file():
+            named.unlink(missing_ok=True)  # the run closed, or was reaped
+            continue
+        try:
+            out.extend(_reap_record(path, grace))
+        except StillRunning:
+            continue
+        except HybridpdError as exc:
+            unreadable.append(exc.message)
+    return out, unreadable
+
+
+def _reap_record(path: Path, grace: float) -> list[Reaped]:
+    boot, entries = read(path)
+    same_boot = boot == proc.boot_id()
+    out = [_reap_one(path, entry, same_boot, grace) for entry in entries]
+    path.unlink(missing_ok=True)
+    _named(path).unlink(missing_ok=True)
+    return out
+
+
+def _live() -> Path:
+    return cache.cache_dir() / "e2e" / "live"
+
+
+def _named(record: Path) -> Path:
+    """The file in ``<cache>/e2e/live/`` that names ``record`` while it exists."""
+    key = hashlib.sha256(str(Path(record).resolve()).encode()).hexdigest()[:20]
+    return _live() / key
 
 
 def _reap_one(path: Path, entry: Entry, same_boot: bool, grace: float) -> Reaped:

@@ -104,9 +104,15 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     out_dir = o.out_dir or Path(f"e2e-{pin.version}-{o.device}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()
-    # A run killed here before (SIGKILL) left its servers: end them first.
+    # A run killed before (SIGKILL) left its servers, here or in its own --out: end
+    # them first.
     for reaped in reap_mod.reap(out_dir):
         log(f"left by an earlier run: {reaped.line()}")
+    registered, unreadable = reap_mod.reap_registered()
+    for reaped in registered:
+        log(f"left by an earlier run: {reaped.line()}")
+    for line in unreadable:
+        log(f"warning: {line}")
     t_start = time.monotonic()
 
     # Environments first: a build failure should not cost a server start.
