@@ -22,6 +22,7 @@ raised it, and the later steps are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -31,7 +32,10 @@ import traceback
 
 def _frame(f) -> str:
     path = f.filename.replace("\\", "/")
-    path = path[path.rfind("/vllm/") + 1:] if "/vllm/" in path else path
+    # From the package's root: vLLM's, or lmcache's (whose vLLM adapter sits under
+    # lmcache/integration/vllm/).
+    root = "/lmcache/" if "/lmcache/" in path else "/vllm/"
+    path = path[path.rfind(root) + 1:] if root in path else path
     return f"{path}:{f.lineno}"
 
 
@@ -180,11 +184,34 @@ def _import_patch_helpers(patch_tests: str):
     import importlib
 
     patch_tests = os.path.abspath(patch_tests)
-    sys.path.insert(0, os.path.dirname(patch_tests))
+    if os.path.dirname(patch_tests) not in sys.path:
+        sys.path.insert(0, os.path.dirname(patch_tests))
     package = os.path.basename(patch_tests)
     return (importlib.import_module(f"{package}.builders"),
             importlib.import_module(f"{package}.mamba_state"),
             importlib.import_module(f"{package}.hash_stores"))
+
+
+def _lmcache_stand_in(patch_tests: str | None):
+    """``(why not, None)``, or ``(None, stand_in)``: ``stand_in(chunk_tokens)`` makes an
+    empty stand-in server of that chunk size and returns a factory of the context in
+    which vLLM builds lmcache's own LMCacheMPConnector against it (the patch tests'
+    ``hash_stores.lmcache_adapter_stub``)."""
+    if not patch_tests or not os.path.isdir(patch_tests):
+        return "the series' patch tests (tests/patches), which hold the stand-in, are " \
+               "not at hand", None
+    try:
+        _, _, hash_stores = _import_patch_helpers(patch_tests)
+        reason = hash_stores.lmcache_mp_unavailable()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}", None
+    if reason is not None:
+        return reason, None
+    def stand_in(chunk_tokens: int):
+        server = hash_stores.FakeLMCacheServer(chunk_tokens)
+        return lambda: hash_stores.lmcache_adapter_stub(server)
+
+    return None, stand_in
 
 
 def decode_hits(patch_tests: str | None, probe, new_scheduler, hash_block_size: int) -> dict:
@@ -405,16 +432,31 @@ def explain(request: dict, case: int = 0) -> dict:
                        for g in kv_cache_config.kv_cache_groups],
         }
         out["steps"].running("scheduler")
+        server = None
         if _waits_for_a_server(kv):
-            out["steps"]["scheduler"] = {
-                "unknown": "LMCacheMPConnector's scheduler side connects to its lmcache "
-                           "server when it is built, and explain starts none (yet)"}
-            return out
+            # Built for real, its scheduler side would wait for its lmcache server:
+            # only its client is stood in, as the patch tests do (lmcache's own class).
+            reason, server = _lmcache_stand_in(request.get("patch_tests"))
+            if reason is not None:
+                out["steps"]["scheduler"] = {
+                    "unknown": "LMCacheMPConnector's scheduler side connects to its lmcache "
+                               "server when it is built; explain stands in its client as the "
+                               f"patch tests do, which needs lmcache's class here: {reason}"}
+                return out
         try:
             from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
             block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
-            sched = _scheduler(config, kv_cache_config, block_size, hash_block_size)
+            if server:
+                # LMCache's chunk is a whole number of blocks (its connector checks);
+                # its docs run one block per chunk.
+                server = server(block_size)
+
+            def new_scheduler():
+                with server() if server else contextlib.nullcontext():
+                    return _scheduler(config, kv_cache_config, block_size, hash_block_size)
+
+            sched = new_scheduler()
         except Exception as exc:  # noqa: BLE001
             out["steps"]["scheduler"] = _error(exc)
             return out
@@ -425,12 +467,14 @@ def explain(request: dict, case: int = 0) -> dict:
             "connector": type(connector).__name__ if connector is not None else None,
             "children": [type(c).__name__ for c in children],
             "block_size": block_size, "hash_block_size": hash_block_size,
+            **({"stand_in": "LMCacheMPConnector's lmcache server: an empty stand-in with "
+                            "one block per chunk (its client, lmcache's ZMQ adapter, stood "
+                            "in as the patch tests do)"}
+               if server else {}),
         }
         out["steps"].running("decode_hit")
         out["steps"]["decode_hit"] = decode_hits(
-            request.get("patch_tests"), sched,
-            lambda: _scheduler(config, kv_cache_config, block_size, hash_block_size),
-            hash_block_size)
+            request.get("patch_tests"), sched, new_scheduler, hash_block_size)
     out["total_s"] = round(time.monotonic() - t0, 1)
     return out
 

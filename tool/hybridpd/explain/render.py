@@ -61,7 +61,8 @@ def _scheduler(step: dict) -> str:
     if connector and step.get("children"):
         connector += f"[{', '.join(step['children'])}]"
     built = f"{step.get('class', 'scheduler')} built"
-    return (f"{built}, scheduler-side connector {connector}" if connector
+    stand_in = f" ({step['stand_in']})" if step.get("stand_in") else ""
+    return (f"{built}, scheduler-side connector {connector}{stand_in}" if connector
             else f"{built}, no KV connector")
 
 

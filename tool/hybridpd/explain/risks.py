@@ -95,14 +95,14 @@ def _fixed(series: Series, risk: Risk, vllm: Series, version: str) -> dict[str, 
         if state is None:
             return {side: None for side in SIDES}
         if state.state == "upstream":
-            said = f"fixed upstream (vLLM {state.release}, {patch.id})"
+            said = f"fixed upstream in vLLM {state.release}"
             return {"stock": said, "patched": said}
         if state.state == "carried":
             return {"stock": None, "patched": f"fixed by {patch.id}"}
         return {side: None for side in SIDES}  # dropped: the record says why
     upstream = [(v, s.release) for v, s in patch.pins.items() if s.state == "upstream"]
     if upstream:
-        said = f"fixed upstream ({series.project} {upstream[0][1]}, {patch.id})"
+        said = f"fixed upstream in {series.project} {upstream[0][1]}"
         return {"stock": said, "patched": said}
     carried = [v for v, s in patch.pins.items() if s.state == "carried"]
     if not carried:
