@@ -439,7 +439,8 @@ def _series(tmp_path: Path) -> "Series":
 
 def _answers(batched: int | None = 4096, block: int | None = 1152) -> dict:
     start = {**START, **({"max_num_batched_tokens": batched} if batched else {})}
-    steps = {"start": start, "groups": {**GROUPS, "block_size": block} if block else REFUSED}
+    steps = {"start": start, "groups": {**GROUPS, "block_size": block} if block
+             else {"timeout": 300.0, "log": "x.log"}}
     return {side: {"steps": steps} for side in runner.SIDES}
 
 
@@ -459,7 +460,8 @@ def test_risks_apply_from_the_records_and_the_fix_state_from_the_fixing_patch(tm
                                             "url": "https://github.com/LMCache/LMCache/issues/4247"}]
     assert found["failed-load"]["fixed"] == {"stock": "fixed upstream in vLLM 1.5",
                                              "patched": "fixed upstream in vLLM 1.5"}
-    # Below 2 blocks per step the null slot is never stored; unanswered, it may apply.
+    # Below 2 blocks per step the null slot is never stored; the block size unanswered
+    # (the driver stopped at its limit), it may apply.
     assert "null-slot" not in {r["id"] for r in risks.assess(series, "2.0", lm, 0,
                                                              _answers(batched=2048))}
     maybe = {r["id"]: r for r in risks.assess(series, "2.0", lm, 0, _answers(block=None))}
@@ -494,3 +496,19 @@ def test_risk_lines_put_the_open_ones_first(tmp_path) -> None:
     result.risks = []
     assert "5. known correctness risks (the series' records): none of them matches this " \
            "deployment" in render.lines(result)
+
+
+def test_no_risk_applies_where_vllm_refuses_the_deployment(tmp_path) -> None:
+    from hybridpd.explain import risks
+
+    series = _series(tmp_path)
+    nixl = connectors.kv_transfer_config("nixl", None)
+    refused = {side: {"steps": {"start": START, "groups": REFUSED}} for side in runner.SIDES}
+    assert risks.assess(series, "2.0", nixl, 0, refused) == []
+    result = _result(*refused.values())
+    assert render.lines(result)[-2] == (
+        "5. known correctness risks (the series' records): none: vLLM refuses the deployment")
+    # What explain cannot answer is no refusal: the risk may still apply.
+    unknown = {side: {"steps": {"start": START, "groups": {**REFUSED, "unknown": "cpu"}}}
+               for side in runner.SIDES}
+    assert [r["id"] for r in risks.assess(series, "2.0", nixl, 0, unknown)] == ["failed-load"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from . import risks as risks_mod
 from .runner import SIDES, Explained
 
 #: The questions, in the driver's step order, and how each is named.
@@ -139,7 +140,8 @@ def lines(result: Explained) -> list[str]:
         out.append(f"{n}. {title}:")
         out += [f"   {SIDE_NAMES[side]}: {said[side]}" for side in answered]
     if answered:
-        out += _risk_lines(len(QUESTIONS) + 1, result.risks)
+        refused = all(risks_mod.refused(result.answers[side]) for side in answered)
+        out += _risk_lines(len(QUESTIONS) + 1, result.risks, refused)
     out.append(f"took {result.seconds:.1f} s")
     return out
 
@@ -172,14 +174,15 @@ def _decode_hit_lines(n: int, title: str, result: Explained, answered: list[str]
     return out
 
 
-def _risk_lines(n: int, risks: list[dict]) -> list[str]:
+def _risk_lines(n: int, risks: list[dict], refused: bool = False) -> list[str]:
     """Question 5, from the series' records: the risks open on a side first, then
     those both trees have fixed."""
     title = f"{n}. known correctness risks (the series' records)"
     open_ = [r for r in risks if None in r["fixed"].values()]
     fixed = [r for r in risks if None not in r["fixed"].values()]
     if not risks:
-        return [f"{title}: none of them matches this deployment"]
+        return [f"{title}: " + ("none: vLLM refuses the deployment" if refused
+                                else "none of them matches this deployment")]
     out = [f"{title}:"]
     for r in open_:
         links = f" [{', '.join(l['ref'] for l in r['links'])}]" if r["links"] else ""

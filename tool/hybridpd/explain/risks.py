@@ -41,6 +41,13 @@ def connector_names(kv: dict | None) -> set[str]:
     return {kv.get("kv_connector", "")} | set().union(*map(connector_names, children))
 
 
+def refused(answer: dict) -> bool:
+    """Whether vLLM refused the deployment on this tree (a step's error that is vLLM's
+    verdict, not one explain cannot answer)."""
+    return any("error" in step and "unknown" not in step
+               for step in answer.get("steps", {}).values())
+
+
 @dataclass(frozen=True)
 class Facts:
     """What a risk's ``when`` is matched against on one tree; None: not known
@@ -52,6 +59,8 @@ class Facts:
     mamba_cache_mode: str | None
     max_num_batched_tokens: int | None
     block_size: int | None
+    #: vLLM refused the deployment on this tree: nothing of it runs, no risk applies.
+    refused: bool = False
 
     @classmethod
     def of(cls, kv: dict | None, num_speculative_tokens: int, answer: dict) -> Facts:
@@ -60,7 +69,8 @@ class Facts:
         groups = steps.get("groups", {}) if "error" not in steps.get("groups", {}) else {}
         return cls(frozenset(connector_names(kv)), num_speculative_tokens > 0,
                    start.get("enable_prefix_caching"), start.get("mamba_cache_mode"),
-                   start.get("max_num_batched_tokens"), groups.get("block_size"))
+                   start.get("max_num_batched_tokens"), groups.get("block_size"),
+                   refused(answer))
 
     def holds(self, key: str, value: Any) -> bool | None:
         if key == "connectors":
@@ -80,6 +90,8 @@ class Facts:
     def matches(self, risk: Risk) -> bool | None:
         """True when every condition holds, False when one does not, None when one
         cannot be told and none fails."""
+        if self.refused:
+            return False
         said = [self.holds(k, v) for k, v in risk.when.items()]
         return False if False in said else (None if None in said else True)
 
