@@ -1,5 +1,6 @@
-"""hybridpd explain's driver: runs inside a pin's test environment (stdlib and vLLM
-only), with the vLLM tree under test first on ``PYTHONPATH``; answers one or more
+"""hybridpd explain's driver: runs inside a pin's test environment (stdlib, vLLM and,
+for the decode-side question, the series' patch tests ``tests/patches``), with the vLLM
+tree under test first on ``PYTHONPATH``; answers one or more
 deployments (cases) in one process and prints the answers, a JSON list, on a line of
 stdout that starts with ``HYBRIDPD-EXPLAIN``.
 
@@ -14,7 +15,11 @@ without a GPU:
   size and page padding as the engine core computes them, here for this machine's
   platform (CPU: its attention backend's kernel block sizes, which a GPU's differ from);
 - ``scheduler``: vLLM's ``Scheduler`` built on that KV cache config, with the
-  deployment's KV connector (the connector factory's checks run there).
+  deployment's KV connector (the connector factory's checks run there; lmcache's
+  LMCacheMPConnector with its server client stood in, as the patch tests do);
+- ``decode_hit``: which requests keep a local prefix hit on a decode instance and
+  which Mamba state each resumes from, measured on fresh schedulers of the same build
+  (:func:`decode_hits`).
 
 Each step that raises is reported with the exception's text and the vLLM frame that
 raised it, and the later steps are skipped.
@@ -173,6 +178,8 @@ FOLLOWERS = (
      "a remote prefill whose prompt is the cached prefix and one token"),
     ("plain", "a plain request sent straight to the decode instance"),
 )
+#: What a request that never gets through its prompt is told apart by.
+STUCK = "stuck"
 #: The donor's prefix, in scheduler blocks, and each follower's own tail after it.
 PREFIX_BLOCKS, TAIL_BLOCKS = 2, 1
 
@@ -279,14 +286,18 @@ def _follow(builders, mamba_state, hash_stores, new_scheduler, hash_block_size: 
                 return str(exc)
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 return None
-        raise RuntimeError(f"{req.request_id} did not get through its prompt")
+        return STUCK
 
     donor = request(prefix + builders.prompt(TAIL_BLOCKS * sched.block_size, seed=2), True)
     problem = serve(donor)
+    if problem is STUCK:
+        return {"unknown": "the donor did not get through its prompt on this scheduler"}
     if problem is not None:
         return {"unknown": f"the donor itself broke the Mamba-state invariant: {problem}"}
     follower = request(tokens, remote)
     problem = serve(follower)
+    if problem is STUCK:
+        return {"unknown": "the follower did not get through its prompt on this scheduler"}
     adm = next((a for a in checker.admissions if a.request_id == follower.request_id), None)
     if adm is None:
         return {"unknown": "the follower was never admitted"}
