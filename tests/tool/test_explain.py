@@ -265,6 +265,10 @@ def test_the_driver_tells_vllms_refusals_from_what_it_cannot_answer() -> None:
     except ValueError as exc:
         missing = driver._error(exc)
     assert missing["unknown"].startswith("the test environment lacks torchvision")
+    inspected = driver._error(_raise_in("/t/vllm/engine/arg_utils.py", ValueError(
+        "Model architectures ['Qwen3_5MoeForConditionalGeneration'] failed to be "
+        "inspected. Please check the logs for more details.")))
+    assert inspected["unknown"].startswith("vLLM's model inspection subprocess failed")
     assert driver._waits_for_a_server(connectors.kv_transfer_config("nixl+lmcache", None))
     assert render.verdict({"steps": {"scheduler": {"unknown": "no server"}}},
                           "scheduler") == "unknown here: no server"
