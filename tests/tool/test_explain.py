@@ -14,6 +14,7 @@ import pytest
 
 from hybridpd import proc
 from hybridpd.explain import connectors, model, render, runner
+from hybridpd.series import Series
 
 
 def test_named_sets_are_vllms_kv_transfer_configs() -> None:
@@ -402,7 +403,7 @@ def test_the_decode_side_question_needs_the_patch_tests_and_a_connector(tmp_path
 SHA = "0" * 64
 
 
-def _series(tmp_path: Path) -> "Series":
+def _series(tmp_path: Path) -> Series:
     """A vLLM-like series with two pins and a hosted LMCache-like one, each with risks."""
     from hybridpd.series import load
 
