@@ -461,8 +461,8 @@ def test_risks_apply_from_the_records_and_the_fix_state_from_the_fixing_patch(tm
     assert found["null-slot"]["fixed"] == {
         "stock": None,
         "patched": "fixed by null-slot-fix (hybridpd's LMCache series, on LMCache 0.5)"}
-    assert found["null-slot"]["links"] == [{"ref": "LMCache/LMCache#4247",
-                                            "url": "https://github.com/LMCache/LMCache/issues/4247"}]
+    assert found["null-slot"]["links"] == [{
+        "ref": "LMCache/LMCache#4247", "url": "https://github.com/LMCache/LMCache/issues/4247"}]
     assert found["failed-load"]["fixed"] == {"stock": "fixed upstream in vLLM 1.5",
                                              "patched": "fixed upstream in vLLM 1.5"}
     # Below 2 blocks per step the null slot is never stored; the block size unanswered
