@@ -189,9 +189,9 @@ def test_a_driver_that_hangs_is_stopped_with_its_group(side_by_side, tmp_path: P
         open(os.path.join(os.path.dirname(os.getcwd()), os.path.basename(os.getcwd()) + ".pids"),
              "w").write(f"{os.getpid()} {child.pid}")
         time.sleep(60)
-    ''', timeout=3.0)
+    ''', timeout=10.0)  # room for two interpreters to start on 2 busy cores
     for side in runner.SIDES:
-        assert answers[side]["failed"].startswith("no answer within 3 s; log ")
+        assert answers[side]["failed"].startswith("no answer within 10 s; log ")
         for pid in map(int, (tmp_path / f"{side}.pids").read_text().split()):
             assert proc.identity(pid) is None, f"{side}: {pid} left running"
 
@@ -287,12 +287,12 @@ def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> N
         step(done="start", answer={"block_size": 128})
         step(running="scheduler")
         time.sleep(60)
-    ''', timeout=3.0)
+    ''', timeout=10.0)  # room for two interpreters to start on 2 busy cores
     assert answers["stock"] == {"steps": {
         "start": {"block_size": 128},
-        "scheduler": {"timeout": 3.0, "log": logs["stock"]}}}
+        "scheduler": {"timeout": 10.0, "log": logs["stock"]}}}
     assert render.verdict(answers["stock"], "scheduler") == (
-        f"no answer within 3 s (stopped there; log {logs['stock']})")
+        f"no answer within 10 s (stopped there; log {logs['stock']})")
     assert render.verdict(answers["stock"], "groups") == "not reached"
 
 
