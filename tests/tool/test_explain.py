@@ -14,6 +14,7 @@ import pytest
 
 from hybridpd import proc
 from hybridpd.explain import connectors, model, render, runner
+from hybridpd.series import Series
 
 
 def test_named_sets_are_vllms_kv_transfer_configs() -> None:
@@ -188,9 +189,9 @@ def test_a_driver_that_hangs_is_stopped_with_its_group(side_by_side, tmp_path: P
         open(os.path.join(os.path.dirname(os.getcwd()), os.path.basename(os.getcwd()) + ".pids"),
              "w").write(f"{os.getpid()} {child.pid}")
         time.sleep(60)
-    ''', timeout=3.0)
+    ''', timeout=10.0)  # room for two interpreters to start on 2 busy cores
     for side in runner.SIDES:
-        assert answers[side]["failed"].startswith("no answer within 3 s; log ")
+        assert answers[side]["failed"].startswith("no answer within 10 s; log ")
         for pid in map(int, (tmp_path / f"{side}.pids").read_text().split()):
             assert proc.identity(pid) is None, f"{side}: {pid} left running"
 
@@ -265,6 +266,10 @@ def test_the_driver_tells_vllms_refusals_from_what_it_cannot_answer() -> None:
     except ValueError as exc:
         missing = driver._error(exc)
     assert missing["unknown"].startswith("the test environment lacks torchvision")
+    inspected = driver._error(_raise_in("/t/vllm/engine/arg_utils.py", ValueError(
+        "Model architectures ['Qwen3_5MoeForConditionalGeneration'] failed to be "
+        "inspected. Please check the logs for more details.")))
+    assert inspected["unknown"].startswith("vLLM's model inspection subprocess failed")
     assert driver._waits_for_a_server(connectors.kv_transfer_config("nixl+lmcache", None))
     assert render.verdict({"steps": {"scheduler": {"unknown": "no server"}}},
                           "scheduler") == "unknown here: no server"
@@ -282,12 +287,12 @@ def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> N
         step(done="start", answer={"block_size": 128})
         step(running="scheduler")
         time.sleep(60)
-    ''', timeout=3.0)
+    ''', timeout=10.0)  # room for two interpreters to start on 2 busy cores
     assert answers["stock"] == {"steps": {
         "start": {"block_size": 128},
-        "scheduler": {"timeout": 3.0, "log": logs["stock"]}}}
+        "scheduler": {"timeout": 10.0, "log": logs["stock"]}}}
     assert render.verdict(answers["stock"], "scheduler") == (
-        f"no answer within 3 s (stopped there; log {logs['stock']})")
+        f"no answer within 10 s (stopped there; log {logs['stock']})")
     assert render.verdict(answers["stock"], "groups") == "not reached"
 
 
@@ -312,12 +317,203 @@ def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypa
         "version": "0.32.0", "model": "Org/Name",
         "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
         "note": None, "answers": {"stock": {"failed": "x"}, "patched": {"failed": "y"}},
-        "seconds": 1.0, "logs": {"stock": "s.log", "patched": "p.log"}}
+        "risks": [], "seconds": 1.0, "logs": {"stock": "s.log", "patched": "p.log"}}
     [(version, [opts])] = seen
     assert opts.engine_args() == {"enable_prefix_caching": False, "max_model_len": 8192,
                                   "block_size": 256}
+    assert opts.num_speculative_tokens == 0
+    spec = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
+                                     "--num-speculative-tokens", "3", "--json"])
+    assert spec.exit_code == 0, spec.output
+    # Matched against the risks only: the engine is built without a draft model.
+    assert seen[-1][1][0].num_speculative_tokens == 3
+    assert "speculative" not in json.dumps(seen[-1][1][0].engine_args())
     bad = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
                                     "--connector", "nixl", "--kv-transfer-config", "{}"])
     assert bad.exit_code == 1
     assert bad.output.strip().splitlines() == [
         "Error: give --connector or --kv-transfer-config, not both"]
+
+
+# ---------------------------------------------------------------- question 3
+
+def _follower(kind: str, local: int, loaded: int, state: str, **extra) -> dict:
+    return {"kind": kind, "what": kind, "prompt_tokens": 3456, "local_hit_tokens": local,
+            "external_tokens": loaded, "served_by": "NixlPullConnector" if loaded else None,
+            "resume_point": local + loaded, "mamba_state": state, **extra}
+
+
+def _decode_hit(*requests: dict) -> dict:
+    return {"block_size": 1152, "cached_prefix_tokens": 2304, "requests": list(requests)}
+
+
+SCHEDULER = {"class": "Scheduler", "connector": "MultiConnector",
+             "children": ["NixlPullConnector", "OffloadingConnector"]}
+
+
+def test_decode_hits_are_said_per_follower_side_by_side() -> None:
+    plain = _follower("plain", 0, 0, "not needed")
+    stock = {"steps": {"start": START, "groups": GROUPS, "scheduler": SCHEDULER,
+                       "decode_hit": _decode_hit(
+                           _follower("remote_prefill", 0, 3455, "loaded"), plain)}}
+    patched = {"steps": {**stock["steps"], "decode_hit": _decode_hit(
+        _follower("remote_prefill", 2304, 1151, "loaded"), plain)}}
+    lines = render.lines(_result(stock, patched))
+    at = next(i for i, l in enumerate(lines) if l.startswith("4. decode-side prefix hits"))
+    assert "left 2304 prefix tokens of attention KV cached" in lines[at]
+    assert lines[at + 1:at + 5] == [
+        "   remote prefill:",
+        "      stock: no local hit, 3455 loaded by NixlPullConnector; Mamba state at 3455 "
+        "from the load",
+        "      with the series: local hit 2304, 1151 loaded by NixlPullConnector; Mamba "
+        "state at 3455 from the load",
+        "   plain request: no local hit (computes from 0) (stock and with the series)"]
+
+
+def test_a_hit_without_its_mamba_state_is_said_with_the_checkers_reason() -> None:
+    missing = _follower("plain", 2304, 0, "missing",
+                        problem="Mamba group 1 has no cached state at block 1")
+    assert render._follower(missing) == (
+        "local hit 2304; NO Mamba state at 2304 (Mamba group 1 has no cached state at "
+        "block 1)")
+    assert render._follower(_follower("plain", 1152, 0, "cached")) == (
+        "local hit 1152; Mamba state at 1152 cached")
+    assert render._follower({"unknown": "the follower was never admitted"}) == (
+        "unknown here: the follower was never admitted")
+    # A side that did not measure it (a refusal before) keeps the one-line form.
+    stock = {"steps": {"start": START, "groups": REFUSED}}
+    patched = {"steps": {"start": START, "groups": GROUPS, "scheduler": SCHEDULER,
+                         "decode_hit": _decode_hit(missing)}}
+    lines = render.lines(_result(stock, patched))
+    at = lines.index("4. decode-side prefix hits:")
+    assert lines[at + 1] == "   stock: not reached"
+    assert lines[at + 2].startswith("   with the series: plain request: local hit 2304; NO")
+
+
+def test_the_decode_side_question_needs_the_patch_tests_and_a_connector(tmp_path) -> None:
+    from hybridpd.explain import driver
+
+    assert "not at hand" in driver.decode_hits(None, None, None, 16)["unknown"]
+    assert "not at hand" in driver.decode_hits(str(tmp_path / "no"), None, None, 16)["unknown"]
+    assert "not at hand" in driver._lmcache_stand_in(None)[0]
+
+
+# ---------------------------------------------------------------- question 5
+
+SHA = "0" * 64
+
+
+def _series(tmp_path: Path) -> Series:
+    """A vLLM-like series with two pins and a hosted LMCache-like one, each with risks."""
+    from hybridpd.series import load
+
+    vllm = tmp_path / "patches" / "series.toml"
+    (vllm.parent / "lm").mkdir(parents=True)
+    pin = lambda v: (f'[[pins]]\nversion = "{v}"\ntag = "v{v}"\nsdist = "p-{v}.tar.gz"\n'
+                     f'sha256 = "{SHA}"\n')
+    patch = lambda pid, states: (
+        f'[[patches]]\nid = "{pid}"\ntitle = "t"\nwhy = "w"\ndesign = "d"\n'
+        f'upstream = "u"\nremoval = "r"\n' + ("dropped = \"Not needed there. More.\"\n"
+                                                if "dropped" in states.values() else "")
+        + "".join(f'[patches.pins."{v}"]\nstate = "{s}"\n'
+                  + ('release = "1.5"\n' if s == "upstream" else "")
+                  for v, s in states.items()))
+    vllm.write_text(
+        'schema = 1\npackage = "vllm"\nname = "vLLM"\nupstream_git = "x"\n'
+        'default_pin = "2.0"\n' + pin("1.0") + pin("2.0")
+        + patch("load-fix", {"1.0": "carried", "2.0": "upstream"})
+        + patch("crash-fix", {"1.0": "dropped", "2.0": "carried"})
+        + '[[risks]]\nid = "spec"\nsays = "Spec decoding corrupts."\n'
+          'when = { speculative_decoding = true, prefix_caching = true }\n'
+          'links = ["vllm-project/vllm#53912"]\n'
+        + '[[risks]]\nid = "failed-load"\nsays = "A failed load decodes garbage."\n'
+          'when = { connectors = ["*"] }\nfixed_by = "load-fix"\n'
+        + '[[risks]]\nid = "crash"\nsays = "A sync load crashes."\n'
+          'when = { connectors = ["OffloadingConnector"] }\nfixed_by = "crash-fix"\n')
+    (vllm.parent / "lm" / "series.toml").write_text(
+        'schema = 1\npackage = "lmcache"\nname = "LMCache"\nupstream_git = "x"\n'
+        'default_pin = "0.5"\n[test]\nhost = { series = "../series.toml", pin = "2.0" }\n'
+        + pin("0.5") + patch("null-slot-fix", {"0.5": "carried"})
+        + '[[risks]]\nid = "null-slot"\nsays = "A null slot is stored."\n'
+          'when = { connectors = ["LMCacheMPConnector"], mamba_cache_mode = ["align"], '
+          'max_num_batched_tokens_at_least_blocks = 2 }\n'
+          'unless = "the server runs with --separate-object-groups"\n'
+          'links = ["LMCache/LMCache#4247"]\nfixed_by = "null-slot-fix"\n')
+    return load(vllm)
+
+
+def _answers(batched: int | None = 4096, block: int | None = 1152) -> dict:
+    start = {**START, **({"max_num_batched_tokens": batched} if batched else {})}
+    steps = {"start": start, "groups": {**GROUPS, "block_size": block} if block
+             else {"timeout": 300.0, "log": "x.log"}}
+    return {side: {"steps": steps} for side in runner.SIDES}
+
+
+def test_risks_apply_from_the_records_and_the_fix_state_from_the_fixing_patch(tmp_path) -> None:
+    from hybridpd.explain import risks
+
+    series = _series(tmp_path)
+    assert [s.project for s in risks.hosted_series(series)] == ["vLLM", "LMCache"]
+    lm = connectors.kv_transfer_config("nixl+lmcache", None)
+    found = {r["id"]: r for r in risks.assess(series, "2.0", lm, 0, _answers())}
+    assert set(found) == {"failed-load", "null-slot"}  # no speculative decoding
+    assert found["null-slot"]["applies"] == {"stock": True, "patched": True}
+    assert found["null-slot"]["fixed"] == {
+        "stock": None,
+        "patched": "fixed by null-slot-fix (hybridpd's LMCache series, on LMCache 0.5)"}
+    assert found["null-slot"]["links"] == [{
+        "ref": "LMCache/LMCache#4247", "url": "https://github.com/LMCache/LMCache/issues/4247"}]
+    assert found["failed-load"]["fixed"] == {"stock": "fixed upstream in vLLM 1.5",
+                                             "patched": "fixed upstream in vLLM 1.5"}
+    # Below 2 blocks per step the null slot is never stored; the block size unanswered
+    # (the driver stopped at its limit), it may apply.
+    assert "null-slot" not in {r["id"] for r in risks.assess(series, "2.0", lm, 0,
+                                                             _answers(batched=2048))}
+    maybe = {r["id"]: r for r in risks.assess(series, "2.0", lm, 0, _answers(block=None))}
+    assert maybe["null-slot"]["applies"] == {"stock": None, "patched": None}
+    # On the older pin the load fix is carried, the crash fix dropped (the record's why).
+    offload = connectors.kv_transfer_config("nixl+offloading", None)
+    old = {r["id"]: r for r in risks.assess(series, "1.0", offload, 2, _answers())}
+    assert old["failed-load"]["fixed"] == {"stock": None, "patched": "fixed by load-fix"}
+    assert old["crash"]["fixed"] == {"stock": None, "patched": None}
+    assert old["crash"]["fix_dropped"] == "Not needed there."
+    assert old["spec"]["fixed"] == {"stock": None, "patched": None}
+    assert risks.assess(series, "2.0", None, 0, _answers()) == []
+
+
+def test_risk_lines_put_the_open_ones_first(tmp_path) -> None:
+    from hybridpd.explain import risks
+
+    series = _series(tmp_path)
+    lm = connectors.kv_transfer_config("nixl+lmcache", None)
+    result = _result({"steps": {"start": START}}, {"steps": {"start": START}})
+    result.risks = risks.assess(series, "2.0", lm, 1, _answers())
+    lines = render.lines(result)
+    at = lines.index("5. known correctness risks (the series' records):")
+    assert lines[at + 1:at + 6] == [
+        "   - vLLM: Spec decoding corrupts. [vllm-project/vllm#53912]",
+        "     open (stock and with the series)",
+        "   - LMCache: A null slot is stored. [LMCache/LMCache#4247]; unless the server runs "
+        "with --separate-object-groups",
+        "     stock: open; with the series: fixed by null-slot-fix (hybridpd's LMCache "
+        "series, on LMCache 0.5)",
+        "   fixed on stock too: failed-load (fixed upstream in vLLM 1.5)"]
+    result.risks = []
+    assert "5. known correctness risks (the series' records): none of them matches this " \
+           "deployment" in render.lines(result)
+
+
+def test_no_risk_applies_where_vllm_refuses_the_deployment(tmp_path) -> None:
+    from hybridpd.explain import risks
+
+    series = _series(tmp_path)
+    nixl = connectors.kv_transfer_config("nixl", None)
+    refused = {side: {"steps": {"start": START, "groups": REFUSED}} for side in runner.SIDES}
+    assert risks.assess(series, "2.0", nixl, 0, refused) == []
+    result = _result(*refused.values())
+    assert render.lines(result)[-2] == (
+        "5. known correctness risks (the series' records): none: vLLM refuses the deployment")
+    # What explain cannot answer is no refusal: the risk may still apply.
+    unknown = {side: {"steps": {"start": START, "groups": {**REFUSED, "unknown": "cpu"}}}
+               for side in runner.SIDES}
+    assert [r["id"] for r in risks.assess(series, "2.0", nixl, 0, unknown)] == ["failed-load"]

@@ -26,10 +26,14 @@ pytestmark = pytest.mark.skipif(
     reason="needs the pins' test environments: HYBRIDPD_EXPLAIN_REAL=1 pytest "
            "tests/tool/test_explain_real.py (after hybridpd test --pin 0.32.0 and 0.33.0)")
 
-#: (connector set, extra options) -> what vLLM answers, the same stock and with the series.
+#: (connector set, extra options) -> what vLLM answers. LMCache MP beside NIXL in both
+#: orders (lmcache's own class, its server stood in), one with prefill steps of at
+#: least two blocks (the LMCache series' null-slot risk).
 CASES = {
     "nixl": ("nixl", {}),
     "nixl+offloading": ("nixl+offloading", {}),
+    "nixl+lmcache": ("nixl+lmcache", {"max_num_batched_tokens": 4096}),
+    "lmcache+nixl": ("lmcache+nixl", {}),
     "lmcache-v1": ("lmcache-v1", {}),
     "nixl, no HMA": ("nixl", {"disable_hybrid_kv_cache_manager": True}),
 }
@@ -82,3 +86,86 @@ def test_without_the_hybrid_manager_vllm_refuses_the_hybrid_groups(answers, case
     assert _both(result, "groups").startswith(
         "refused: ValueError: Failed to promote local KV cache specs to one unified type.")
     assert _both(result, "scheduler") == "not reached"
+
+
+def _followers(result: runner.Explained) -> dict[str, dict[str, dict]]:
+    """Question 3's answers: {side: {follower kind: answer}}. An environment without
+    lmcache's class answers the LMCache MP sets "unknown here" (skipped, with why), as
+    the patch tests of those sets skip there."""
+    for side in runner.SIDES:
+        scheduler = result.answers[side]["steps"]["scheduler"]
+        if "unknown" in scheduler and "lmcache's class" in scheduler["unknown"]:
+            pytest.skip(scheduler["unknown"])
+    return {side: {r["kind"]: r for r in result.answers[side]["steps"]["decode_hit"]["requests"]}
+            for side in runner.SIDES}
+
+
+@pytest.mark.parametrize("case", ["nixl", "nixl+offloading", "nixl+lmcache", "lmcache+nixl"])
+def test_no_follower_resumes_without_its_mamba_state(answers, case) -> None:
+    """The invariant, on both trees: every follower's Mamba state exists where it
+    resumes (a NIXL load ending where the prefiller's state belongs, or computing
+    from 0); a plain request sent to the decode instance gets no stateless hit."""
+    followers = _followers(answers[case])
+    for side in runner.SIDES:
+        states = {k: f["mamba_state"] for k, f in followers[side].items()}
+        assert states.pop("remote_prefill_prefix_plus_one") in ("loaded", "not needed")
+        assert states == {"remote_prefill": "loaded", "plain": "not needed"}, side
+        assert followers[side]["remote_prefill"]["served_by"] == "NixlPullConnector"
+        assert followers[side]["plain"]["local_hit_tokens"] == 0
+
+
+@pytest.mark.parametrize("case", ["nixl+offloading", "nixl+lmcache", "lmcache+nixl"])
+def test_a_remote_prefill_beside_a_non_capable_connector_keeps_its_hit_only_with_the_series(
+        answers, case) -> None:
+    """What tests/patches/decode_hit/test_connector_sets.py confirms: stock vLLM takes
+    the divergent hit only when every connector declares it can, which neither the
+    OffloadingConnector nor lmcache's LMCacheMPConnector does, so NIXL pulls the whole
+    prompt again; the series keeps the local hit, NIXL bringing the Mamba state."""
+    result = answers[case]
+    followers = _followers(result)
+    cached = result.answers["stock"]["steps"]["decode_hit"]["cached_prefix_tokens"]
+    stock, patched = (followers[s]["remote_prefill"] for s in runner.SIDES)
+    assert stock["local_hit_tokens"] == 0 and stock["external_tokens"] == stock["resume_point"]
+    assert patched["local_hit_tokens"] == cached
+    assert patched["resume_point"] == patched["prompt_tokens"] - 1  # where NIXL's state is
+    assert render.verdict(result.answers["stock"], "decode_hit") != render.verdict(
+        result.answers["patched"], "decode_hit")
+
+
+def test_nixl_alone_keeps_the_hit_on_stock_and_the_series_also_past_upstreams_gate(
+        answers) -> None:
+    """NIXL alone is inside upstream's capability gate (stock keeps the remote prefill's
+    hit); a prompt one token past the cached prefix is past it (test_mamba_state.py:
+    stock recomputes from 0, the series pulls only the last block with the state)."""
+    followers = _followers(answers["nixl"])
+    cached = answers["nixl"].answers["stock"]["steps"]["decode_hit"]["cached_prefix_tokens"]
+    block = answers["nixl"].answers["stock"]["steps"]["decode_hit"]["block_size"]
+    for side in runner.SIDES:
+        assert followers[side]["remote_prefill"]["local_hit_tokens"] == cached
+    stock, patched = (followers[s]["remote_prefill_prefix_plus_one"] for s in runner.SIDES)
+    assert (stock["resume_point"], stock["mamba_state"]) == (0, "not needed")
+    assert (patched["local_hit_tokens"], patched["external_tokens"]) == (cached - block, block)
+    assert patched["mamba_state"] == "loaded"
+
+
+@pytest.mark.parametrize("case", ["lmcache-v1", "nixl, no HMA"])
+def test_a_refused_set_measures_no_decode_side_hit(answers, case) -> None:
+    assert _both(answers[case], "decode_hit") == "not reached"
+
+
+def test_the_risks_come_from_the_records_with_their_fix_state(answers) -> None:
+    """LMCache MP with prefill steps of two blocks or more stores null Mamba slots
+    unless the LMCache series' fix is applied; a synchronous load (Offloading) on a
+    full pool crashes unless the series' admission fix is; both from the records."""
+    _followers(answers["nixl+lmcache"])  # skipped without lmcache's class
+    lm = {r["id"]: r for r in answers["nixl+lmcache"].risks}
+    assert lm["null-recurrent-slot-stored"]["fixed"]["stock"] is None
+    assert lm["null-recurrent-slot-stored"]["fixed"]["patched"].startswith(
+        "fixed by null-recurrent-slot-not-stored")
+    assert lm["hybrid-wrong-outputs-reported"]["fixed"] == {"stock": None, "patched": None}
+    # The other order runs vLLM's default step (2048 tokens < 2 blocks of 1152).
+    assert "null-recurrent-slot-stored" not in {r["id"] for r in answers["lmcache+nixl"].risks}
+    offload = {r["id"]: r for r in answers["nixl+offloading"].risks}
+    assert offload["sync-load-admission-crash"]["fixed"] == {
+        "stock": None, "patched": "fixed by mamba-align-admission-counts-sync-load"}
+    assert "speculative-decoding-prefix-cache-gdn" not in offload

@@ -241,3 +241,64 @@ def test_fixes_lost_on_a_release_that_predates_their_upstream_fix() -> None:
 
     with pytest.raises(SeriesError, match="not a release version"):
         series.fixes_lost_on("0.32.0", "main")
+
+
+RISK = '''
+[[risks]]
+id = "lost-state"
+says = """
+A request resumes
+without its state."""
+when = { connectors = ["NixlConnector"], max_num_batched_tokens_at_least_blocks = 2 }
+links = ["example/proj#7"]
+unless = "the server runs with --safe"
+fixed_by = "second"
+'''
+
+
+def test_risk_records_name_their_conditions_links_and_fix(tmp_path: Path) -> None:
+    series = load(write(tmp_path, VALID + RISK))
+    [risk] = series.risks
+    assert risk.says == "A request resumes without its state."
+    assert risk.when == {"connectors": ["NixlConnector"],
+                         "max_num_batched_tokens_at_least_blocks": 2}
+    assert risk.links == ("example/proj#7",) and risk.fixed_by == "second"
+    assert risk.url(risk.links[0]) == "https://github.com/example/proj/issues/7"
+    assert load(write(tmp_path, VALID)).risks == ()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ('fixed_by = "second"', 'fixed_by = "third"', '"fixed_by" \'third\' is not a patch'),
+        ('links = ["example/proj#7"]', 'links = ["proj#7"]', 'field "links" must be a list'),
+        ('links = ["example/proj#7"]', 'links = "example/proj#7"', 'field "links" must be a list'),
+        ('connectors = ["NixlConnector"]', 'gpus = 2', "when.gpus: not one of connectors"),
+        ('connectors = ["NixlConnector"]', 'connectors = []', "when.connectors must be"),
+        ("at_least_blocks = 2", "at_least_blocks = 0", "when.max_num_batched_tokens_at_"),
+        ('when = { connectors = ["NixlConnector"], max_num_batched_tokens_at_least_blocks = 2 }',
+         "when = {}", 'field "when" must be a table of at least one of'),
+        ('when = { connectors', 'when = { mamba_cache_mode = ["aligned"], connectors',
+         "when.mamba_cache_mode must be"),
+        ('unless = "the', 'until = "the', r"unknown field\(s\) until"),
+        ('id = "lost-state"', 'id = "Lost"', 'field "id" must match'),
+    ],
+)
+def test_invalid_risk_records_name_the_field(tmp_path: Path, old: str, new: str,
+                                             message: str) -> None:
+    assert old in RISK
+    with pytest.raises(SeriesError, match=message):
+        load(write(tmp_path, VALID + RISK.replace(old, new, 1)))
+    with pytest.raises(SeriesError, match='duplicate "id"'):
+        load(write(tmp_path, VALID + RISK + RISK))
+
+
+def test_the_committed_risks_name_patches_and_links_of_their_series() -> None:
+    """Both committed series load with their [[risks]] (the parser checks each
+    fixed_by and link), and the issue's examples are there."""
+    root = Path(__file__).resolve().parents[2]
+    vllm = load(root / "patches" / "series.toml")
+    lmcache = load(root / "patches" / "lmcache" / "series.toml")
+    assert "vllm-project/vllm#53912" in {l for r in vllm.risks for l in r.links}
+    null_slot = next(r for r in lmcache.risks if r.fixed_by == "null-recurrent-slot-not-stored")
+    assert null_slot.when["max_num_batched_tokens_at_least_blocks"] == 2

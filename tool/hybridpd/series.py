@@ -95,6 +95,46 @@ class Patch:
         return flat if found is None else flat[: found.start() + 1]
 
 
+#: The deployment facts a risk's ``when`` table may name, and what each takes.
+#: ``connectors``: KV connector class names, any of them in the set (a MultiConnector's
+#: children included; ``"*"``: any); ``speculative_decoding``, ``prefix_caching``: on or off;
+#: ``mamba_cache_mode``: the modes it applies in; ``max_num_batched_tokens_at_least_blocks``:
+#: applies when ``--max-num-batched-tokens`` is at least that many KV cache blocks.
+RISK_CONDITIONS = {
+    "connectors": 'a list of KV connector class names ("*": any)',
+    "speculative_decoding": "true or false",
+    "prefix_caching": "true or false",
+    "mamba_cache_mode": 'a list of "none", "align", "all"',
+    "max_num_batched_tokens_at_least_blocks": "an integer >= 1",
+}
+#: An upstream issue or pull request: ``owner/repo#number``.
+_LINK = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*/[A-Za-z0-9._-]+#[0-9]+")
+
+
+@dataclass(frozen=True)
+class Risk:
+    """A known correctness risk of a deployment (``[[risks]]`` record): what goes
+    wrong, the deployments it applies to (``when``, keys of :data:`RISK_CONDITIONS`),
+    the upstream issues and pull requests about it (``owner/repo#N``), what else
+    avoids it (``unless``, free text: something no deployment flag says), and the
+    patch of this series that fixes it (``fixed_by``; the fix's state on each pin is
+    that patch's, so whether a pin is fixed is never written twice)."""
+
+    id: str
+    says: str
+    when: Mapping[str, Any]
+    links: tuple[str, ...] = ()
+    unless: str | None = None
+    fixed_by: str | None = None
+
+    @staticmethod
+    def url(link: str) -> str:
+        """The GitHub page of ``owner/repo#N`` (GitHub redirects an issue number
+        that is a pull request)."""
+        repo, number = link.split("#")
+        return f"https://github.com/{repo}/issues/{number}"
+
+
 @dataclass(frozen=True)
 class TestSetup:
     """Where a series' patch tests live and what they run in (``[test]`` table).
@@ -123,6 +163,8 @@ class Series:
     #: How messages name the project ("vLLM", "LMCache"); the package name if unset.
     name: str = ""
     test: TestSetup | None = None
+    #: Known correctness risks (``[[risks]]``), in file order.
+    risks: tuple[Risk, ...] = ()
 
     @property
     def project(self) -> str:
@@ -313,16 +355,69 @@ class _Parser:
             raise self.fail(
                 "top level", f'"default_pin" {default_pin} is not ported (see hybridpd port)'
             )
+        patches = self.patches(data.get("patches", []), versions, ported)
         return Series(
             path=self.path,
             package=self.text(data, "package", "top level"),
             upstream_git=self.text(data, "upstream_git", "top level"),
             default_pin=default_pin,
             pins=pins,
-            patches=self.patches(data.get("patches", []), versions, ported),
+            patches=patches,
             name=self.optional_text(data, "name", "top level"),
             test=self.test_setup(data.get("test")),
+            risks=self.risks(data.get("risks", []), {p.id for p in patches}),
         )
+
+    def risks(self, raw: Any, patch_ids: set[str]) -> tuple[Risk, ...]:
+        if not isinstance(raw, list):
+            raise self.fail("top level", "[[risks]] must be an array of tables")
+        risks: list[Risk] = []
+        for index, table in enumerate(raw):
+            if not isinstance(table, dict):
+                raise self.fail(f"risks[{index}]", "must be a table")
+            raw_id = table.get("id")
+            where = f'risks[{index}] (id "{raw_id}")' if raw_id else f"risks[{index}]"
+            unknown = set(table) - {"id", "says", "when", "links", "unless", "fixed_by"}
+            if unknown:
+                raise self.fail(where, f"unknown field(s) {', '.join(sorted(unknown))}")
+            risk_id = self.text(table, "id", where)
+            if not _ID.fullmatch(risk_id):
+                raise self.fail(where, 'field "id" must match [a-z0-9][a-z0-9-]*')
+            if any(r.id == risk_id for r in risks):
+                raise self.fail(where, 'duplicate "id"')
+            links = table.get("links", [])
+            if not isinstance(links, list) or not all(
+                    isinstance(l, str) and _LINK.fullmatch(l) for l in links):
+                raise self.fail(where, 'field "links" must be a list of "owner/repo#N"')
+            fixed_by = table.get("fixed_by")
+            if fixed_by is not None and fixed_by not in patch_ids:
+                raise self.fail(where, f'"fixed_by" {fixed_by!r} is not a patch of this series')
+            unless = self.text(table, "unless", where) if "unless" in table else None
+            risks.append(Risk(risk_id, " ".join(self.text(table, "says", where).split()),
+                              self.conditions(table.get("when"), where), tuple(links),
+                              unless, fixed_by))
+        return tuple(risks)
+
+    def conditions(self, raw: Any, where: str) -> dict[str, Any]:
+        if not isinstance(raw, dict) or not raw:
+            raise self.fail(where, 'field "when" must be a table of at least one of '
+                                   + ", ".join(RISK_CONDITIONS))
+        for key, value in raw.items():
+            if key not in RISK_CONDITIONS:
+                raise self.fail(where, f'when.{key}: not one of {", ".join(RISK_CONDITIONS)}')
+            ok = {
+                "connectors": isinstance(value, list) and bool(value) and all(
+                    isinstance(v, str) and (v == "*" or v.isidentifier()) for v in value),
+                "speculative_decoding": isinstance(value, bool),
+                "prefix_caching": isinstance(value, bool),
+                "mamba_cache_mode": isinstance(value, list) and bool(value) and all(
+                    v in ("none", "align", "all") for v in value),
+                "max_num_batched_tokens_at_least_blocks": isinstance(value, int)
+                and not isinstance(value, bool) and value >= 1,
+            }[key]
+            if not ok:
+                raise self.fail(where, f"when.{key} must be {RISK_CONDITIONS[key]}")
+        return dict(raw)
 
     def test_setup(self, raw: Any) -> TestSetup | None:
         if raw is None:

@@ -33,6 +33,9 @@ from .options import State, json_flag, log
               help="vLLM's --disable-hybrid-kv-cache-manager.")
 @click.option("--max-model-len", type=int, default=8192, show_default=True,
               help="vLLM's --max-model-len (vLLM's own default is the model's length).")
+@click.option("--num-speculative-tokens", type=int, default=0, show_default=True,
+              help="vLLM's speculative decoding tokens: matched against the known risks "
+                   "(question 5); the engine is answered without a draft model.")
 @click.option("--kv-cache-gib", type=float, default=16.0, show_default=True,
               help="KV cache memory the engine core sizes the pool in (too little for "
                    "--max-model-len is vLLM's refusal, as on a GPU).")
@@ -45,8 +48,10 @@ def explain(state: State, version: str, model: str, connector: str | None,
     """Whether MODEL with a KV connector set starts on vLLM PIN, and how vLLM lays out
     its hybrid KV cache: answered by vLLM's own code (config checks, the model's
     layers built on the meta device, the engine core's KV cache sizing, the scheduler
-    and its connector) in the pin's test environment, for the stock release and with
-    the series, side by side. No weights, no GPU.
+    and its connector, which requests keep a decode-side prefix hit and with which
+    Mamba state, measured on that scheduler) in the pin's test environment, for the
+    stock release and with the series, side by side; then the known correctness risks
+    the series' records match. No weights, no GPU.
     """
     kv = connectors.kv_transfer_config(connector, kv_json, kv_role)
     opts = runner.ExplainOptions(
@@ -56,6 +61,7 @@ def explain(state: State, version: str, model: str, connector: str | None,
         enable_prefix_caching=not flags["no_prefix_caching"],
         disable_hybrid_kv_cache_manager=flags["disable_hybrid_kv_cache_manager"],
         max_model_len=flags["max_model_len"], kv_cache_gib=flags["kv_cache_gib"],
+        num_speculative_tokens=flags["num_speculative_tokens"],
         timeout=flags["timeout"])
     result = runner.explain(state.series, version, opts, log=quiet if as_json else log)
     if as_json:

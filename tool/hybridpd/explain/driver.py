@@ -1,5 +1,6 @@
-"""hybridpd explain's driver: runs inside a pin's test environment (stdlib and vLLM
-only), with the vLLM tree under test first on ``PYTHONPATH``; answers one or more
+"""hybridpd explain's driver: runs inside a pin's test environment (stdlib, vLLM and,
+for the decode-side question, the series' patch tests ``tests/patches``), with the vLLM
+tree under test first on ``PYTHONPATH``; answers one or more
 deployments (cases) in one process and prints the answers, a JSON list, on a line of
 stdout that starts with ``HYBRIDPD-EXPLAIN``.
 
@@ -14,7 +15,11 @@ without a GPU:
   size and page padding as the engine core computes them, here for this machine's
   platform (CPU: its attention backend's kernel block sizes, which a GPU's differ from);
 - ``scheduler``: vLLM's ``Scheduler`` built on that KV cache config, with the
-  deployment's KV connector (the connector factory's checks run there).
+  deployment's KV connector (the connector factory's checks run there; lmcache's
+  LMCacheMPConnector with its server client stood in, as the patch tests do);
+- ``decode_hit``: which requests keep a local prefix hit on a decode instance and
+  which Mamba state each resumes from, measured on fresh schedulers of the same build
+  (:func:`decode_hits`).
 
 Each step that raises is reported with the exception's text and the vLLM frame that
 raised it, and the later steps are skipped.
@@ -22,7 +27,9 @@ raised it, and the later steps are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -30,7 +37,10 @@ import traceback
 
 def _frame(f) -> str:
     path = f.filename.replace("\\", "/")
-    path = path[path.rfind("/vllm/") + 1:] if "/vllm/" in path else path
+    # From the package's root: vLLM's, or lmcache's (whose vLLM adapter sits under
+    # lmcache/integration/vllm/).
+    root = "/lmcache/" if "/lmcache/" in path else "/vllm/"
+    path = path[path.rfind(root) + 1:] if root in path else path
     return f"{path}:{f.lineno}"
 
 
@@ -56,7 +66,13 @@ def _error(exc: BaseException) -> dict:
                               "for this model (a GPU environment has it)")
             return out
         chain = chain.__cause__ or chain.__context__
-    if frames and frames[-1].filename == __file__:
+    if "failed to be inspected" in out["error"]:
+        # vLLM inspects the architecture in a subprocess: its cause (in the log) is
+        # not in this exception's chain; an inspection that fails is an import that
+        # fails, where a GPU environment imports (torchvision for Qwen3.5 on 0.20.2).
+        out["unknown"] = ("vLLM's model inspection subprocess failed (the driver's log "
+                          "says why: usually a module the test environment lacks)")
+    elif frames and frames[-1].filename == __file__:
         out["unknown"] = ("explain's stand-in for the engine's worker lacks what vLLM asked "
                           "of it here (explain cannot answer this configuration yet)")
     elif any(mark in out["raised_at"] for mark in _CPU_ONLY):
@@ -143,6 +159,168 @@ def _layer_specs(vllm_config) -> dict:
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     return get_kv_cache_spec(vllm_config)
+
+
+def _scheduler(vllm_config, kv_cache_config, block_size: int, hash_block_size: int):
+    """vLLM's scheduler as ``EngineCore.__init__`` builds it: the configured class
+    (async scheduling picks vLLM's AsyncScheduler), the block sizes it resolved."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return scheduler_cls(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        include_finished_set=False, block_size=block_size,
+        hash_block_size=hash_block_size,
+    )
+
+
+#: The decode instance's followers of question 3: (name, how it reaches the decode
+#: instance). Each shares the donor's cached prefix; a remote prefill carries the
+#: ``kv_transfer_params`` a PD proxy hands the decode instance (NIXL's format).
+FOLLOWERS = (
+    ("remote_prefill", "a remote prefill (do_remote_prefill) sharing the prefix"),
+    ("remote_prefill_prefix_plus_one",
+     "a remote prefill whose prompt is the cached prefix and one token"),
+    ("plain", "a plain request sent straight to the decode instance"),
+)
+#: What a request that never gets through its prompt is told apart by.
+STUCK = "stuck"
+#: The donor's prefix, in scheduler blocks, and each follower's own tail after it.
+PREFIX_BLOCKS, TAIL_BLOCKS = 2, 1
+
+
+def _import_patch_helpers(patch_tests: str):
+    """The patch tests' own builders, Mamba-state checker and hash-store stand-ins
+    (``tests/patches``, imported as its package: its modules import their siblings
+    relatively), so this question is measured exactly as the patch tests measure it."""
+    import importlib
+
+    patch_tests = os.path.abspath(patch_tests)
+    if os.path.dirname(patch_tests) not in sys.path:
+        sys.path.insert(0, os.path.dirname(patch_tests))
+    package = os.path.basename(patch_tests)
+    return (importlib.import_module(f"{package}.builders"),
+            importlib.import_module(f"{package}.mamba_state"),
+            importlib.import_module(f"{package}.hash_stores"))
+
+
+def _lmcache_stand_in(patch_tests: str | None):
+    """``(why not, None)``, or ``(None, stand_in)``: ``stand_in(chunk_tokens)`` makes an
+    empty stand-in server of that chunk size and returns a factory of the context in
+    which vLLM builds lmcache's own LMCacheMPConnector against it (the patch tests'
+    ``hash_stores.lmcache_adapter_stub``)."""
+    if not patch_tests or not os.path.isdir(patch_tests):
+        return "the series' patch tests (tests/patches), which hold the stand-in, are " \
+               "not at hand", None
+    try:
+        _, _, hash_stores = _import_patch_helpers(patch_tests)
+        reason = hash_stores.lmcache_mp_unavailable()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}", None
+    if reason is not None:
+        return reason, None
+    def stand_in(chunk_tokens: int):
+        server = hash_stores.FakeLMCacheServer(chunk_tokens)
+        return lambda: hash_stores.lmcache_adapter_stub(server)
+
+    return None, stand_in
+
+
+def decode_hits(patch_tests: str | None, probe, new_scheduler, hash_block_size: int) -> dict:
+    """Question 3: which requests keep a local prefix hit on a decode instance, and
+    whether the Mamba state each resumes from exists.
+
+    As the patch tests drive it (``tests/patches/decode_hit``): a fresh scheduler
+    per follower serves a donor remote prefill (its connector loads the prompt; the
+    worker reports the load finished the step after), which leaves the prefix's
+    attention blocks cached and no Mamba state inside it; then the follower. The
+    patch tests' ``MambaStateChecker`` watches every admission and says which state
+    the model would read at the resume point (a cached Mamba block of the request's
+    own prefix, a NIXL load ending where the prefiller's state belongs, or none)."""
+    if not patch_tests or not os.path.isdir(patch_tests):
+        return {"unknown": "the series' patch tests (tests/patches), whose scheduler "
+                           "driving this question reuses, are not at hand"}
+    try:
+        builders, mamba_state, hash_stores = _import_patch_helpers(patch_tests)
+    except Exception as exc:  # noqa: BLE001
+        return _error(exc)
+    if probe.connector is None:
+        return {"unknown": "no KV connector: a decode instance without one receives no "
+                           "remote prefills"}
+    bs = probe.block_size
+    prompt_len = (PREFIX_BLOCKS + TAIL_BLOCKS) * bs
+    max_len = probe.max_model_len
+    if prompt_len + 8 > max_len:
+        return {"unknown": f"a prompt of {PREFIX_BLOCKS + TAIL_BLOCKS} blocks of {bs} "
+                           f"tokens does not fit max_model_len {max_len}"}
+    prefix = builders.prompt(PREFIX_BLOCKS * bs, seed=1)
+    tails = {name: builders.prompt(TAIL_BLOCKS * bs, seed=3 + n)
+             for n, (name, _) in enumerate(FOLLOWERS)}
+    tails["remote_prefill_prefix_plus_one"] = [5]
+    out = {"block_size": bs, "cached_prefix_tokens": len(prefix), "requests": []}
+    for name, what in FOLLOWERS:
+        try:
+            said = _follow(builders, mamba_state, hash_stores, new_scheduler,
+                           hash_block_size, prefix, prefix + tails[name],
+                           remote=name != "plain")
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the answer
+            said = _error(exc)
+        out["requests"].append({"kind": name, "what": what, **said})
+    return out
+
+
+def _follow(builders, mamba_state, hash_stores, new_scheduler, hash_block_size: int,
+            prefix: list, tokens: list, remote: bool) -> dict:
+    sched = new_scheduler()
+    names = [type(c).__name__ for c in getattr(sched.connector, "_connectors", [sched.connector])]
+    worker = hash_stores.OffloadingWorker(sched) if "OffloadingConnector" in names else None
+    checker = mamba_state.MambaStateChecker(sched)
+
+    def request(tokens, remote):
+        params = builders.remote_prefill_params(-(-len(tokens) // sched.block_size))
+        return builders.request(tokens, kv_transfer_params=params if remote else None,
+                                block_size=hash_block_size)
+
+    def serve(req) -> str | None:
+        """Drive ``req`` through its prompt; the checker's objection, if any."""
+        sched.add_request(req)
+        for _ in range(4 * req.num_prompt_tokens):
+            try:
+                hash_stores.hash_store_step(sched, checker, worker)
+            except mamba_state.MambaStateViolation as exc:
+                return str(exc)
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                return None
+        return STUCK
+
+    donor = request(prefix + builders.prompt(TAIL_BLOCKS * sched.block_size, seed=2), True)
+    problem = serve(donor)
+    if problem is STUCK:
+        return {"unknown": "the donor did not get through its prompt on this scheduler"}
+    if problem is not None:
+        return {"unknown": f"the donor itself broke the Mamba-state invariant: {problem}"}
+    follower = request(tokens, remote)
+    problem = serve(follower)
+    if problem is STUCK:
+        return {"unknown": "the follower did not get through its prompt on this scheduler"}
+    adm = next((a for a in checker.admissions if a.request_id == follower.request_id), None)
+    if adm is None:
+        return {"unknown": "the follower was never admitted"}
+    local = adm.resume_point - adm.external_tokens
+    if problem is not None:
+        state = "missing"
+    elif adm.resume_point == 0:
+        state = "not needed"  # computes from its first token
+    elif adm.external_tokens and (
+            local == 0 or adm.serving_connector in mamba_state.LOAD_STATE_CHECKS):
+        state = "loaded"  # NIXL's checked where it ends; any load from 0 brings its own
+    else:
+        state = "cached"
+    return {"prompt_tokens": len(tokens), "local_hit_tokens": local,
+            "external_tokens": adm.external_tokens, "served_by": adm.serving_connector,
+            "resume_point": adm.resume_point, "mamba_state": state,
+            **({"problem": problem} if problem else {})}
 
 
 def _waits_for_a_server(kv: dict | None) -> bool:
@@ -271,25 +449,31 @@ def explain(request: dict, case: int = 0) -> dict:
                        for g in kv_cache_config.kv_cache_groups],
         }
         out["steps"].running("scheduler")
+        server = None
         if _waits_for_a_server(kv):
-            out["steps"]["scheduler"] = {
-                "unknown": "LMCacheMPConnector's scheduler side connects to its lmcache "
-                           "server when it is built, and explain starts none (yet)"}
-            return out
+            # Built for real, its scheduler side would wait for its lmcache server:
+            # only its client is stood in, as the patch tests do (lmcache's own class).
+            reason, server = _lmcache_stand_in(request.get("patch_tests"))
+            if reason is not None:
+                out["steps"]["scheduler"] = {
+                    "unknown": "LMCacheMPConnector's scheduler side connects to its lmcache "
+                               "server when it is built; explain stands in its client as the "
+                               f"patch tests do, which needs lmcache's class here: {reason}"}
+                return out
         try:
             from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-            from vllm.v1.structured_output import StructuredOutputManager
 
-            # As EngineCore.__init__ builds it: the configured class (async
-            # scheduling picks vLLM's AsyncScheduler), the block sizes it resolves.
-            scheduler_cls = config.scheduler_config.get_scheduler_cls()
             block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
-            sched = scheduler_cls(
-                vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
-                structured_output_manager=StructuredOutputManager(config),
-                include_finished_set=False, block_size=block_size,
-                hash_block_size=hash_block_size,
-            )
+            if server:
+                # LMCache's chunk is a whole number of blocks (its connector checks);
+                # its docs run one block per chunk.
+                server = server(block_size)
+
+            def new_scheduler():
+                with server() if server else contextlib.nullcontext():
+                    return _scheduler(config, kv_cache_config, block_size, hash_block_size)
+
+            sched = new_scheduler()
         except Exception as exc:  # noqa: BLE001
             out["steps"]["scheduler"] = _error(exc)
             return out
@@ -300,7 +484,14 @@ def explain(request: dict, case: int = 0) -> dict:
             "connector": type(connector).__name__ if connector is not None else None,
             "children": [type(c).__name__ for c in children],
             "block_size": block_size, "hash_block_size": hash_block_size,
+            **({"stand_in": "LMCacheMPConnector's lmcache server: an empty stand-in with "
+                            "one block per chunk (its client, lmcache's ZMQ adapter, stood "
+                            "in as the patch tests do)"}
+               if server else {}),
         }
+        out["steps"].running("decode_hit")
+        out["steps"]["decode_hit"] = decode_hits(
+            request.get("patch_tests"), sched, new_scheduler, hash_block_size)
     out["total_s"] = round(time.monotonic() - t0, 1)
     return out
 

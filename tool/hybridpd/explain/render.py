@@ -5,16 +5,22 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from . import risks as risks_mod
 from .runner import SIDES, Explained
 
 #: The questions, in the driver's step order, and how each is named.
 QUESTIONS = (("start", "config accepted"), ("groups", "KV cache groups"),
-             ("scheduler", "scheduler and connector"))
+             ("scheduler", "scheduler and connector"),
+             ("decode_hit", "decode-side prefix hits"))
+#: Question 3's followers, as the verdict lines name them.
+FOLLOWER_NAMES = {"remote_prefill": "remote prefill",
+                  "remote_prefill_prefix_plus_one": "remote prefill of the prefix + 1 token",
+                  "plain": "plain request"}
 #: What the answers are not: said once, above them.
 CAVEAT = ("  (a CPU engine of this pin answered: block sizes are rounded to its attention "
           "kernels, max_num_batched_tokens and async scheduling are its defaults unless "
-          "given; tensor parallel 1, no speculative decoding; the connectors' worker side "
-          "(KV cache registration) is not run)")
+          "given; tensor parallel 1; speculative decoding only matched against the known "
+          "risks; the connectors' worker side (KV cache registration) is not run)")
 SIDE_NAMES = {"stock": "stock", "patched": "with the series"}
 
 
@@ -56,11 +62,38 @@ def _scheduler(step: dict) -> str:
     if connector and step.get("children"):
         connector += f"[{', '.join(step['children'])}]"
     built = f"{step.get('class', 'scheduler')} built"
-    return (f"{built}, scheduler-side connector {connector}" if connector
+    stand_in = f" ({step['stand_in']})" if step.get("stand_in") else ""
+    return (f"{built}, scheduler-side connector {connector}{stand_in}" if connector
             else f"{built}, no KV connector")
 
 
-_FORMAT = {"start": _start, "groups": _groups, "scheduler": _scheduler}
+def _follower(said: dict) -> str:
+    """One follower's answer: its local hit, the load beside it, and the Mamba state
+    it resumes from (the invariant: none may resume where no state exists)."""
+    if "error" in said:
+        return _refused(said)
+    if "unknown" in said:
+        return f"unknown here: {said['unknown']}"
+    local, loaded = said["local_hit_tokens"], said["external_tokens"]
+    hit = f"local hit {local}" if local else "no local hit"
+    if loaded:
+        hit += f", {loaded} loaded by {said['served_by']}"
+    state = said["mamba_state"]
+    if state == "missing":
+        return f"{hit}; NO Mamba state at {said['resume_point']} ({said['problem']})"
+    return hit + {"not needed": " (computes from 0)",
+                  "loaded": f"; Mamba state at {said['resume_point']} from the load",
+                  "cached": f"; Mamba state at {said['resume_point']} cached"}[state]
+
+
+def _decode_hit(step: dict) -> str:
+    """The whole answer on one line (where the two trees agree on every follower)."""
+    return "; ".join(f"{FOLLOWER_NAMES.get(r['kind'], r['kind'])}: {_follower(r)}"
+                     for r in step["requests"])
+
+
+_FORMAT = {"start": _start, "groups": _groups, "scheduler": _scheduler,
+           "decode_hit": _decode_hit}
 
 
 def verdict(answer: dict, key: str) -> str:
@@ -95,6 +128,9 @@ def lines(result: Explained) -> list[str]:
     for n, (key, title) in enumerate(QUESTIONS, 1):
         if not answered:
             break
+        if key == "decode_hit" and _per_follower(result, answered):
+            out += _decode_hit_lines(n, title, result, answered)
+            continue
         said = {side: verdict(result.answers[side], key) for side in answered}
         if len(set(said.values())) == 1:
             both = " (stock and with the series)" if len(said) == 2 else (
@@ -103,5 +139,66 @@ def lines(result: Explained) -> list[str]:
             continue
         out.append(f"{n}. {title}:")
         out += [f"   {SIDE_NAMES[side]}: {said[side]}" for side in answered]
+    if answered:
+        refused = all(risks_mod.refused(result.answers[side]) for side in answered)
+        out += _risk_lines(len(QUESTIONS) + 1, result.risks, refused)
     out.append(f"took {result.seconds:.1f} s")
+    return out
+
+
+def _per_follower(result: Explained, answered: list[str]) -> bool:
+    """Whether question 3 was measured on every answered tree (one line per follower
+    then, the trees side by side)."""
+    return all("requests" in result.answers[side].get("steps", {}).get("decode_hit", {})
+               for side in answered)
+
+
+def _decode_hit_lines(n: int, title: str, result: Explained, answered: list[str]) -> list[str]:
+    steps = {side: result.answers[side]["steps"]["decode_hit"] for side in answered}
+    first = steps[answered[0]]
+    out = [f"{n}. {title} (a donor remote prefill left {first['cached_prefix_tokens']} "
+           "prefix tokens of attention KV cached on the decode instance, no Mamba state "
+           "inside them; then each follower on a fresh instance):"]
+    kinds = [r["kind"] for r in first["requests"]]
+    for kind in kinds:
+        said = {side: _follower(next(r for r in steps[side]["requests"] if r["kind"] == kind))
+                for side in answered}
+        name = FOLLOWER_NAMES.get(kind, kind)
+        if len(set(said.values())) == 1:
+            both = " (stock and with the series)" if len(said) == 2 else (
+                f" ({SIDE_NAMES[answered[0]]})")
+            out.append(f"   {name}: {next(iter(said.values()))}{both}")
+            continue
+        out.append(f"   {name}:")
+        out += [f"      {SIDE_NAMES[side]}: {said[side]}" for side in answered]
+    return out
+
+
+def _risk_lines(n: int, risks: list[dict], refused: bool = False) -> list[str]:
+    """Question 5, from the series' records: the risks open on a side first, then
+    those both trees have fixed."""
+    title = f"{n}. known correctness risks (the series' records)"
+    open_ = [r for r in risks if None in r["fixed"].values()]
+    fixed = [r for r in risks if None not in r["fixed"].values()]
+    if not risks:
+        return [f"{title}: " + ("none: vLLM refuses the deployment" if refused
+                                else "none of them matches this deployment")]
+    out = [f"{title}:"]
+    for r in open_:
+        links = f" [{', '.join(l['ref'] for l in r['links'])}]" if r["links"] else ""
+        maybe = ("" if all(r["applies"].values()) else
+                 " (may apply: vLLM did not answer a fact it depends on)")
+        unless = f"; unless {r['unless']}" if r.get("unless") else ""
+        out.append(f"   - {r['project']}: {r['says']}{links}{maybe}{unless}")
+        state = {side: r["fixed"][side] or "open" for side in ("stock", "patched")}
+        if r.get("fix_dropped"):
+            state = {side: f"{s} ({r['fixed_by']} dropped: {r['fix_dropped']})"
+                     for side, s in state.items()}
+        if state["stock"] == state["patched"]:
+            out.append(f"     {state['stock']} (stock and with the series)")
+        else:
+            out.append(f"     stock: {state['stock']}; with the series: {state['patched']}")
+    if fixed:
+        out.append("   fixed on stock too: " + "; ".join(
+            f"{r['id']} ({r['fixed']['stock']})" for r in fixed))
     return out

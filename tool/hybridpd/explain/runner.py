@@ -17,6 +17,7 @@ from hybridpd.series import Series
 
 from . import driver as driver_mod
 from . import model as model_mod
+from . import risks as risks_mod
 
 #: The trees the driver runs on, in the order they are reported.
 SIDES = ("stock", "patched")
@@ -41,6 +42,9 @@ class ExplainOptions:
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
     max_model_len: int = 8192
+    #: Matched against the known risks only (question 5); the engine is built without
+    #: speculative decoding (a draft model needs its weights' config).
+    num_speculative_tokens: int = 0
     #: The KV cache memory the engine core sizes the pool for (it sets num_blocks only).
     kv_cache_gib: float = 16.0
     #: Seconds each driver may take (one vLLM import is 25-40 s on 2 busy cores).
@@ -67,12 +71,14 @@ class Explained:
     answers: dict[str, dict] = field(default_factory=dict)
     seconds: float = 0.0
     logs: dict[str, str] = field(default_factory=dict)
+    #: Question 5: the records' risks that apply (:func:`.risks.assess`).
+    risks: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"version": self.version, "model": self.model,
                 "kv_transfer_config": self.kv_transfer_config, "note": self.note,
-                "answers": self.answers, "seconds": round(self.seconds, 1),
-                "logs": self.logs}
+                "answers": self.answers, "risks": self.risks,
+                "seconds": round(self.seconds, 1), "logs": self.logs}
 
 
 def explain(series: Series, version: str, opts: ExplainOptions, log: Log = quiet) -> Explained:
@@ -96,7 +102,8 @@ def explain_cases(series: Series, version: str, cases: list[ExplainOptions],
         notes.append(model_mod.text_only(config_dir))
         requests.append({"model": str(config_dir), "kv_transfer_config": opts.kv_transfer_config,
                          "engine_args": opts.engine_args(), "text_only": notes[-1] is not None,
-                         "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30))})
+                         "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30)),
+                         "patch_tests": str(testrun.patch_tests_dir(series))})
     trees = {side: root / side for side in SIDES}
     for side, tree in trees.items():
         releasetree.prepare(series, pin, tree, patched=side == "patched", log=log)
@@ -105,9 +112,14 @@ def explain_cases(series: Series, version: str, cases: list[ExplainOptions],
     answers, logs = _run_side_by_side(venv, trees, _site(root), layers, root,
                                       {"cases": requests}, cases[0].timeout)
     seconds = time.monotonic() - started
-    return [Explained(pin.version, opts.model, opts.kv_transfer_config, note,
-                      {side: answers[side][n] for side in SIDES}, seconds, logs)
-            for n, (opts, note) in enumerate(zip(cases, notes))]
+    out = []
+    for n, (opts, note) in enumerate(zip(cases, notes)):
+        said = {side: answers[side][n] for side in SIDES}
+        out.append(Explained(
+            pin.version, opts.model, opts.kv_transfer_config, note, said, seconds, logs,
+            risks_mod.assess(series, pin.version, opts.kv_transfer_config,
+                             opts.num_speculative_tokens, said)))
+    return out
 
 
 def _site(root: Path) -> Path:
