@@ -64,6 +64,7 @@ def test_checkout_apply_status_flow(project: Project, tmp_path: Path) -> None:
         "applied": [],
         "pending": ["feature"],
         "upstream": ["landed", "fix-add"],
+        "interrupted": None,
     }
 
     applied = run(project.series_path, "apply", "--dir", str(repo))
