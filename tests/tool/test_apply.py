@@ -67,6 +67,20 @@ def test_work_beside_an_applied_series_is_no_reason_to_refuse(tmp_path: Path) ->
     assert (repo / "scratch.py").read_text() == "mine\n"
 
 
+def test_an_edit_of_a_file_a_present_patch_touched_is_no_wrong_error(tmp_path: Path) -> None:
+    """2.0 has fix-add's change already; the user then edits proj/core.py. With nothing
+    left to apply, apply reads nothing of the work tree (its reverse-apply check would
+    see the user's edit as fix-add missing)."""
+    project, series = standard_project(tmp_path, FIX_ADD)
+    repo = project.checkout("2.0")
+    first = apply(series, repo)
+    assert (first.applied, first.upstream) == (("feature",), ("fix-add",))
+    (repo / "proj" / "core.py").write_text("# the user's edit\n")
+    again = apply(series, repo)
+    assert (again.applied, again.already, again.upstream) == ((), ("feature",), ("fix-add",))
+    assert (repo / "proj" / "core.py").read_text() == "# the user's edit\n"
+
+
 def test_conflict_restores_the_checkout_exactly(tmp_path: Path) -> None:
     # 2.0 rewrote the README line `feature` changes; `fix-add` still applies first.
     project, series = standard_project(tmp_path, {"README.txt": "proj, rewritten\n"})

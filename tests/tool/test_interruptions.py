@@ -88,6 +88,21 @@ def test_sigterm_mid_apply_restores_the_checkout(project, point: str) -> None:
     assert snapshot(repo) == before
 
 
+def test_an_interrupt_of_an_apply_with_nothing_to_do_keeps_the_users_work(project) -> None:
+    """With the series applied and the user's edit beside it, apply writes no journal
+    and changes nothing: no interrupt can make it restore (reset) over that edit."""
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    assert hybridpd(series, "apply", "--dir", str(repo)).returncode == 0
+    (repo / "README.txt").write_text("the user's edit\n")
+    head = gitops.head(repo)
+    result = hybridpd(series, "apply", "--dir", str(repo), fault="apply:done:TERM")
+    assert result.returncode == 0, result.stderr  # nothing to do: no point to stop at
+    assert (repo / "README.txt").read_text() == "the user's edit\n"
+    assert gitops.head(repo) == head
+    assert not (guard.git_dir(repo) / guard.JOURNAL).exists()
+
+
 @pytest.mark.parametrize("point", ["apply:patch-1", "apply:patch-2", "apply:done"])
 def test_sigkill_mid_apply_is_recovered_by_the_next_run(project, point: str) -> None:
     proj, series, full = project

@@ -125,7 +125,8 @@ def patch_commits(repo: Path, pin: Pin) -> list[tuple[str, gitops.Commit]]:
 def apply(series: Series, repo: Path) -> ApplyResult:
     """Apply ``repo``'s pin's carried patches that are not applied yet, in order.
 
-    Refuses a dirty tree. Each patch is ``git am --3way``'d as one commit; a patch
+    Refuses a dirty tree while patches remain (with none left it changes nothing and
+    keeps the user's work beside the series). Each patch is ``git am --3way``'d as one commit; a patch
     whose change is already present is skipped and reported upstream. On any failure
     HEAD, index and work tree are restored and ApplyError names the patch and files.
     """
@@ -143,9 +144,13 @@ def apply(series: Series, repo: Path) -> ApplyResult:
 def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -> ApplyResult:
     plan = _plan(series, repo, pin)
     changes = gitops.status(repo)
-    # A series applied already changes nothing: the user's work beside it is no reason
-    # to refuse (`install` and `build` run apply on a checkout the user works in).
-    if changes and plan.remaining:
+    if changes and not plan.remaining:
+        # A series applied already changes nothing: the user's work beside it is no
+        # reason to refuse (`install` and `build` run apply on a checkout the user
+        # works in). No journal either: a restore on an interrupt would reset that work.
+        # (The reverse-apply check below reads the work tree, which holds their edits.)
+        return ApplyResult(pin.version, (), tuple(plan.applied), tuple(plan.skipped), recovered)
+    if changes:
         shown = ", ".join(line.strip() for line in changes[:_SHOWN_DIRTY])
         more = f" and {len(changes) - _SHOWN_DIRTY} more" if len(changes) > _SHOWN_DIRTY else ""
         raise DirtyTreeError(
