@@ -197,7 +197,7 @@ def test_the_next_run_into_another_out_reaps_what_a_killed_one_left(
         assert len(_alive(entries)) == 3
         with open(tmp_path / "second.log", "w") as log:
             second, second_dir = _hybridpd(tmp_path, f"{tag}-2", out="out-2", stdout=log)
-            own = _wait("the second run's groups", lambda: _recorded(second_dir))
+            own = _wait("the second run's groups", lambda: _recorded(second_dir), timeout=90)
         text = (tmp_path / "second.log").read_text()
         assert _alive(entries) == {}, text
         for name in ("prefill", "decode", "proxy"):
@@ -205,7 +205,8 @@ def test_the_next_run_into_another_out_reaps_what_a_killed_one_left(
         assert not (run_dir / reap.RECORD).exists()
         assert len(_alive(own)) == 3  # its own, live run: untouched by itself
         live = list((tmp_path / "cache" / "e2e" / "live").iterdir())
-        assert [f.read_text().strip() for f in live] == [str(second_dir / reap.RECORD)]
+        assert [json.loads(f.read_text())["record"] for f in live] == [
+            str(second_dir / reap.RECORD)]
     finally:
         for child in (first, second):
             if child is not None and child.poll() is None:
@@ -214,6 +215,44 @@ def test_the_next_run_into_another_out_reaps_what_a_killed_one_left(
         for d in (run_dir, tmp_path / "out-2" / "patched-nixl"):
             for entry in (_recorded(d) or {}).values():
                 proc.signal_group(entry.pgid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("where", ["host", "pidns", "boot_id"])
+def test_a_record_of_another_host_container_or_boot_is_left_alone(
+    tmp_path: Path, tag: str, where: str
+) -> None:
+    """A cache shared with another host, container or boot: its registered records
+    name processes and /dev/shm files that are not this machine's to judge."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    ident = proc.identity(gone.pid)
+    gone.wait()
+    left = Path(f"/dev/shm/{tag}-{gone.pid}-kv")
+    left.write_text("")
+    record = tmp_path / "out" / reap.RECORD
+    reap.write(record, [reap.Entry("decode", gone.pid, ident.pgid, ident.start_time,
+                                   shm=(f"/dev/shm/{tag}-{{pid}}-*",))])
+    (named,) = (tmp_path / "cache" / "e2e" / "live").iterdir()
+    data = json.loads(named.read_text())
+    data[where] = "elsewhere"
+    named.write_text(json.dumps(data))
+    assert reap.reap_registered() == ([], [])
+    assert record.exists() and named.exists() and left.exists()
+    data[where] = reap._here()[where]  # the same place again: reaped
+    named.write_text(json.dumps(data))
+    done, _ = reap.reap_registered()
+    assert [(r.outcome, r.shm_removed) for r in done] == [("gone", (str(left),))]
+    assert not record.exists() and not named.exists()
+
+
+def test_a_name_being_written_is_not_touched(tmp_path: Path) -> None:
+    """A run writes its name through a temporary file (guard.write_atomic), after its
+    record: the next run must not read that file, nor remove it under the writer."""
+    live = tmp_path / "cache" / "e2e" / "live"
+    live.mkdir(parents=True)
+    writing = live / f".abc.{os.getpid()}.hybridpd-tmp"
+    writing.write_text(json.dumps({"record": str(tmp_path / "x" / reap.RECORD), **reap._here()}))
+    assert reap.reap_registered() == ([], [])
+    assert writing.exists()
 
 
 @pytest.mark.parametrize("signals", [(signal.SIGHUP,), (signal.SIGTERM, signal.SIGTERM)],

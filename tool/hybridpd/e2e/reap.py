@@ -11,8 +11,10 @@ of the group, e.g. LMCache's ``/dev/shm/lmcache_kv_{pid}_*``). A closed run dele
 A run killed with SIGKILL cannot clean up: its servers live on in their own sessions.
 :func:`reap` (``hybridpd e2e --reap DIR``, and every ``hybridpd e2e`` into an ``--out``
 that has a record) ends them. A run's ``--out`` is new each time by default, so each
-record is also named in ``<cache>/e2e/live/`` while it exists, and every ``hybridpd e2e``
-first reaps what a killed run left wherever it wrote (:func:`reap_registered`). Invariants:
+record is also named in ``<cache>/e2e/live/`` while it exists (with its host, pid
+namespace and boot), and every ``hybridpd e2e`` first reaps what a killed run of the same
+host, namespace and boot left wherever it wrote (:func:`reap_registered`); a cache shared
+with other hosts or containers never lets one act on another's processes. Invariants:
 
 - a group is signalled only when one of its recorded processes is still alive with the
   recorded start time, in the recorded group, in the same boot: a pid the kernel gave to
@@ -37,7 +39,9 @@ import dataclasses
 import glob
 import hashlib
 import json
+import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -120,15 +124,15 @@ def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None)
         path.unlink(missing_ok=True)
         _named(path).unlink(missing_ok=True)
         return
-    named = _named(path)
-    if not named.is_file():
-        guard.write_atomic(named, str(path.resolve()) + "\n")
     doc = {
         "boot_id": proc.boot_id(),
         "writer": [writer.pid, writer.start_time] if writer else None,
         "processes": [e.to_json() for e in entries],
     }
     guard.write_atomic(path, json.dumps(doc, indent=2) + "\n")
+    named = _named(path)  # after the record: a name never points at a record to come
+    if not named.is_file():
+        guard.write_atomic(named, json.dumps({"record": str(path.resolve()), **_here()}) + "\n")
 
 
 def read(path: Path) -> tuple[str, list[Entry]]:
@@ -209,11 +213,17 @@ def reap_registered(grace: float = 5.0) -> tuple[list[Reaped], list[str]]:
     if not _live().is_dir():
         return out, unreadable
     for named in sorted(_live().iterdir()):
+        if named.name.startswith("."):  # a name being written (guard.write_atomic)
+            continue
         try:
-            path = Path(named.read_text().strip())
-        except (OSError, UnicodeDecodeError):
-            continue  # being written, or not ours: nothing to signal from it
-        if not path.is_absolute() or path.name != RECORD:
+            data = json.loads(named.read_text())
+            path = Path(data["record"])
+            here = {k: data[k] for k in _here()}
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # not one this version wrote: nothing to act on
+        if here != _here() or not path.is_absolute() or path.name != RECORD:
+            # Another host, container (pid namespace) or boot shares this cache: its
+            # processes are not ours to judge, nor its /dev/shm ours to clean.
             continue
         if not path.is_file():
             named.unlink(missing_ok=True)  # the run closed, or was reaped
@@ -234,6 +244,16 @@ def _reap_record(path: Path, grace: float) -> list[Reaped]:
     path.unlink(missing_ok=True)
     _named(path).unlink(missing_ok=True)
     return out
+
+
+def _here() -> dict[str, Any]:
+    """Where a run's processes live: host, pid namespace and boot. A registered record
+    is acted on only from the same place."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "pidns": pidns, "boot_id": proc.boot_id()}
 
 
 def _live() -> Path:
