@@ -140,6 +140,33 @@ def test_status_says_a_killed_apply_left_the_checkout(project) -> None:
     assert doc["interrupted"] is None
 
 
+def test_status_is_silent_while_the_operation_runs(project, tmp_path: Path) -> None:
+    """A journal whose operation still holds the lock is a running operation, not a
+    killed one; status reads that without taking the lock (a starting operation would
+    fail as busy)."""
+    proj, series, _ = project
+    repo = proj.checkout("1.0")
+    code = (
+        "import sys, time; from pathlib import Path; from hybridpd import guard\n"
+        "repo = Path(sys.argv[1])\n"
+        "with guard.operation(repo, 'apply'), guard.journal(repo, 'apply'):\n"
+        "    print('in', flush=True); time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(repo)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "in\n"
+        doc = json.loads(hybridpd(series, "status", "--dir", str(repo), "--json").stdout)
+        assert doc["interrupted"] is None
+        busy = hybridpd(series, "apply", "--dir", str(repo))
+        assert busy.returncode == 1 and "is busy" in busy.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    doc = json.loads(hybridpd(series, "status", "--dir", str(repo), "--json").stdout)
+    assert doc["interrupted"].startswith(f"a killed `hybridpd apply` (pid {holder.pid})")
+
+
 def killed_pid(repo: Path) -> int:
     return json.loads((guard.git_dir(repo) / guard.JOURNAL).read_text())["pid"]
 

@@ -243,22 +243,36 @@ def interrupted(repo: Path) -> str | None:
     operation still runs (it holds the lock). Reads only."""
     gdir = git_dir(repo)
     path = gdir / JOURNAL
-    if not path.is_file():
-        return None
-    if (gdir / LOCK).is_file():
-        with open(gdir / LOCK) as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return None  # running, not interrupted
+    if not path.is_file() or _held(gdir / LOCK):
+        return None  # none, or its operation is running
     try:
         data = _read_journal(repo, path)
+    except FileNotFoundError:
+        return None  # the operation ended, or the next one recovered it, meanwhile
     except InterruptedStateError as exc:
         return exc.message
+    if _held(gdir / LOCK):  # an operation started meanwhile: its journal, not a dead one's
+        return None
     return (
         f"a killed `hybridpd {data['operation']}` (pid {data['pid']}) left this checkout "
         "mid-operation; the next apply, export or build on it recovers it first, or says "
         "in one line what to do"
+    )
+
+
+def _held(lock: Path) -> bool:
+    """Whether a process holds a ``flock`` on ``lock``, read from ``/proc/locks`` (taking
+    even a shared lock to find out would make a starting operation fail as busy)."""
+    try:
+        st = os.stat(lock)
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return False
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(
+        fields[1] == "FLOCK" and fields[-3] == dev
+        for line in text.splitlines()
+        if len(fields := line.split()) >= 8
     )
 
 
