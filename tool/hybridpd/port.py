@@ -370,8 +370,11 @@ def _resume_locked(
                 f"port is to: the first release with the change is {state.to_version} or older"
             )
         patch_id = state.current
-        source = series.state(series.pin(state.from_version), patch_id)
-        if source.state == "carried" and not _newer(upstream, state.from_version):
+        record = series.patch(patch_id)
+        source = record.pins.get(state.from_version) if record is not None else None
+        if source is not None and source.state == "carried" and not _newer(
+            upstream, state.from_version
+        ):
             # The source release needs the patch, so no release up to it has the change.
             raise PortError(
                 f"--upstream {upstream} is not newer than {state.from_version}, which "
