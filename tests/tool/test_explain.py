@@ -517,3 +517,23 @@ def test_no_risk_applies_where_vllm_refuses_the_deployment(tmp_path) -> None:
     unknown = {side: {"steps": {"start": START, "groups": {**REFUSED, "unknown": "cpu"}}}
                for side in runner.SIDES}
     assert [r["id"] for r in risks.assess(series, "2.0", nixl, 0, unknown)] == ["failed-load"]
+    # A decode-side step explain could not run is not vLLM refusing the deployment.
+    started = {side: {"steps": {"start": START, "decode_hit": REFUSED}} for side in runner.SIDES}
+    assert [r["id"] for r in risks.assess(series, "2.0", nixl, 0, started)] == ["failed-load"]
+
+
+def test_a_risk_that_applies_on_one_side_only_says_so(tmp_path) -> None:
+    """False (does not apply) is an answer, not a fact vLLM left unanswered."""
+    from hybridpd.explain import risks
+
+    series = _series(tmp_path)
+    nixl = connectors.kv_transfer_config("nixl", None)
+    started = {"steps": {"start": START}}
+    refused = {"steps": {"start": START, "groups": REFUSED}}
+    (risk,) = risks.assess(series, "1.0", nixl, 0, {"stock": refused, "patched": started})
+    assert risk["applies"] == {"stock": False, "patched": True}
+    result = _result(refused, started)
+    result.risks = [risk]
+    text = "\n".join(render.lines(result))
+    assert "may apply" not in text
+    assert "     stock: does not apply; with the series: fixed by load-fix" in text

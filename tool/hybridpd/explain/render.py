@@ -186,11 +186,12 @@ def _risk_lines(n: int, risks: list[dict], refused: bool = False) -> list[str]:
     out = [f"{title}:"]
     for r in open_:
         links = f" [{', '.join(l['ref'] for l in r['links'])}]" if r["links"] else ""
-        maybe = ("" if all(r["applies"].values()) else
-                 " (may apply: vLLM did not answer a fact it depends on)")
+        maybe = (" (may apply: vLLM did not answer a fact it depends on)"
+                 if None in r["applies"].values() else "")
         unless = f"; unless {r['unless']}" if r.get("unless") else ""
         out.append(f"   - {r['project']}: {r['says']}{links}{maybe}{unless}")
-        state = {side: r["fixed"][side] or "open" for side in ("stock", "patched")}
+        state = {side: "does not apply" if r["applies"].get(side) is False
+                 else r["fixed"][side] or "open" for side in ("stock", "patched")}
         if r.get("fix_dropped"):
             state = {side: f"{s} ({r['fixed_by']} dropped: {r['fix_dropped']})"
                      for side, s in state.items()}

@@ -41,11 +41,17 @@ def connector_names(kv: dict | None) -> set[str]:
     return {kv.get("kv_connector", "")} | set().union(*map(connector_names, children))
 
 
+#: The steps whose error is vLLM refusing the deployment (the decode-side step drives
+#: a scheduler that started; its errors are explain's, not a refusal).
+_STARTING_STEPS = ("start", "groups", "scheduler")
+
+
 def refused(answer: dict) -> bool:
     """Whether vLLM refused the deployment on this tree (a step's error that is vLLM's
     verdict, not one explain cannot answer)."""
-    return any("error" in step and "unknown" not in step
-               for step in answer.get("steps", {}).values())
+    steps = answer.get("steps", {})
+    return any("error" in steps[name] and "unknown" not in steps[name]
+               for name in _STARTING_STEPS if name in steps)
 
 
 @dataclass(frozen=True)
