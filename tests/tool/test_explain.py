@@ -144,6 +144,14 @@ def test_an_unanswered_side_is_said_once() -> None:
     assert [l for l in none if l[0].isdigit()] == []
 
 
+#: Put before every stand-in driver: ``step(...)`` prints a step as the real driver does.
+STEPS = '''
+import json
+def step(**said):
+    print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"case": 0, **said}), flush=True)
+'''
+
+
 @pytest.fixture
 def side_by_side(tmp_path: Path, monkeypatch):
     """The runner's two drivers as stand-in scripts (``stock`` and ``patched`` trees
@@ -160,7 +168,7 @@ def side_by_side(tmp_path: Path, monkeypatch):
 
     def run(body: str, timeout: float = 30.0):
         script = tmp_path / "driver.py"
-        script.write_text(textwrap.dedent(body))
+        script.write_text(STEPS + textwrap.dedent(body))
         monkeypatch.setattr(runner, "DRIVER", script)
         answers, logs = runner._run_side_by_side(
             venv, trees, tmp_path / "site", [], tmp_path, {"cases": [{"model": "m"}]}, timeout)
@@ -209,9 +217,7 @@ def test_a_driver_that_dies_says_why(side_by_side) -> None:
 
 def test_a_driver_that_dies_in_a_step_keeps_the_steps_before_it(side_by_side) -> None:
     answers, logs = side_by_side('''
-        import json, os
-        def step(**said):
-            print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"case": 0, **said}), flush=True)
+        import os
         step(running="start")
         step(done="start", answer={"block_size": 128})
         step(running="groups")
@@ -280,9 +286,7 @@ def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> N
     """LMCacheMPConnector's scheduler side waits for its lmcache server: the answers
     found before it stay, and the step it waited in says so."""
     answers, logs = side_by_side('''
-        import json, time
-        def step(**said):
-            print("HYBRIDPD-EXPLAIN-STEP " + json.dumps({"case": 0, **said}), flush=True)
+        import time
         step(running="start")
         step(done="start", answer={"block_size": 128})
         step(running="scheduler")

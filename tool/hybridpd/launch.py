@@ -29,7 +29,7 @@ def main() -> int:
 
         return cli(prog_name="hybridpd")
     except KeyboardInterrupt:
-        if _wants_json(sys.argv[1:]):
+        if wants_json(sys.argv[1:]):
             # The shape of hybridpd.cli.jsonout.failure_document, which is not imported
             # yet (or only in part) here.
             print(json.dumps({"ok": False, "error": "interrupted"}), flush=True)
@@ -37,7 +37,7 @@ def main() -> int:
         return 130
 
 
-def _wants_json(args: list[str]) -> bool:
+def wants_json(args: list[str]) -> bool:
     """Whether the command line asks for ``--json`` (an option: before any ``--``)."""
     return "--json" in (args[: args.index("--")] if "--" in args else args)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -368,15 +368,19 @@ class _Parser:
             risks=self.risks(data.get("risks", []), {p.id for p in patches}),
         )
 
-    def risks(self, raw: Any, patch_ids: set[str]) -> tuple[Risk, ...]:
+    def tables(self, raw: Any, name: str) -> Iterator[tuple[str, dict]]:
+        """The tables of the ``[[name]]`` array, each with its place for errors."""
         if not isinstance(raw, list):
-            raise self.fail("top level", "[[risks]] must be an array of tables")
-        risks: list[Risk] = []
+            raise self.fail("top level", f"[[{name}]] must be an array of tables")
         for index, table in enumerate(raw):
             if not isinstance(table, dict):
-                raise self.fail(f"risks[{index}]", "must be a table")
+                raise self.fail(f"{name}[{index}]", "must be a table")
             raw_id = table.get("id")
-            where = f'risks[{index}] (id "{raw_id}")' if raw_id else f"risks[{index}]"
+            yield (f'{name}[{index}] (id "{raw_id}")' if raw_id else f"{name}[{index}]"), table
+
+    def risks(self, raw: Any, patch_ids: set[str]) -> tuple[Risk, ...]:
+        risks: list[Risk] = []
+        for where, table in self.tables(raw, "risks"):
             unknown = set(table) - {"id", "says", "when", "links", "unless", "fixed_by"}
             if unknown:
                 raise self.fail(where, f"unknown field(s) {', '.join(sorted(unknown))}")
@@ -459,14 +463,8 @@ class _Parser:
         return tuple(pins)
 
     def patches(self, raw: Any, versions: list[str], ported: list[str]) -> tuple[Patch, ...]:
-        if not isinstance(raw, list):
-            raise self.fail("top level", "[[patches]] must be an array of tables")
         patches: list[Patch] = []
-        for index, table in enumerate(raw):
-            if not isinstance(table, dict):
-                raise self.fail(f"patches[{index}]", "must be a table")
-            raw_id = table.get("id")
-            where = f'patches[{index}] (id "{raw_id}")' if raw_id else f"patches[{index}]"
+        for where, table in self.tables(raw, "patches"):
             fields = {key: self.text(table, key, where) for key in _PATCH_FIELDS}
             if not _ID.fullmatch(fields["id"]):
                 raise self.fail(where, 'field "id" must match [a-z0-9][a-z0-9-]*')

@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from hybridpd.errors import HybridpdError, Interrupted, LocalFileError, UsageError
+from hybridpd.launch import wants_json
 
 _META = "hybridpd.json"
 #: Set, a crash (an exception that is not one of hybridpd's errors) shows its traceback.
@@ -94,7 +95,7 @@ class JsonGroup(UsageGroup):
         # A usage error that click's parser raises (an unknown option, an option without
         # its value) comes before the subcommand's --json callback has run: its own
         # command line says whether it asked for JSON.
-        asked = _asks_json([*_protected_args(ctx), *ctx.args])
+        asked = wants_json([*_protected_args(ctx), *ctx.args])
         try:
             try:
                 try:
@@ -142,8 +143,3 @@ def _protected_args(ctx: click.Context) -> list[str]:
     if hasattr(ctx, "_protected_args"):
         return list(ctx._protected_args)
     return list(ctx.protected_args)
-
-
-def _asks_json(args: list[str]) -> bool:
-    """Whether a command line asks for ``--json`` (an option: before any ``--``)."""
-    return "--json" in (args[: args.index("--")] if "--" in args else args)

@@ -212,16 +212,17 @@ def reap_registered(grace: float = 5.0) -> tuple[list[Reaped], list[str]]:
     unreadable: list[str] = []
     if not _live().is_dir():
         return out, unreadable
+    here = _here()
     for named in sorted(_live().iterdir()):
         if named.name.startswith("."):  # a name being written (guard.write_atomic)
             continue
         try:
             data = json.loads(named.read_text())
             path = Path(data["record"])
-            here = {k: data[k] for k in _here()}
+            place = {k: data[k] for k in here}
         except (OSError, ValueError, TypeError, KeyError):
             continue  # not one this version wrote: nothing to act on
-        if here != _here() or not path.is_absolute() or path.name != RECORD:
+        if place != here or not path.is_absolute() or path.name != RECORD:
             # Another host, container (pid namespace) or boot shares this cache: its
             # processes are not ours to judge, nor its /dev/shm ours to clean.
             continue

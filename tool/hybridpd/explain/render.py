@@ -132,13 +132,7 @@ def lines(result: Explained) -> list[str]:
             out += _decode_hit_lines(n, title, result, answered)
             continue
         said = {side: verdict(result.answers[side], key) for side in answered}
-        if len(set(said.values())) == 1:
-            both = " (stock and with the series)" if len(said) == 2 else (
-                f" ({SIDE_NAMES[answered[0]]})")
-            out.append(f"{n}. {title}: {next(iter(said.values()))}{both}")
-            continue
-        out.append(f"{n}. {title}:")
-        out += [f"   {SIDE_NAMES[side]}: {said[side]}" for side in answered]
+        out += _side_by_side(f"{n}. {title}", said, answered, "   ")
     if answered:
         refused = all(risks_mod.refused(result.answers[side]) for side in answered)
         out += _risk_lines(len(QUESTIONS) + 1, result.risks, refused)
@@ -163,15 +157,19 @@ def _decode_hit_lines(n: int, title: str, result: Explained, answered: list[str]
     for kind in kinds:
         said = {side: _follower(next(r for r in steps[side]["requests"] if r["kind"] == kind))
                 for side in answered}
-        name = FOLLOWER_NAMES.get(kind, kind)
-        if len(set(said.values())) == 1:
-            both = " (stock and with the series)" if len(said) == 2 else (
-                f" ({SIDE_NAMES[answered[0]]})")
-            out.append(f"   {name}: {next(iter(said.values()))}{both}")
-            continue
-        out.append(f"   {name}:")
-        out += [f"      {SIDE_NAMES[side]}: {said[side]}" for side in answered]
+        out += _side_by_side(f"   {FOLLOWER_NAMES.get(kind, kind)}", said, answered, "      ")
     return out
+
+
+def _side_by_side(head: str, said: dict[str, str], answered: list[str],
+                  indent: str) -> list[str]:
+    """``head: answer (stock and with the series)`` when the trees agree, else ``head:``
+    and a line per tree indented by ``indent``."""
+    if len(set(said.values())) == 1:
+        both = " (stock and with the series)" if len(said) == 2 else (
+            f" ({SIDE_NAMES[answered[0]]})")
+        return [f"{head}: {next(iter(said.values()))}{both}"]
+    return [f"{head}:", *(f"{indent}{SIDE_NAMES[side]}: {said[side]}" for side in answered)]
 
 
 def _risk_lines(n: int, risks: list[dict], refused: bool = False) -> list[str]:
