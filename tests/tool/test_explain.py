@@ -541,3 +541,22 @@ def test_a_risk_that_applies_on_one_side_only_says_so(tmp_path) -> None:
     text = "\n".join(render.lines(result))
     assert "may apply" not in text
     assert "     stock: does not apply; with the series: fixed by load-fix" in text
+
+
+def test_a_risk_naming_an_unknown_connector_is_refused_in_one_line(tmp_path) -> None:
+    """A ``when.connectors`` name no deployment configures (NIXL's scheduler-side class,
+    a typo) would never match: the series does not load, so ``check`` fails."""
+    from click.testing import CliRunner
+    from hybridpd.cli import main
+
+    _series(tmp_path)
+    path = tmp_path / "patches" / "series.toml"
+    path.write_text(path.read_text().replace('["OffloadingConnector"]',
+                                             '["OffloadingConnector", "NixlPullConnector"]'))
+    out = CliRunner().invoke(main, ["--series", str(path.parent), "check", "--no-apply"])
+    assert out.exit_code == 1
+    [line] = out.output.strip().splitlines()
+    assert line.endswith('risks[2] (id "crash"): when.connectors: not a known connector: '
+                         "NixlPullConnector (known: DecodeBenchConnector, LMCacheConnectorV1, "
+                         'LMCacheMPConnector, MultiConnector, NixlConnector, '
+                         'OffloadingConnector, or "*")'), line
