@@ -327,10 +327,12 @@ def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypa
                                   "block_size": 256}
     assert opts.num_speculative_tokens == 0
     spec = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
-                                     "--num-speculative-tokens", "3", "--json"])
+                                     "--num-speculative-tokens", "3",
+                                     "--lmcache-version", "0.5.6", "--json"])
     assert spec.exit_code == 0, spec.output
     # Matched against the risks only: the engine is built without a draft model.
     assert seen[-1][1][0].num_speculative_tokens == 3
+    assert seen[-1][1][0].lmcache_version == "0.5.6"
     assert "speculative" not in json.dumps(seen[-1][1][0].engine_args())
     bad = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
                                     "--connector", "nixl", "--kv-transfer-config", "{}"])
@@ -437,7 +439,7 @@ def _series(tmp_path: Path) -> Series:
     (vllm.parent / "lm" / "series.toml").write_text(
         'schema = 1\npackage = "lmcache"\nname = "LMCache"\nupstream_git = "x"\n'
         'default_pin = "0.5"\n[test]\nhost = { series = "../series.toml", pin = "2.0" }\n'
-        + pin("0.5") + patch("null-slot-fix", {"0.5": "carried"})
+        + pin("0.5") + pin("1.5") + patch("null-slot-fix", {"0.5": "carried", "1.5": "upstream"})
         + '[[risks]]\nid = "null-slot"\nsays = "A null slot is stored."\n'
           'when = { connectors = ["LMCacheMPConnector"], mamba_cache_mode = ["align"], '
           'max_num_batched_tokens_at_least_blocks = 2 }\n'
@@ -483,6 +485,28 @@ def test_risks_apply_from_the_records_and_the_fix_state_from_the_fixing_patch(tm
     assert old["crash"]["fix_dropped"] == "Not needed there."
     assert old["spec"]["fixed"] == {"stock": None, "patched": None}
     assert risks.assess(series, "2.0", None, 0, _answers()) == []
+
+
+def test_the_lmcache_series_fix_state_is_that_of_the_lmcache_release_deployed(tmp_path) -> None:
+    """The hosted series' fix is its patch's record on the LMCache release the
+    deployment runs (the series' default pin unless given), not on any of its pins."""
+    from hybridpd.explain import risks
+
+    series = _series(tmp_path)
+    lm = connectors.kv_transfer_config("nixl+lmcache", None)
+
+    def fixed(version: str | None) -> dict:
+        found = risks.assess(series, "2.0", lm, 0, _answers(),
+                             {"lmcache": version} if version else None)
+        return next(r["fixed"] for r in found if r["id"] == "null-slot")
+
+    carried = {"stock": None,
+               "patched": "fixed by null-slot-fix (hybridpd's LMCache series, on LMCache 0.5)"}
+    assert fixed(None) == fixed("0.5") == carried
+    assert fixed("1.5") == {"stock": "fixed upstream in LMCache 1.5",
+                            "patched": "fixed upstream in LMCache 1.5"}
+    # A release the series does not pin has no fix of it.
+    assert fixed("0.4") == {"stock": None, "patched": None}
 
 
 def test_risk_lines_put_the_open_ones_first(tmp_path) -> None:
