@@ -327,10 +327,12 @@ def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypa
                                   "block_size": 256}
     assert opts.num_speculative_tokens == 0
     spec = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
-                                     "--num-speculative-tokens", "3", "--json"])
+                                     "--num-speculative-tokens", "3",
+                                     "--lmcache-version", "0.5.6", "--json"])
     assert spec.exit_code == 0, spec.output
     # Matched against the risks only: the engine is built without a draft model.
     assert seen[-1][1][0].num_speculative_tokens == 3
+    assert seen[-1][1][0].lmcache_version == "0.5.6"
     assert "speculative" not in json.dumps(seen[-1][1][0].engine_args())
     bad = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
                                     "--connector", "nixl", "--kv-transfer-config", "{}"])
@@ -402,6 +404,104 @@ def test_the_decode_side_question_needs_the_patch_tests_and_a_connector(tmp_path
     assert "not at hand" in driver._lmcache_stand_in(None)[0]
 
 
+def test_the_donors_mamba_state_is_read_from_the_block_pool_and_said() -> None:
+    """What the donor left of Mamba state inside the prefix is the block pool's answer
+    (per Mamba group, as the checker reads it), not a fixed phrase."""
+    from types import SimpleNamespace
+
+    from hybridpd.explain import driver
+
+    # Mamba groups 0 and 2 (1 is attention); the checker's reading: block -> hash.
+    checker = SimpleNamespace(mamba_group_ids=[0, 2],
+                              _cached_states=lambda req: [{1: "h1", 2: "h2"}, {}])
+    left = driver._prefix_mamba(checker, "donor", 2)
+    assert left == [{"group": 0, "blocks": [1]}, {"group": 2, "blocks": []}]  # 2: its tail
+    none = [{"group": g, "blocks": []} for g in range(3)]
+    step = {**_decode_hit(_follower("plain", 0, 0, "not needed")), "donor_prefix_mamba": none}
+    answer = {"steps": {"start": START, "groups": GROUPS, "scheduler": SCHEDULER,
+                        "decode_hit": step}}
+    head = next(l for l in render.lines(_result(answer, answer)) if l.startswith("4."))
+    assert "on the decode instance, no Mamba state cached inside them (none in any of the " \
+           "3 Mamba groups); then each follower" in head
+    held = {**answer, "steps": {**answer["steps"], "decode_hit": {
+        **step, "donor_prefix_mamba": [{"group": 0, "blocks": [0, 1]}, *none[1:]]}}}
+    head = next(l for l in render.lines(_result(answer, held)) if l.startswith("4."))
+    assert ("stock: no Mamba state cached inside them (none in any of the 3 Mamba groups); "
+            "with the series: Mamba state cached inside them in group 0 at blocks 0, 1 "
+            "(none in the other 2); then") in head
+    unread = {**answer, "steps": {**answer["steps"], "decode_hit": {
+        **step, "donor_prefix_mamba": None}}}
+    head = next(l for l in render.lines(_result(unread, unread)) if l.startswith("4."))
+    assert "the Mamba state inside them not measured" in head
+    assert "no Mamba state" not in head
+
+
+def test_from_the_load_only_where_the_driver_checked_what_the_load_brings() -> None:
+    """NIXL's load is checked (it must end where the prefiller's state belongs); any
+    other connector's load is not, and the verdict says so."""
+    from types import SimpleNamespace
+
+    from hybridpd.explain import driver
+
+    checks = SimpleNamespace(NIXL_CONNECTORS=frozenset({"NixlPullConnector"}),
+                             LOAD_STATE_CHECKS={"NixlPullConnector": None,
+                                                "DecodeBenchConnector": None})
+
+    def source(local: int, loaded: int, by: str | None, problem: str | None = None) -> str:
+        adm = SimpleNamespace(resume_point=local + loaded, external_tokens=loaded,
+                              serving_connector=by)
+        return driver._state_source(checks, adm, problem)
+
+    assert source(2304, 1151, "NixlPullConnector") == "loaded"
+    assert source(0, 3455, "LMCacheMPConnector") == "unchecked"
+    assert source(1152, 1152, "DecodeBenchConnector") == "unchecked"
+    assert source(2304, 0, None) == "cached"
+    assert source(0, 0, None) == "not needed"
+    assert source(0, 3455, "NixlPullConnector", "not at the prefiller's end") == "missing"
+    lm = {**_follower("remote_prefill", 0, 3455, "unchecked"), "served_by": "LMCacheMPConnector"}
+    assert render._follower(lm) == ("no local hit, 3455 loaded by LMCacheMPConnector; the "
+                                    "load's Mamba state at 3455 is not checked")
+    assert render._follower(_follower("remote_prefill", 2304, 1151, "loaded")) == (
+        "local hit 2304, 1151 loaded by NixlPullConnector; Mamba state at 3455 from the load")
+
+
+def test_a_model_without_mamba_layers_is_said_to_have_none(tmp_path) -> None:
+    """Without a Mamba group no request resumes from a Mamba state: the decode-side
+    question does not apply, and no hit verdicts are shown as if the model were hybrid."""
+    from types import SimpleNamespace
+
+    from hybridpd.explain import driver
+
+    class FullAttentionSpec:
+        pass
+
+    class MambaSpec:
+        pass
+
+    class GDNSpec(MambaSpec):  # a subclass is a Mamba group too
+        pass
+
+    def probe(*specs) -> SimpleNamespace:
+        groups = [SimpleNamespace(kv_cache_spec=spec()) for spec in specs]
+        return SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+                               connector=object())
+
+    said = driver.decode_hits(str(tmp_path), probe(FullAttentionSpec), None, 16)
+    assert said == {"not_applicable": "the model's KV cache groups hold no Mamba group: no "
+                                      "request resumes from a Mamba state"}
+    assert driver._mamba_group_ids(probe(GDNSpec, FullAttentionSpec).kv_cache_config) == [0]
+    attention = {"groups": [{"layers": 32, "type": "FullAttentionSpec"}],
+                 "block_size": 16, "num_blocks": 100}
+    answer = {"steps": {"start": START, "groups": attention,
+                        "scheduler": {"class": "Scheduler", "connector": "NixlPullConnector"},
+                        "decode_hit": said}}
+    lines = render.lines(_result(answer, answer))
+    assert ("4. decode-side prefix hits: does not apply: the model's KV cache groups hold no "
+            "Mamba group: no request resumes from a Mamba state (stock and with the series)"
+            ) in lines
+    assert not any("Mamba state at" in l or "local hit" in l for l in lines)
+
+
 # ---------------------------------------------------------------- question 5
 
 SHA = "0" * 64
@@ -437,7 +537,7 @@ def _series(tmp_path: Path) -> Series:
     (vllm.parent / "lm" / "series.toml").write_text(
         'schema = 1\npackage = "lmcache"\nname = "LMCache"\nupstream_git = "x"\n'
         'default_pin = "0.5"\n[test]\nhost = { series = "../series.toml", pin = "2.0" }\n'
-        + pin("0.5") + patch("null-slot-fix", {"0.5": "carried"})
+        + pin("0.5") + pin("1.5") + patch("null-slot-fix", {"0.5": "carried", "1.5": "upstream"})
         + '[[risks]]\nid = "null-slot"\nsays = "A null slot is stored."\n'
           'when = { connectors = ["LMCacheMPConnector"], mamba_cache_mode = ["align"], '
           'max_num_batched_tokens_at_least_blocks = 2 }\n'
@@ -483,6 +583,28 @@ def test_risks_apply_from_the_records_and_the_fix_state_from_the_fixing_patch(tm
     assert old["crash"]["fix_dropped"] == "Not needed there."
     assert old["spec"]["fixed"] == {"stock": None, "patched": None}
     assert risks.assess(series, "2.0", None, 0, _answers()) == []
+
+
+def test_the_lmcache_series_fix_state_is_that_of_the_lmcache_release_deployed(tmp_path) -> None:
+    """The hosted series' fix is its patch's record on the LMCache release the
+    deployment runs (the series' default pin unless given), not on any of its pins."""
+    from hybridpd.explain import risks
+
+    series = _series(tmp_path)
+    lm = connectors.kv_transfer_config("nixl+lmcache", None)
+
+    def fixed(version: str | None) -> dict:
+        found = risks.assess(series, "2.0", lm, 0, _answers(),
+                             {"lmcache": version} if version else None)
+        return next(r["fixed"] for r in found if r["id"] == "null-slot")
+
+    carried = {"stock": None,
+               "patched": "fixed by null-slot-fix (hybridpd's LMCache series, on LMCache 0.5)"}
+    assert fixed(None) == fixed("0.5") == carried
+    assert fixed("1.5") == {"stock": "fixed upstream in LMCache 1.5",
+                            "patched": "fixed upstream in LMCache 1.5"}
+    # A release the series does not pin has no fix of it.
+    assert fixed("0.4") == {"stock": None, "patched": None}
 
 
 def test_risk_lines_put_the_open_ones_first(tmp_path) -> None:
@@ -541,3 +663,22 @@ def test_a_risk_that_applies_on_one_side_only_says_so(tmp_path) -> None:
     text = "\n".join(render.lines(result))
     assert "may apply" not in text
     assert "     stock: does not apply; with the series: fixed by load-fix" in text
+
+
+def test_a_risk_naming_an_unknown_connector_is_refused_in_one_line(tmp_path) -> None:
+    """A ``when.connectors`` name no deployment configures (NIXL's scheduler-side class,
+    a typo) would never match: the series does not load, so ``check`` fails."""
+    from click.testing import CliRunner
+    from hybridpd.cli import main
+
+    _series(tmp_path)
+    path = tmp_path / "patches" / "series.toml"
+    path.write_text(path.read_text().replace('["OffloadingConnector"]',
+                                             '["OffloadingConnector", "NixlPullConnector"]'))
+    out = CliRunner().invoke(main, ["--series", str(path.parent), "check", "--no-apply"])
+    assert out.exit_code == 1
+    [line] = out.output.strip().splitlines()
+    assert line.endswith('risks[2] (id "crash"): when.connectors: not a known connector: '
+                         "NixlPullConnector (known: DecodeBenchConnector, LMCacheConnectorV1, "
+                         'LMCacheMPConnector, MultiConnector, NixlConnector, '
+                         'OffloadingConnector, or "*")'), line

@@ -29,6 +29,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from packaging.version import InvalidVersion, Version
 
 from hybridpd.errors import SeriesError, UnknownPinError
+from hybridpd.explain.connectors import KNOWN as KNOWN_CONNECTORS
 
 SCHEMA = 1
 SERIES_FILE = "series.toml"
@@ -421,6 +422,11 @@ class _Parser:
             }[key]
             if not ok:
                 raise self.fail(where, f"when.{key} must be {RISK_CONDITIONS[key]}")
+            unknown = sorted(set(value) - KNOWN_CONNECTORS - {"*"}) if key == "connectors" else []
+            if unknown:
+                raise self.fail(where, f"when.connectors: not a known connector: "
+                                       f"{', '.join(unknown)} (known: "
+                                       f"{', '.join(sorted(KNOWN_CONNECTORS))}, or \"*\")")
         return dict(raw)
 
     def test_setup(self, raw: Any) -> TestSetup | None:

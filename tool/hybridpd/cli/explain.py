@@ -36,6 +36,9 @@ from .options import State, json_flag, log
 @click.option("--num-speculative-tokens", type=int, default=0, show_default=True,
               help="vLLM's speculative decoding tokens: matched against the known risks "
                    "(question 5); the engine is answered without a draft model.")
+@click.option("--lmcache-version",
+              help="The LMCache release the deployment runs, for the LMCache series' fix "
+                   "states (question 5; default: that series' default pin).")
 @click.option("--kv-cache-gib", type=float, default=16.0, show_default=True,
               help="KV cache memory the engine core sizes the pool in (too little for "
                    "--max-model-len is vLLM's refusal, as on a GPU).")
@@ -62,6 +65,7 @@ def explain(state: State, version: str, model: str, connector: str | None,
         disable_hybrid_kv_cache_manager=flags["disable_hybrid_kv_cache_manager"],
         max_model_len=flags["max_model_len"], kv_cache_gib=flags["kv_cache_gib"],
         num_speculative_tokens=flags["num_speculative_tokens"],
+        lmcache_version=flags["lmcache_version"],
         timeout=flags["timeout"])
     result = runner.explain(state.series, version, opts, log=quiet if as_json else log)
     if as_json:

@@ -41,6 +41,19 @@ SETS = {
 }
 
 
+def _classes(kv: dict) -> set[str]:
+    children = (kv.get("kv_connector_extra_config") or {}).get("connectors") or []
+    return {kv["kv_connector"]} | set().union(*map(_classes, children))
+
+
+#: The connector class names a ``--kv-transfer-config`` may configure that hybridpd
+#: knows: those of the named sets, and vLLM's DecodeBenchConnector (``hybridpd bench``
+#: and the e2e run it). A risk record's ``when.connectors`` must name one of these (or
+#: ``"*"``): a name no deployment configures would never match.
+KNOWN = frozenset(set().union(*(_classes(s("kv_both")) for s in SETS.values()))
+                  | {"DecodeBenchConnector"})
+
+
 def kv_transfer_config(connector: str | None, config_json: str | None,
                        role: str = "kv_both") -> dict | None:
     """The ``--kv-transfer-config`` the deployment runs: a named set, vLLM's JSON (or

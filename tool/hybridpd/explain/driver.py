@@ -234,13 +234,19 @@ def decode_hits(patch_tests: str | None, probe, new_scheduler, hash_block_size: 
     As the patch tests drive it (``tests/patches/decode_hit``): a fresh scheduler
     per follower serves a donor remote prefill (its connector loads the prompt; the
     worker reports the load finished the step after), which leaves the prefix's
-    attention blocks cached and no Mamba state inside it; then the follower. The
-    patch tests' ``MambaStateChecker`` watches every admission and says which state
-    the model would read at the resume point (a cached Mamba block of the request's
-    own prefix, a NIXL load ending where the prefiller's state belongs, or none)."""
+    attention blocks cached, and whichever Mamba states the block pool then holds
+    inside the prefix (read from it, per Mamba group: ``donor_prefix_mamba``); then
+    the follower. The patch tests' ``MambaStateChecker`` watches every admission and
+    says which state the model would read at the resume point (a cached Mamba block
+    of the request's own prefix, a NIXL load ending where the prefiller's state
+    belongs, or none). A model without Mamba layers has no state to resume from:
+    the question does not apply."""
     if not patch_tests or not os.path.isdir(patch_tests):
         return {"unknown": "the series' patch tests (tests/patches), whose scheduler "
                            "driving this question reuses, are not at hand"}
+    if not _mamba_group_ids(probe.kv_cache_config):
+        return {"not_applicable": "the model's KV cache groups hold no Mamba group: no "
+                                  "request resumes from a Mamba state"}
     try:
         builders, mamba_state, hash_stores = _import_patch_helpers(patch_tests)
     except Exception as exc:  # noqa: BLE001
@@ -258,7 +264,8 @@ def decode_hits(patch_tests: str | None, probe, new_scheduler, hash_block_size: 
     tails = {name: builders.prompt(TAIL_BLOCKS * bs, seed=3 + n)
              for n, (name, _) in enumerate(FOLLOWERS)}
     tails["remote_prefill_prefix_plus_one"] = [5]
-    out = {"block_size": bs, "cached_prefix_tokens": len(prefix), "requests": []}
+    out = {"block_size": bs, "cached_prefix_tokens": len(prefix),
+           "donor_prefix_mamba": None, "requests": []}
     for name, what in FOLLOWERS:
         try:
             said = _follow(builders, mamba_state, hash_stores, new_scheduler,
@@ -266,8 +273,45 @@ def decode_hits(patch_tests: str | None, probe, new_scheduler, hash_block_size: 
                            remote=name != "plain")
         except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the answer
             said = _error(exc)
+        # Each donor is the same request on a fresh instance: the first one read says it.
+        left = said.pop("donor_prefix_mamba", None)
+        if out["donor_prefix_mamba"] is None:
+            out["donor_prefix_mamba"] = left
         out["requests"].append({"kind": name, "what": what, **said})
     return out
+
+
+def _mamba_group_ids(kv_cache_config) -> list[int]:
+    """The KV cache groups of Mamba layers (by the spec's class name, as the groups
+    step reports them: vLLM's MambaSpec or a subclass)."""
+    return [i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            if any(c.__name__ == "MambaSpec" for c in type(g.kv_cache_spec).__mro__)]
+
+
+def _prefix_mamba(checker, req, prefix_blocks: int) -> list[dict]:
+    """Per Mamba group, the blocks among the first ``prefix_blocks`` of ``req`` whose
+    Mamba state the block pool holds cached (``block_pool.get_cached_block`` on the
+    request's block hashes, as the checker reads them at an admission)."""
+    return [{"group": gid, "blocks": sorted(i for i in found if i < prefix_blocks)}
+            for gid, found in zip(checker.mamba_group_ids, checker._cached_states(req))]
+
+
+def _state_source(mamba_state, adm, problem: str | None) -> str:
+    """Where the follower's Mamba state at its resume point comes from, as far as the
+    checker checked it. ``loaded`` only where it checked what the load brings (a NIXL
+    load must end where the prefiller's state belongs); ``unchecked`` for any other
+    load (one from 0 brings its own state, DecodeBench's is taken as declared)."""
+    local = adm.resume_point - adm.external_tokens
+    if problem is not None:
+        return "missing"
+    if adm.resume_point == 0:
+        return "not needed"  # computes from its first token
+    if adm.external_tokens and adm.serving_connector in mamba_state.NIXL_CONNECTORS:
+        return "loaded"
+    if adm.external_tokens and (
+            local == 0 or adm.serving_connector in mamba_state.LOAD_STATE_CHECKS):
+        return "unchecked"
+    return "cached"
 
 
 def _follow(builders, mamba_state, hash_stores, new_scheduler, hash_block_size: int,
@@ -300,6 +344,9 @@ def _follow(builders, mamba_state, hash_stores, new_scheduler, hash_block_size: 
         return {"unknown": "the donor did not get through its prompt on this scheduler"}
     if problem is not None:
         return {"unknown": f"the donor itself broke the Mamba-state invariant: {problem}"}
+    # The checker reads one block hash per scheduler block: elsewhere, not measured.
+    left = (_prefix_mamba(checker, donor, len(prefix) // sched.block_size)
+            if hash_block_size == sched.block_size else None)
     follower = request(tokens, remote)
     problem = serve(follower)
     if problem is STUCK:
@@ -307,20 +354,12 @@ def _follow(builders, mamba_state, hash_stores, new_scheduler, hash_block_size: 
     adm = next((a for a in checker.admissions if a.request_id == follower.request_id), None)
     if adm is None:
         return {"unknown": "the follower was never admitted"}
-    local = adm.resume_point - adm.external_tokens
-    if problem is not None:
-        state = "missing"
-    elif adm.resume_point == 0:
-        state = "not needed"  # computes from its first token
-    elif adm.external_tokens and (
-            local == 0 or adm.serving_connector in mamba_state.LOAD_STATE_CHECKS):
-        state = "loaded"  # NIXL's checked where it ends; any load from 0 brings its own
-    else:
-        state = "cached"
-    return {"prompt_tokens": len(tokens), "local_hit_tokens": local,
+    return {"prompt_tokens": len(tokens),
+            "local_hit_tokens": adm.resume_point - adm.external_tokens,
             "external_tokens": adm.external_tokens, "served_by": adm.serving_connector,
-            "resume_point": adm.resume_point, "mamba_state": state,
-            **({"problem": problem} if problem else {})}
+            "resume_point": adm.resume_point,
+            "mamba_state": _state_source(mamba_state, adm, problem),
+            **({"problem": problem} if problem else {}), "donor_prefix_mamba": left}
 
 
 def _waits_for_a_server(kv: dict | None) -> bool:

@@ -83,7 +83,23 @@ def _follower(said: dict) -> str:
         return f"{hit}; NO Mamba state at {said['resume_point']} ({said['problem']})"
     return hit + {"not needed": " (computes from 0)",
                   "loaded": f"; Mamba state at {said['resume_point']} from the load",
+                  "unchecked": f"; the load's Mamba state at {said['resume_point']} is not "
+                               "checked",
                   "cached": f"; Mamba state at {said['resume_point']} cached"}[state]
+
+
+def _donor_mamba(left: list[dict] | None) -> str:
+    """What the donor left of Mamba state inside the prefix, as the block pool held it."""
+    if left is None:
+        return "the Mamba state inside them not measured"
+    held = [g for g in left if g["blocks"]]
+    if not held:
+        return (f"no Mamba state cached inside them (none in any of the {len(left)} Mamba "
+                "groups)")
+    at = ", ".join(f"group {g['group']} at block{'s' * (len(g['blocks']) > 1)} "
+                   f"{', '.join(map(str, g['blocks']))}" for g in held)
+    rest = f" (none in the other {len(left) - len(held)})" if len(held) < len(left) else ""
+    return f"Mamba state cached inside them in {at}{rest}"
 
 
 def _decode_hit(step: dict) -> str:
@@ -109,6 +125,8 @@ def verdict(answer: dict, key: str) -> str:
         return _refused(step)
     if "unknown" in step:
         return f"unknown here: {step['unknown']}"
+    if "not_applicable" in step:
+        return f"does not apply: {step['not_applicable']}"
     return _FORMAT[key](step)
 
 
@@ -150,9 +168,12 @@ def _per_follower(result: Explained, answered: list[str]) -> bool:
 def _decode_hit_lines(n: int, title: str, result: Explained, answered: list[str]) -> list[str]:
     steps = {side: result.answers[side]["steps"]["decode_hit"] for side in answered}
     first = steps[answered[0]]
+    left = {side: _donor_mamba(steps[side].get("donor_prefix_mamba")) for side in answered}
+    mamba = left[answered[0]] if len(set(left.values())) == 1 else "; ".join(
+        f"{SIDE_NAMES[side]}: {left[side]}" for side in answered)
     out = [f"{n}. {title} (a donor remote prefill left {first['cached_prefix_tokens']} "
-           "prefix tokens of attention KV cached on the decode instance, no Mamba state "
-           "inside them; then each follower on a fresh instance):"]
+           f"prefix tokens of attention KV cached on the decode instance, {mamba}; then "
+           "each follower on a fresh instance):"]
     kinds = [r["kind"] for r in first["requests"]]
     for kind in kinds:
         said = {side: _follower(next(r for r in steps[side]["requests"] if r["kind"] == kind))

@@ -5,8 +5,9 @@ as LMCache's), never from a table in code.
 A risk applies when every fact its ``when`` table names holds for the deployment; the
 facts come from the options and from what vLLM answered on each tree (prefix caching,
 Mamba cache mode, ``max_num_batched_tokens`` and the block size vLLM resolved). Whether
-it is fixed on a side is its ``fixed_by`` patch's state on the pin: upstream (fixed on
-stock too), carried (fixed with the series), dropped or absent (open).
+it is fixed on a side is its ``fixed_by`` patch's state on the pin (for a hosted
+series, on the release of its project the deployment runs): upstream (fixed on stock
+too), carried (fixed with the series), dropped or absent (open).
 """
 
 from __future__ import annotations
@@ -102,55 +103,52 @@ class Facts:
         return False if False in said else (None if None in said else True)
 
 
-def _fixed(series: Series, risk: Risk, vllm: Series, version: str) -> dict[str, str | None]:
-    """Per side, how the risk is fixed (None: open), from its fix's records."""
+def _fixed(series: Series, risk: Risk, version: str, hosted: bool) -> dict[str, str | None]:
+    """Per side, how the risk is fixed (None: open), from its fix's state on the
+    deployment's ``version`` of ``series``'s project (a version the series does not pin
+    has no fix of it: open)."""
     if risk.fixed_by is None:
         return {side: None for side in SIDES}
     patch = series.patch(risk.fixed_by)
     assert patch is not None  # the series parser checks fixed_by
-    if series is vllm:
-        state = patch.pins.get(version)
-        if state is None:
-            return {side: None for side in SIDES}
-        if state.state == "upstream":
-            said = f"fixed upstream in vLLM {state.release}"
-            return {"stock": said, "patched": said}
-        if state.state == "carried":
-            return {"stock": None, "patched": f"fixed by {patch.id}"}
-        return {side: None for side in SIDES}  # dropped: the record says why
-    upstream = [(v, s.release) for v, s in patch.pins.items() if s.state == "upstream"]
-    if upstream:
-        said = f"fixed upstream in {series.project} {upstream[0][1]}"
-        return {"stock": said, "patched": said}
-    carried = [v for v, s in patch.pins.items() if s.state == "carried"]
-    if not carried:
+    state = patch.pins.get(version)
+    if state is None:
         return {side: None for side in SIDES}
-    return {"stock": None, "patched": f"fixed by {patch.id} (hybridpd's {series.project} "
-                                      f"series, on {series.project} {', '.join(carried)})"}
+    if state.state == "upstream":
+        said = f"fixed upstream in {series.project} {state.release}"
+        return {"stock": said, "patched": said}
+    if state.state == "carried":
+        on = f" (hybridpd's {series.project} series, on {series.project} {version})"
+        return {"stock": None, "patched": f"fixed by {patch.id}" + (on if hosted else "")}
+    return {side: None for side in SIDES}  # dropped: the record says why
 
 
 def assess(vllm: Series, version: str, kv: dict | None, num_speculative_tokens: int,
-           answers: dict[str, dict]) -> list[dict]:
+           answers: dict[str, dict], hosted_versions: dict[str, str] | None = None) -> list[dict]:
     """The records' risks that apply (or may: a fact vLLM did not answer) to the
-    deployment on either tree, each with its links and its fix state per side."""
+    deployment on either tree, each with its links and its fix state per side: on
+    vLLM ``version``, and on the version of each hosted series' project the deployment
+    runs (``hosted_versions``, by package; the series' default pin unless given)."""
     facts = {side: Facts.of(kv, num_speculative_tokens, answers.get(side, {}))
              for side in SIDES}
     out = []
     for series in hosted_series(vllm):
+        on = version if series is vllm else (hosted_versions or {}).get(
+            series.package, series.default_pin)
         for risk in series.risks:
             applies = {side: facts[side].matches(risk) for side in SIDES}
             if all(a is False for a in applies.values()):
                 continue
             dropped = None
-            if risk.fixed_by and series is vllm:
-                state = series.patch(risk.fixed_by).pins.get(version)
+            if risk.fixed_by:
+                state = series.patch(risk.fixed_by).pins.get(on)
                 if state is not None and state.state == "dropped":
                     dropped = series.patch(risk.fixed_by).why_dropped
             out.append({
                 "id": risk.id, "project": series.project, "says": risk.says,
                 "links": [{"ref": l, "url": Risk.url(l)} for l in risk.links],
                 "unless": risk.unless, "fixed_by": risk.fixed_by,
-                "applies": applies, "fixed": _fixed(series, risk, vllm, version),
+                "applies": applies, "fixed": _fixed(series, risk, on, series is not vllm),
                 **({"fix_dropped": dropped} if dropped else {}),
             })
     return out

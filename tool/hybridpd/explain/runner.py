@@ -45,6 +45,9 @@ class ExplainOptions:
     #: Matched against the known risks only (question 5); the engine is built without
     #: speculative decoding (a draft model needs its weights' config).
     num_speculative_tokens: int = 0
+    #: The LMCache release the deployment runs: the LMCache series' fixes are that
+    #: release's records (None: the series' default pin, the test environment's).
+    lmcache_version: str | None = None
     #: The KV cache memory the engine core sizes the pool for (it sets num_blocks only).
     kv_cache_gib: float = 16.0
     #: Seconds each driver may take (one vLLM import is 25-40 s on 2 busy cores).
@@ -118,7 +121,9 @@ def explain_cases(series: Series, version: str, cases: list[ExplainOptions],
         out.append(Explained(
             pin.version, opts.model, opts.kv_transfer_config, note, said, seconds, logs,
             risks_mod.assess(series, pin.version, opts.kv_transfer_config,
-                             opts.num_speculative_tokens, said)))
+                             opts.num_speculative_tokens, said,
+                             {"lmcache": opts.lmcache_version} if opts.lmcache_version
+                             else None)))
     return out
 
 
