@@ -1,33 +1,41 @@
-"""Property: no request on a hybrid model ever resumes without its Mamba state.
+"""Property: no request on a hybrid model ever resumes without its Mamba state,
+and no remote prefill recomputes what its load would have restored.
 
 Hypothesis generates whole decode-instance workloads and drives a real
 Scheduler through them, checking every admission with
 :class:`MambaStateChecker`: roles (kv_both, kv_consumer, kv_producer),
 connector sets (NIXL; MultiConnector with NIXL and DecodeBench, which does not
-restore the Mamba state, in both orders), remote-prefill and plain requests,
-KV loads that fail (and are recomputed),
-prompts that are k blocks or k blocks + 1 of a shared prefix plus a suffix,
-KV pools small enough to preempt (every connector set), Qwen3.5's groups with or
-without a sliding-window group beside them (the checker also asks for the
-request's own KV inside the window), and three ways the engine core drives the
-scheduler (:class:`Driver`): one batch at a time, with n-gram speculative
-decoding, and with async scheduling (two batches in flight).
+restore the Mamba state, in both orders; NIXL beside vLLM's OffloadingConnector
+or lmcache's LMCacheMPConnector, in both orders, their loads checked against
+the chunks the store holds: ``hash_stores``), remote-prefill and plain
+requests, KV loads that fail (and are recomputed), prompts that are k blocks or
+k blocks + 1 of a shared prefix plus a suffix, KV pools small enough to preempt
+(every connector set), Qwen3.5's groups with or without a sliding-window group
+beside them (the checker also asks for the request's own KV inside the window),
+and three ways the engine core drives the scheduler (:class:`Driver`): one
+batch at a time, with n-gram speculative decoding, and with async scheduling
+(two batches in flight). The cost side: a remote prefill's first admission
+resumes where the prefiller stopped, unless a MultiConnector child ahead of
+NIXL serves it (``MambaStateChecker.recompute_problem``).
 
 Bounded for CI: ``HYBRIDPD_HYPOTHESIS_EXAMPLES`` examples (default 100) per
 connector set, derandomized so every run checks the same workloads; set
 ``HYBRIDPD_HYPOTHESIS_SEED`` to explore others. A failure prints the shrunk
 workload (and, with a seed, the blob ``@reproduce_failure`` replays); each one
 found becomes a named test (test_upstream_known_issues.py, or the patch's).
-The long sweep: ``HYBRIDPD_HYPOTHESIS_EXAMPLES=3400 hybridpd test --pin V
---suite patches`` (about 10 000 workloads over the three sets).
+The long sweep: ``HYBRIDPD_HYPOTHESIS_EXAMPLES=1500 hybridpd test --pin V
+--suite patches`` (about 10 000 workloads over the seven sets of v0.32+).
 """
 
+import contextlib
 import os
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+import vllm
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 
 from ..builders import (
     BLOCK_SIZE,
@@ -40,7 +48,15 @@ from ..builders import (
     vllm_config,
 )
 from ..decode_hit_patch import proves
-from ..mamba_state import Driver, MambaStateChecker
+from ..hash_stores import (
+    FakeLMCacheServer,
+    HashStoreLoads,
+    OffloadingWorker,
+    lmcache_adapter_stub,
+    lmcache_mp_unavailable,
+)
+from ..mamba_state import Deadlock, Driver, MambaStateChecker, deadlock
+from .test_upstream_known_issues import KV_HOLDING_DEADLOCK
 
 _SEED = os.environ.get("HYBRIDPD_HYPOTHESIS_SEED")
 _SETTINGS = settings(
@@ -91,6 +107,13 @@ def workload(pools):
             "window": st.sampled_from([None, 2 * BLOCK_SIZE]),
             "seed": st.integers(0, 2**16),
             "requests": st.lists(request_spec, min_size=1, max_size=8),
+            # What an LMCache MP server holds before the workload (another
+            # instance stored it): (prefix, blocks) of the shared prefixes. The
+            # OffloadingConnector's CPU tier fills from the instance's own stores.
+            "stored": st.lists(
+                st.tuples(st.integers(0, len(PREFIXES) - 1), st.integers(1, 6)),
+                max_size=2,
+            ),
         }
     )
 
@@ -102,13 +125,20 @@ def workload(pools):
 # fixes it (test_sync_load_admission.py). On v0.20.2 DecodeBench does not support
 # the hybrid allocator at all.
 _MULTI = pytest.mark.vllm_versions(">=0.23")
+# lmcache's LMCacheMPConnector and the OffloadingConnector's Mamba (align-mode)
+# chunks exist from v0.32 on (test_connector_sets.py).
+_HASH_STORE = pytest.mark.vllm_versions(">=0.32")
 # One patch per case (decode_hit_patch): NIXL alone is inside upstream's gate from v0.28.
 KINDS = [
     pytest.param("nixl", [40, 64, 400], id="nixl", marks=proves(False)),
-    pytest.param("nixl+decodebench", [40, 64, 400], id="nixl+decodebench",
-                 marks=[_MULTI, proves(True)]),
-    pytest.param("decodebench+nixl", [40, 64, 400], id="decodebench+nixl",
-                 marks=[_MULTI, proves(True)]),
+    *(
+        pytest.param(kind, [40, 64, 400], id=kind, marks=[_MULTI, proves(True)])
+        for kind in ("nixl+decodebench", "decodebench+nixl")
+    ),
+    *(
+        pytest.param(kind, [40, 64, 400], id=kind, marks=[_HASH_STORE, proves(True)])
+        for kind in ("nixl+offloading", "offloading+nixl", "nixl+lmcachemp", "lmcachemp+nixl")
+    ),
 ]
 
 
@@ -126,14 +156,22 @@ def _make_request(spec, n):
 def _run(kind, wl):
     role = wl["kv_role"]
     num_spec, async_scheduling = ENGINE_MODES[wl["engine"]]
-    sched = scheduler(
-        vllm_config(**connectors(kind, role), kv_load_failure_policy="recompute",
-                    num_speculative_tokens=num_spec, async_scheduling=async_scheduling),
-        hybrid_kv_cache_config(num_blocks=wl["num_blocks"], num_speculative_blocks=num_spec,
-                               sliding_window=wl["window"]),
-        async_scheduling=async_scheduling,
+    server = FakeLMCacheServer()
+    for prefix, blocks in wl["stored"]:
+        server.store(PREFIXES[prefix][: blocks * BLOCK_SIZE])
+    config = vllm_config(**connectors(kind, role), kv_load_failure_policy="recompute",
+                         num_speculative_tokens=num_spec, async_scheduling=async_scheduling)
+    kv_cache_config = hybrid_kv_cache_config(
+        num_blocks=wl["num_blocks"], num_speculative_blocks=num_spec,
+        sliding_window=wl["window"],
     )
-    checker = MambaStateChecker(sched)
+    with lmcache_adapter_stub(server) if "lmcachemp" in kind else contextlib.nullcontext():
+        sched = scheduler(config, kv_cache_config, async_scheduling=async_scheduling)
+    worker = OffloadingWorker(sched) if "offloading" in kind else None
+    checker = MambaStateChecker(
+        sched, load_checks=HashStoreLoads(sched, server, worker).checks(),
+        check_recompute=True,
+    )
     specs = wl["requests"]
     # A producer never receives remote-prefill requests.
     pending = [
@@ -143,7 +181,7 @@ def _run(kind, wl):
     reqs = [r for _, r in pending]
     failing = {r.request_id for (_, r), s in zip(pending, specs) if s["load_fails"]}
     driver = Driver(sched, checker, failing, num_spec, async_scheduling,
-                    random.Random(wl["seed"]))
+                    random.Random(wl["seed"]), worker=worker)
     for step in range(600):
         for arrival, r in pending:
             if arrival == step:
@@ -151,6 +189,9 @@ def _run(kind, wl):
         driver.step()
         if step >= 6 and all(r.is_finished() for r in reqs):
             break
+    stuck = deadlock(sched, reqs)
+    if stuck:
+        raise Deadlock(stuck)
     # Not vacuous: every request was admitted (and checked) and finished.
     assert all(r.is_finished() for r in reqs), "the workload did not drain"
     admitted = {a.request_id for a in checker.admissions}
@@ -159,10 +200,24 @@ def _run(kind, wl):
 
 @pytest.mark.parametrize("kind,pools", KINDS)
 def test_no_request_resumes_without_its_mamba_state(kind, pools):
+    if "lmcachemp" in kind:
+        # Before any config: vLLM resolves the class while validating it.
+        reason = lmcache_mp_unavailable()
+        if reason is not None:
+            pytest.skip(reason)
+    known_deadlock = Version(vllm.__version__) in KV_HOLDING_DEADLOCK
+
     @_seeded
     @_SETTINGS
     @given(wl=workload(pools))
     def prop(wl):
-        _run(kind, wl)
+        try:
+            _run(kind, wl)
+        except Deadlock:
+            if not known_deadlock:
+                raise
+            # test_upstream_known_issues.py holds this release's hang; every
+            # admission before it was checked.
+            event("hung: async loads filled the pool (known on this release)")
 
     prop()

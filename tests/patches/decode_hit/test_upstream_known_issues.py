@@ -3,7 +3,55 @@
 Each test reproduces the bug on a real Scheduler and is a strict xfail: it
 fails while the bug is there, on stock and patched builds alike, and turns red
 (XPASS) the day a pin carries a fix, so the exclusion it justifies elsewhere
-can be removed. None at present: the last one, a synchronous load over a local
-hit on a full pool, is fixed by mamba-align-admission-counts-sync-load
-(tests/patches/scheduler/test_sync_load_admission.py).
+can be removed. (The synchronous load over a local hit on a full pool, found
+here first, is fixed by mamba-align-admission-counts-sync-load:
+tests/patches/scheduler/test_sync_load_admission.py.)
 """
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+from ..mamba_state import Deadlock
+
+#: Releases whose scheduler admits an async KV load without reserving the
+#: blocks the request needs to resume once it lands (its next token and its
+#: speculative lookahead). Loads that fill the pool then wait at the head of
+#: the waiting queue for blocks only they hold: nothing runs, nothing is
+#: preempted, the engine hangs. Later releases reserve them at admission
+#: (``_inflight_prefill_reserved_blocks`` + ``_spec_decode_step_blocks``,
+#: "to avoid deadlock"). test_mamba_state_property.py counts such a workload
+#: as this bug on these releases, and fails on any other.
+KV_HOLDING_DEADLOCK = SpecifierSet("<0.21")
+
+#: The shrunk workload test_mamba_state_property.py found (v0.20.2, NIXL): three
+#: remote prefills land in a 40-block pool with 2-token speculative decoding.
+DEADLOCK_WORKLOAD = {
+    "kv_role": "kv_both", "num_blocks": 40, "engine": "spec2", "window": None,
+    "seed": 0, "stored": [],
+    "requests": [
+        *[{"prefix": 0, "prefix_blocks": 1, "suffix": 0, "remote": False,
+           "load_fails": False, "max_tokens": 1, "arrival": 2}] * 3,
+        {"prefix": 0, "prefix_blocks": 1, "suffix": 17, "remote": True,
+         "load_fails": False, "max_tokens": 1, "arrival": 1},
+        {"prefix": 0, "prefix_blocks": 2, "suffix": 15, "remote": True,
+         "load_fails": False, "max_tokens": 1, "arrival": 1},
+        {"prefix": 0, "prefix_blocks": 4, "suffix": 0, "remote": True,
+         "load_fails": False, "max_tokens": 1, "arrival": 1},
+    ],
+}
+
+
+@pytest.mark.vllm_versions(str(KV_HOLDING_DEADLOCK))
+@pytest.mark.xfail(
+    strict=True,
+    raises=Deadlock,
+    reason=(
+        "vLLM bug: async KV loads are admitted without the blocks they need to "
+        "resume; once they fill the pool, the request at the head of the waiting "
+        "queue cannot allocate, nothing runs and nothing is preempted"
+    ),
+)
+def test_async_loads_that_fill_the_pool_deadlock():
+    from .test_mamba_state_property import _run
+
+    _run("nixl", DEADLOCK_WORKLOAD)
