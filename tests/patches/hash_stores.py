@@ -186,6 +186,34 @@ def lmcache_adapter_stub(server: FakeLMCacheServer) -> Iterator[FakeLMCacheServe
         lm.LMCacheMPSchedulerAdapter = original
 
 
+@dataclasses.dataclass
+class LMCacheWorker:
+    """LMCacheMPConnector's worker, seen from the scheduler: the store of each
+    finished request (the connector keeps its blocks until the worker says it
+    is done) completes in the next step, and the server then holds the whole
+    chunks of the prompt the request computed or loaded."""
+
+    sched: Any
+    server: FakeLMCacheServer
+    reported: set[str] = dataclasses.field(default_factory=set)
+
+    def report(self, output: Any, result: Any) -> None:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        held = {rid for rid, r in self.sched.requests.items() if r.is_finished()}
+        done = held - self.reported
+        self.reported = held
+        if not done:
+            return
+        for rid in done:
+            req = self.sched.requests[rid]
+            self.server.store(req.prompt_token_ids,
+                              min(req.num_computed_tokens, req.num_prompt_tokens))
+        if result.kv_connector_output is None:
+            result.kv_connector_output = KVConnectorOutput()
+        result.kv_connector_output.finished_sending = done
+
+
 # -------------------------------------------------------------- Offloading
 
 

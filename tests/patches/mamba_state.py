@@ -27,6 +27,7 @@ truth of what each connector moves, not what the code under test believes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -154,6 +155,9 @@ class MambaStateChecker:
         self.load_checks = {**LOAD_STATE_CHECKS, **(load_checks or {})}
         self.check_recompute = check_recompute
         self.admitted: set[str] = set()
+        # Per request, the KV loads the scheduler started (admissions with
+        # external tokens).
+        self.load_starts: collections.Counter[str] = collections.Counter()
         self.block_size = sched.block_size
         groups = sched.kv_cache_config.kv_cache_groups
         self.mamba_group_ids = [
@@ -190,6 +194,8 @@ class MambaStateChecker:
                 return original_match(request, num_computed_tokens)
 
             def update_state_after_alloc(request, blocks, num_external_tokens):
+                if num_external_tokens > 0:
+                    self.load_starts[request.request_id] += 1
                 cached = self._at_match.pop(request.request_id, None)
                 if num_external_tokens == 0 or cached is None:
                     cached = self._cached_states(request)
@@ -418,19 +424,20 @@ class Driver:
     One batch at a time (``EngineCore.step``), or with ``async_scheduling`` two in
     flight: the next batch is scheduled before the previous one's output is applied
     (``EngineCore.step_with_batch_queue``, queue size 2). The worker samples one
-    token per scheduled request, finishes every KV load in flight (those of
-    ``failing`` fail), and with ``num_spec`` n-gram drafts it proposes that many
-    draft tokens for every running request after each step and accepts a random
-    number of those it was scheduled (``rng``), as a real verifier may.
-    ``worker``: an OffloadingConnector's stand-in worker
-    (:class:`~.hash_stores.OffloadingWorker`), which completes the transfer jobs
-    of each batch in that batch's output.
+    token per scheduled request, finishes every KV load in flight (the first
+    load of each request in ``failing`` fails), and with ``num_spec`` n-gram
+    drafts it proposes that many draft tokens for every running request after
+    each step and accepts a random number of those it was scheduled (``rng``),
+    as a real verifier may.
+    ``worker``: a hash-store connector's stand-in worker
+    (:class:`~.hash_stores.OffloadingWorker`, which completes the transfer jobs
+    of each batch in that batch's output, or :class:`~.hash_stores.LMCacheWorker`,
+    which completes the stores of finished requests).
     """
 
     def __init__(self, sched: Any, checker: MambaStateChecker, failing=frozenset(),
                  num_spec: int = 0, async_scheduling: bool = False, rng: Any = None,
                  worker: Any = None):
-        import collections
         import random
 
         self.sched, self.checker, self.failing = sched, checker, set(failing)
@@ -438,9 +445,11 @@ class Driver:
         self.num_spec, self.async_scheduling = num_spec, async_scheduling
         self.rng = rng or random.Random(0)
         self.in_flight: collections.deque = collections.deque()
-        # Loads whose end a worker output reports already: a load ends once (with
-        # two batches in flight, it is still waiting when the next one is scheduled).
-        self.reported: set[str] = set()
+        # Per request, the loads whose end a worker output reported: a load ends
+        # once (with two batches in flight, it is still waiting when the next one
+        # is scheduled), and a request may start another (a failed load recomputed
+        # from a hit another connector then loads).
+        self.reported: dict[str, int] = {}
 
     def step(self) -> None:
         if self.sched.has_requests():
@@ -461,9 +470,9 @@ class Driver:
             rid for rid, r in self.sched.requests.items()
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         }
-        self.reported &= waiting
-        loading = waiting - self.reported
-        self.reported |= loading
+        loading = {rid for rid in waiting
+                   if self.checker.load_starts[rid] > self.reported.get(rid, 0)}
+        self.reported.update((rid, self.checker.load_starts[rid]) for rid in loading)
         accepted = {
             rid: self.rng.randint(0, len(drafts))
             for rid, drafts in (getattr(output, "scheduled_spec_decode_tokens", {}) or {}).items()
@@ -472,9 +481,13 @@ class Driver:
         # (a prompt chunk, or a resumed request's recompute that stops at a
         # Mamba-aligned point before its earlier outputs end) samples nothing.
         sampling = {r.request_id for r in reqs if not r.is_prefill_chunk}
+        # A request's first load fails (a transfer that breaks); the load that
+        # recovers it, from whatever hit it then finds, goes through.
+        failed = loading & self.failing
+        self.failing -= failed
         result = model_runner_output(
             reqs, loading or None, num_accepted=accepted, sampling=sampling,
-            **_load_failure(self.sched, loading & self.failing),
+            **_load_failure(self.sched, failed),
         )
         if self.worker is not None:
             self.worker.report(output, result)

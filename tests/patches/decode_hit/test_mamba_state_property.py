@@ -51,6 +51,7 @@ from ..decode_hit_patch import proves
 from ..hash_stores import (
     FakeLMCacheServer,
     HashStoreLoads,
+    LMCacheWorker,
     OffloadingWorker,
     lmcache_adapter_stub,
     lmcache_mp_unavailable,
@@ -167,9 +168,11 @@ def _run(kind, wl):
     )
     with lmcache_adapter_stub(server) if "lmcachemp" in kind else contextlib.nullcontext():
         sched = scheduler(config, kv_cache_config, async_scheduling=async_scheduling)
-    worker = OffloadingWorker(sched) if "offloading" in kind else None
+    worker = (OffloadingWorker(sched) if "offloading" in kind
+              else LMCacheWorker(sched, server) if "lmcachemp" in kind else None)
     checker = MambaStateChecker(
-        sched, load_checks=HashStoreLoads(sched, server, worker).checks(),
+        sched, load_checks=HashStoreLoads(
+            sched, server, worker if "offloading" in kind else None).checks(),
         check_recompute=True,
     )
     specs = wl["requests"]
