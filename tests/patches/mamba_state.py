@@ -418,10 +418,11 @@ class Driver:
     One batch at a time (``EngineCore.step``), or with ``async_scheduling`` two in
     flight: the next batch is scheduled before the previous one's output is applied
     (``EngineCore.step_with_batch_queue``, queue size 2). The worker samples one
-    token per scheduled request, finishes every KV load in flight (those of
-    ``failing`` fail), and with ``num_spec`` drafts it proposes that many draft
-    tokens for every running request after each step and accepts a random
-    number of those it was scheduled (``rng``), as a real verifier may. N-gram
+    token per scheduled request, finishes every KV load in flight (the first
+    load of each request in ``failing`` fails), and with ``num_spec`` drafts it
+    proposes that many draft tokens for every running request after each step
+    and accepts a random number of those it was scheduled (``rng``), as a real
+    verifier may. N-gram
     and MTP drafts reach the scheduler the same way after a synchronous step
     (``EngineCore.post_step``: ``take_draft_token_ids`` then
     ``update_draft_token_ids``, which drops a prefill chunk's drafts).
@@ -443,11 +444,19 @@ class Driver:
         self.in_flight: collections.deque = collections.deque()
         # Loads whose end a worker output reports already: a load ends once (with
         # two batches in flight, it is still waiting when the next one is scheduled).
+        # A request whose failed load is promoted and loads again within one
+        # schedule() starts a new load, whose end is reported too.
         self.reported: set[str] = set()
 
     def step(self) -> None:
         if self.sched.has_requests():
+            checked = len(self.checker.admissions)
             output = checked_schedule(self.sched, self.checker)
+            self.reported -= {
+                a.request_id for a in self.checker.admissions[checked:]
+                if a.external_tokens > 0 and self.sched.requests[a.request_id].status
+                == RequestStatus.WAITING_FOR_REMOTE_KVS
+            }
             self.in_flight.appendleft((output, self._worker_output(output)))
             if self.async_scheduling and len(self.in_flight) < 2:
                 return
@@ -479,6 +488,9 @@ class Driver:
             reqs, loading or None, num_accepted=accepted, sampling=sampling,
             **_load_failure(self.sched, loading & self.failing),
         )
+        # A failure is one transfer's: the load a connector offers again after it
+        # (the OffloadingConnector's CPU tier still holds the chunks) succeeds.
+        self.failing -= loading
         if self.worker is not None:
             self.worker.report(output, result)
         return result

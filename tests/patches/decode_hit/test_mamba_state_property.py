@@ -60,7 +60,12 @@ from ..hash_stores import (
     lmcache_mp_unavailable,
 )
 from ..mamba_state import Deadlock, Driver, MambaStateChecker, deadlock
-from .test_upstream_known_issues import KV_HOLDING_DEADLOCK
+from .test_upstream_known_issues import (
+    KV_HOLDING_DEADLOCK,
+    MTP_LOOKAHEAD_HANG,
+    MtpLookaheadHang,
+    mtp_lookahead_hang,
+)
 
 _SEED = os.environ.get("HYBRIDPD_HYPOTHESIS_SEED")
 _SETTINGS = settings(
@@ -218,6 +223,8 @@ def _run(kind, wl):
         if step >= 6 and all(r.is_finished() for r in reqs):
             break
     stuck = deadlock(sched, reqs)
+    if stuck and spec_method == "mtp" and mtp_lookahead_hang(reqs, num_spec):
+        raise MtpLookaheadHang(stuck)
     if stuck:
         raise Deadlock(stuck)
     # Not vacuous: every request was admitted (and checked) and finished.
@@ -234,6 +241,7 @@ def test_no_request_resumes_without_its_mamba_state(kind, pools):
         if reason is not None:
             pytest.skip(reason)
     known_deadlock = Version(vllm.__version__) in KV_HOLDING_DEADLOCK
+    known_mtp_hang = Version(vllm.__version__) in MTP_LOOKAHEAD_HANG
 
     @_seeded
     @_SETTINGS
@@ -241,6 +249,11 @@ def test_no_request_resumes_without_its_mamba_state(kind, pools):
     def prop(wl):
         try:
             _run(kind, wl)
+        except MtpLookaheadHang:
+            if not known_mtp_hang:
+                raise
+            # test_upstream_known_issues.py holds this hang too.
+            event("hung: MTP lookahead vs Mamba align (known on this release)")
         except Deadlock:
             if not known_deadlock:
                 raise
