@@ -61,9 +61,12 @@ from ..hash_stores import (
 )
 from ..mamba_state import Deadlock, Driver, MambaStateChecker, deadlock
 from .test_upstream_known_issues import (
+    FAILED_LOAD_SELF_RESERVATION,
     KV_HOLDING_DEADLOCK,
     MTP_LOOKAHEAD_HANG,
     MtpLookaheadHang,
+    SelfReservationHang,
+    failed_load_self_reservation,
     mtp_lookahead_hang,
 )
 
@@ -227,6 +230,9 @@ def _run(kind, wl):
         raise MtpLookaheadHang(stuck)
     if stuck:
         raise Deadlock(stuck)
+    if failed_load_self_reservation(sched, reqs):
+        raise SelfReservationHang(
+            "nothing runs; a request whose load failed waits on its own reservation")
     # Not vacuous: every request was admitted (and checked) and finished.
     assert all(r.is_finished() for r in reqs), "the workload did not drain"
     admitted = {a.request_id for a in checker.admissions}
@@ -242,6 +248,7 @@ def test_no_request_resumes_without_its_mamba_state(kind, pools):
             pytest.skip(reason)
     known_deadlock = Version(vllm.__version__) in KV_HOLDING_DEADLOCK
     known_mtp_hang = Version(vllm.__version__) in MTP_LOOKAHEAD_HANG
+    known_self_reservation = Version(vllm.__version__) in FAILED_LOAD_SELF_RESERVATION
 
     @_seeded
     @_SETTINGS
@@ -249,6 +256,10 @@ def test_no_request_resumes_without_its_mamba_state(kind, pools):
     def prop(wl):
         try:
             _run(kind, wl)
+        except SelfReservationHang:
+            if not known_self_reservation:
+                raise
+            event("hung: a failed load's retry reserves its own blocks (known on this release)")
         except MtpLookaheadHang:
             if not known_mtp_hang:
                 raise
