@@ -425,10 +425,12 @@ class Driver:
     flight: the next batch is scheduled before the previous one's output is applied
     (``EngineCore.step_with_batch_queue``, queue size 2). The worker samples one
     token per scheduled request, finishes every KV load in flight (the first
-    load of each request in ``failing`` fails), and with ``num_spec`` n-gram
-    drafts it proposes that many draft tokens for every running request after
-    each step and accepts a random number of those it was scheduled (``rng``),
-    as a real verifier may.
+    load of each request in ``failing`` fails), and with ``num_spec`` drafts it
+    proposes that many draft tokens for every running request after each step
+    and accepts a random number of those it was scheduled (``rng``), as a real
+    verifier may. N-gram and MTP drafts reach the scheduler the same way after a
+    synchronous step (``EngineCore.post_step``: ``take_draft_token_ids`` then
+    ``update_draft_token_ids``, which drops a prefill chunk's drafts).
     ``worker``: a hash-store connector's stand-in worker
     (:class:`~.hash_stores.OffloadingWorker`, which completes the transfer jobs
     of each batch in that batch's output, or :class:`~.hash_stores.LMCacheWorker`,
@@ -448,7 +450,7 @@ class Driver:
         # Per request, the loads whose end a worker output reported: a load ends
         # once (with two batches in flight, it is still waiting when the next one
         # is scheduled), and a request may start another (a failed load recomputed
-        # from a hit another connector then loads).
+        # from a hit another connector then loads, even within one schedule()).
         self.reported: dict[str, int] = {}
 
     def step(self) -> None:

@@ -12,15 +12,18 @@ requests, KV loads that fail (and are recomputed), prompts that are k blocks or
 k blocks + 1 of a shared prefix plus a suffix, KV pools small enough to preempt
 (every connector set), Qwen3.5's groups with or without a sliding-window group
 beside them (the checker also asks for the request's own KV inside the window),
-and three ways the engine core drives the scheduler (:class:`Driver`): one
-batch at a time, with n-gram speculative decoding, and with async scheduling
-(two batches in flight). The cost side: a remote prefill's first admission
+and the ways the engine core drives the scheduler (:class:`Driver`): one
+batch at a time, with n-gram speculative decoding or multi-module MTP (2 or 3
+modules, where the release has it: the drafter's prefill lookahead, and NIXL's
+back-off of ``num_spec - 1`` prompt tokens), and with async scheduling (two
+batches in flight). The cost side: a remote prefill's first admission
 resumes where the prefiller stopped, unless a MultiConnector child ahead of
 NIXL serves it (``MambaStateChecker.recompute_problem``).
 
 Bounded for CI: ``HYBRIDPD_HYPOTHESIS_EXAMPLES`` examples (default 100) per
 connector set, derandomized so every run checks the same workloads; set
-``HYBRIDPD_HYPOTHESIS_SEED`` to explore others. A failure prints the shrunk
+``HYBRIDPD_HYPOTHESIS_SEED`` to explore others, and ``HYBRIDPD_HYPOTHESIS_ENGINES``
+(e.g. ``mtp2,mtp3``) to draw only some engine modes. A failure prints the shrunk
 workload (and, with a seed, the blob ``@reproduce_failure`` replays); each one
 found becomes a named test (test_upstream_known_issues.py, or the patch's).
 The long sweep: ``HYBRIDPD_HYPOTHESIS_EXAMPLES=1500 hybridpd test --pin V
@@ -36,6 +39,7 @@ import vllm
 from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 from packaging.version import Version
+from vllm.config import VllmConfig
 
 from ..builders import (
     BLOCK_SIZE,
@@ -57,7 +61,15 @@ from ..hash_stores import (
     lmcache_mp_unavailable,
 )
 from ..mamba_state import Deadlock, Driver, MambaStateChecker, deadlock
-from .test_upstream_known_issues import KV_HOLDING_DEADLOCK
+from .test_upstream_known_issues import (
+    FAILED_LOAD_SELF_RESERVATION,
+    KV_HOLDING_DEADLOCK,
+    MTP_LOOKAHEAD_HANG,
+    MtpLookaheadHang,
+    SelfReservationHang,
+    failed_load_self_reservation,
+    mtp_lookahead_hang,
+)
 
 _SEED = os.environ.get("HYBRIDPD_HYPOTHESIS_SEED")
 _SETTINGS = settings(
@@ -91,11 +103,34 @@ request_spec = st.fixed_dictionaries(
 )
 
 
-#: How the engine core drives the scheduler: one batch at a time, the same with
-#: n-gram speculative decoding (2 draft tokens per step, a random number accepted;
-#: the Mamba groups hold a block per draft), or async scheduling (two batches in
-#: flight).
-ENGINE_MODES = {"sync": (0, False), "spec2": (2, False), "async": (0, True)}
+#: How the engine core drives the scheduler (draft tokens per step, async
+#: scheduling, speculative method): one batch at a time, the same with n-gram
+#: speculative decoding (2 draft tokens per step, a random number accepted; the
+#: Mamba groups hold a block per draft), with multi-module MTP (2 or 3 MTP
+#: modules, one draft each: the scheduler ends no prefill chunk inside the
+#: drafter's lookahead and NIXL's prefiller stops ``num_spec - 1`` tokens short),
+#: or async scheduling (two batches in flight).
+ENGINE_MODES = {
+    "sync": (0, False, "ngram"),
+    "spec2": (2, False, "ngram"),
+    "mtp2": (2, False, "mtp"),
+    "mtp3": (3, False, "mtp"),
+    "async": (0, True, "ngram"),
+}
+#: Whether this release knows multi-module MTP on the scheduler's side (its
+#: prefill lookahead); the mtp modes are drawn only where it does.
+MULTI_MODULE_MTP = hasattr(VllmConfig, "num_prefill_lookahead_tokens")
+
+
+def _engine_modes():
+    """The modes drawn: ``HYBRIDPD_HYPOTHESIS_ENGINES`` (comma-separated) narrows
+    them for a focused sweep."""
+    only = os.environ.get("HYBRIDPD_HYPOTHESIS_ENGINES")
+    return sorted(
+        m for m, (_, _, method) in ENGINE_MODES.items()
+        if (method != "mtp" or MULTI_MODULE_MTP)
+        and (not only or m in only.split(","))
+    )
 
 
 def workload(pools):
@@ -103,7 +138,7 @@ def workload(pools):
         {
             "kv_role": st.sampled_from(["kv_both", "kv_consumer", "kv_producer"]),
             "num_blocks": st.sampled_from(pools),
-            "engine": st.sampled_from(sorted(ENGINE_MODES)),
+            "engine": st.sampled_from(_engine_modes()),
             # Qwen3.5's groups, or with a sliding-window group beside them
             "window": st.sampled_from([None, 2 * BLOCK_SIZE]),
             "seed": st.integers(0, 2**16),
@@ -156,12 +191,13 @@ def _make_request(spec, n):
 
 def _run(kind, wl):
     role = wl["kv_role"]
-    num_spec, async_scheduling = ENGINE_MODES[wl["engine"]]
+    num_spec, async_scheduling, spec_method = ENGINE_MODES[wl["engine"]]
     server = FakeLMCacheServer()
     for prefix, blocks in wl["stored"]:
         server.store(PREFIXES[prefix][: blocks * BLOCK_SIZE])
     config = vllm_config(**connectors(kind, role), kv_load_failure_policy="recompute",
-                         num_speculative_tokens=num_spec, async_scheduling=async_scheduling)
+                         num_speculative_tokens=num_spec, spec_method=spec_method,
+                         async_scheduling=async_scheduling)
     kv_cache_config = hybrid_kv_cache_config(
         num_blocks=wl["num_blocks"], num_speculative_blocks=num_spec,
         sliding_window=wl["window"],
@@ -193,8 +229,13 @@ def _run(kind, wl):
         if step >= 6 and all(r.is_finished() for r in reqs):
             break
     stuck = deadlock(sched, reqs)
+    if stuck and spec_method == "mtp" and mtp_lookahead_hang(reqs, num_spec):
+        raise MtpLookaheadHang(stuck)
     if stuck:
         raise Deadlock(stuck)
+    if failed_load_self_reservation(sched, reqs):
+        raise SelfReservationHang(
+            "nothing runs; a request whose load failed waits on its own reservation")
     # Not vacuous: every request was admitted (and checked) and finished.
     assert all(r.is_finished() for r in reqs), "the workload did not drain"
     admitted = {a.request_id for a in checker.admissions}
@@ -209,6 +250,8 @@ def test_no_request_resumes_without_its_mamba_state(kind, pools):
         if reason is not None:
             pytest.skip(reason)
     known_deadlock = Version(vllm.__version__) in KV_HOLDING_DEADLOCK
+    known_mtp_hang = Version(vllm.__version__) in MTP_LOOKAHEAD_HANG
+    known_self_reservation = Version(vllm.__version__) in FAILED_LOAD_SELF_RESERVATION
 
     @_seeded
     @_SETTINGS
@@ -216,6 +259,15 @@ def test_no_request_resumes_without_its_mamba_state(kind, pools):
     def prop(wl):
         try:
             _run(kind, wl)
+        except SelfReservationHang:
+            if not known_self_reservation:
+                raise
+            event("hung: a failed load's retry reserves its own blocks (known on this release)")
+        except MtpLookaheadHang:
+            if not known_mtp_hang:
+                raise
+            # test_upstream_known_issues.py holds this hang too.
+            event("hung: MTP lookahead vs Mamba align (known on this release)")
         except Deadlock:
             if not known_deadlock:
                 raise
