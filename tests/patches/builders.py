@@ -8,7 +8,8 @@ remote KV transfer) is the only thing faked.
 
 The model is a tiny local OPT config written to a temporary directory: the
 scheduler and the KV cache manager never run the model, they only need a
-ModelConfig that resolves offline. The hybrid layout itself comes from the
+ModelConfig that resolves offline. Multi-module MTP needs a target whose
+checkpoint carries MTP modules: a tiny Qwen3-Next config (:func:`tiny_mtp_model_dir`). The hybrid layout itself comes from the
 KVCacheConfig: one full-attention group plus Mamba groups in
 ``mamba_cache_mode="align"``, the layout of Qwen3.5 (three Gated-DeltaNet
 layers for every full-attention layer).
@@ -84,6 +85,56 @@ def tiny_model_dir() -> str:
     return str(path)
 
 
+def _tiny_mtp_config(num_mtp_modules: int) -> dict[str, Any]:
+    """A tiny Qwen3-Next (Gated DeltaNet + full attention, like Qwen3.5) whose
+    checkpoint declares ``num_mtp_modules`` MTP modules
+    (``num_nextn_predict_layers``): vLLM maps ``qwen3_next`` to its
+    ``qwen3_next_mtp`` draft and reads the module count from that key."""
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "max_position_embeddings": 32768,
+        "vocab_size": 1024,
+        "bos_token_id": 2,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+        "num_nextn_predict_layers": num_mtp_modules,
+    }
+
+
+@functools.cache
+def tiny_mtp_model_dir(num_mtp_modules: int) -> str:
+    """A local config-only Qwen3-Next checkpoint with ``num_mtp_modules`` MTP
+    modules (one directory per count and test process, removed at exit).
+
+    vLLM inspects the target's and the draft's model classes in a subprocess
+    the first time it meets them (tens of seconds on a small machine), then
+    keeps the result in memory and on disk (``VLLM_CACHE_ROOT/modelinfos``, keyed
+    by the model file's hash): one cached directory per count keeps every later
+    config of the process on those caches."""
+    path = Path(tempfile.mkdtemp(prefix=f"hybridpd-tiny-mtp{num_mtp_modules}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    (path / "config.json").write_text(json.dumps(_tiny_mtp_config(num_mtp_modules)))
+    return str(path)
+
+
 def hybrid_kv_cache_config(
     num_blocks: int = 1000,
     block_size: int = BLOCK_SIZE,
@@ -133,6 +184,7 @@ def vllm_config(
     max_model_len: int = 4096,
     num_speculative_tokens: int = 0,
     async_scheduling: bool = False,
+    spec_method: str = "ngram",
 ) -> VllmConfig:
     """A VllmConfig of a PD instance with the hybrid allocator enabled.
 
@@ -140,12 +192,21 @@ def vllm_config(
     ``kv_load_failure_policy``: "fail" (vLLM's default) or "recompute".
     ``hybrid_kv_cache_manager``: None lets vLLM decide, as a server started
     without ``--[no-]disable-hybrid-kv-cache-manager`` does; True or False is
-    the operator's explicit choice. ``num_speculative_tokens``: n-gram
-    speculative decoding (no draft model: the scheduler's side of speculative
-    tokens); ``async_scheduling``: vLLM's AsyncScheduler (see :func:`scheduler`).
+    the operator's explicit choice. ``num_speculative_tokens``: speculative
+    decoding, the scheduler's side of it (no model runs); ``spec_method``:
+    "ngram" (no draft model) or "mtp", multi-module MTP: the target is
+    :func:`tiny_mtp_model_dir` with one MTP module per speculative token, so
+    the drafter reads ``num_speculative_tokens`` prompt tokens ahead of a
+    prefill chunk (``VllmConfig.num_prefill_lookahead_tokens``) and NIXL backs
+    off ``num_speculative_tokens - 1`` prompt tokens where the release knows
+    multi-module MTP. ``async_scheduling``: vLLM's AsyncScheduler (see
+    :func:`scheduler`).
     """
+    if spec_method not in ("ngram", "mtp"):
+        raise ValueError(spec_method)
+    mtp = spec_method == "mtp" and num_speculative_tokens > 0
     model_config = ModelConfig(
-        model=tiny_model_dir(),
+        model=tiny_mtp_model_dir(num_speculative_tokens) if mtp else tiny_model_dir(),
         dtype="float32",
         seed=0,
         skip_tokenizer_init=True,
@@ -181,11 +242,15 @@ def vllm_config(
 
         parallel_config = ParallelConfig()
 
+        # MTP's draft is the target's own checkpoint (its MTP modules): vLLM
+        # builds the draft ModelConfig from the target's directory.
+        method_args = (
+            {"method": "mtp"} if mtp
+            else {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        )
         speculative_config = SpeculativeConfig(
-            method="ngram",
+            **method_args,
             num_speculative_tokens=num_speculative_tokens,
-            prompt_lookup_min=1,
-            prompt_lookup_max=3,
             target_model_config=model_config,
             target_parallel_config=parallel_config,
         )

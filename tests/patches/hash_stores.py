@@ -186,6 +186,34 @@ def lmcache_adapter_stub(server: FakeLMCacheServer) -> Iterator[FakeLMCacheServe
         lm.LMCacheMPSchedulerAdapter = original
 
 
+@dataclasses.dataclass
+class LMCacheWorker:
+    """LMCacheMPConnector's worker, seen from the scheduler: the store of each
+    finished request (the connector keeps its blocks until the worker says it
+    is done) completes in the next step, and the server then holds the whole
+    chunks of the prompt the request computed or loaded."""
+
+    sched: Any
+    server: FakeLMCacheServer
+    reported: set[str] = dataclasses.field(default_factory=set)
+
+    def report(self, output: Any, result: Any) -> None:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        held = {rid for rid, r in self.sched.requests.items() if r.is_finished()}
+        done = held - self.reported
+        self.reported = held
+        if not done:
+            return
+        for rid in done:
+            req = self.sched.requests[rid]
+            self.server.store(req.prompt_token_ids,
+                              min(req.num_computed_tokens, req.num_prompt_tokens))
+        if result.kv_connector_output is None:
+            result.kv_connector_output = KVConnectorOutput()
+        result.kv_connector_output.finished_sending = done
+
+
 # -------------------------------------------------------------- Offloading
 
 
@@ -249,6 +277,18 @@ class OffloadingWorker:
             )
         )
 
+    def report(self, output: Any, result: Any) -> None:
+        """Complete the jobs of ``output`` (a SchedulerOutput) in ``result``, the
+        worker's ModelRunnerOutput for it."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        self.take_jobs(output)
+        meta = self.worker_meta()
+        if meta is not None:
+            if result.kv_connector_output is None:
+                result.kv_connector_output = KVConnectorOutput()
+            result.kv_connector_output.kv_connector_worker_meta = meta
+
     def load_keys(self, request_id: str) -> set[Any]:
         """Keys of the load jobs of ``request_id`` still tracked by the connector."""
         return {
@@ -272,7 +312,6 @@ def hash_store_step(sched: Any, checker: Any, worker: OffloadingWorker | None):
     one sampled token per scheduled request, every async KV load in flight
     reported finished, and, where an OffloadingConnector is configured, every
     transfer job handed to its worker in this step completed."""
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
     from .builders import model_runner_output
@@ -286,11 +325,61 @@ def hash_store_step(sched: Any, checker: Any, worker: OffloadingWorker | None):
     }
     result = model_runner_output(reqs, loading or None)
     if worker is not None:
-        worker.take_jobs(output)
-        meta = worker.worker_meta()
-        if meta is not None:
-            if result.kv_connector_output is None:
-                result.kv_connector_output = KVConnectorOutput()
-            result.kv_connector_output.kv_connector_worker_meta = meta
+        worker.report(output, result)
     sched.update_from_output(output, result)
     return output
+
+
+# ------------------------------------------------------------- load checks
+
+
+@dataclasses.dataclass
+class HashStoreLoads:
+    """What a hash-store child's load brings to the resume point, from what it
+    moves (``MambaStateChecker``'s ``load_checks``): an Offloading load carries,
+    for every Mamba group, the stored key of the request's own block hash at the
+    resume block; an LMCache load ends at a stored chunk of the request's own
+    token prefix. (Whether LMCache's stored chunk-end Mamba page is the genuine
+    state depends on the server's object groups, which no scheduler sees.)"""
+
+    sched: Any
+    server: FakeLMCacheServer
+    worker: OffloadingWorker | None = None
+
+    def checks(self) -> dict[str, Any]:
+        return {
+            "OffloadingConnector": self.offloading_problem,
+            "LMCacheMPConnector": self.lmcache_problem,
+        }
+
+    def _mamba_group_ids(self) -> list[int]:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        return [
+            i for i, g in enumerate(self.sched.kv_cache_config.kv_cache_groups)
+            if isinstance(g.kv_cache_spec, MambaSpec)
+        ]
+
+    def offloading_problem(self, adm: Any) -> str | None:
+        req = self.sched.requests[adm.request_id]
+        block_size = self.sched.block_size
+        if adm.resume_point % block_size:
+            return "the load ends inside a block"
+        assert self.worker is not None
+        index = adm.resume_point // block_size - 1
+        loading = self.worker.load_keys(adm.request_id)
+        for gid in self._mamba_group_ids():
+            key = offload_key(req, index, gid)
+            if key not in self.worker.stored:
+                return f"no stored Mamba chunk of this prefix, group {gid} block {index}"
+            if key not in loading:
+                return f"the load does not bring group {gid}'s chunk at block {index}"
+        return None
+
+    def lmcache_problem(self, adm: Any) -> str | None:
+        req = self.sched.requests[adm.request_id]
+        if adm.resume_point % self.server.chunk_tokens:
+            return "the load ends inside an LMCache chunk"
+        if not self.server.holds(req.prompt_token_ids, adm.resume_point):
+            return "no stored chunk of this request's prefix ends at the resume point"
+        return None

@@ -27,6 +27,7 @@ truth of what each connector moves, not what the code under test believes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -57,6 +58,34 @@ class Admission:
 
 class MambaStateViolation(AssertionError):
     pass
+
+
+class Deadlock(AssertionError):
+    """The scheduler can make no progress: nothing runs, and every unfinished
+    request waits holding KV blocks (see :func:`deadlock`)."""
+
+
+def deadlock(sched: Any, reqs: Any) -> str | None:
+    """Why ``sched`` is stuck with ``reqs`` unfinished, or None if it is not in
+    that state: no request runs and every unfinished one holds the KV of a load
+    or of its own computed tokens while it waits for blocks, which only a
+    running request (or a preemption of a waiting one, which vLLM never does)
+    could free."""
+    stuck = [r for r in reqs if not r.is_finished()]
+    if not stuck or sched.running:
+        return None
+    holding = [r for r in stuck if r.num_computed_tokens > 0
+               or r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+    if not holding:
+        return None
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    return (f"nothing runs, {free} free blocks, waiting: " + ", ".join(
+        f"{r.request_id} ({r.status.name}, {r.num_computed_tokens}/{r.num_tokens})"
+        for r in stuck))
+
+
+class RecomputeViolation(AssertionError):
+    """A remote prefill recomputes prompt tokens that NIXL would have loaded."""
 
 
 def _serving_connector(connector: Any, request_id: str) -> str | None:
@@ -114,10 +143,21 @@ class MambaStateChecker:
     Call :meth:`after_schedule` with each ``SchedulerOutput`` (the
     :func:`checked_step` helper does). ``admissions`` keeps every checked
     admission, so a test can also assert *which* state a request resumed from.
+
+    ``load_checks``: the load checks of connectors beyond
+    :data:`LOAD_STATE_CHECKS` (a hash store's, which needs its stored keys).
+    ``check_recompute``: also the cost side (:meth:`recompute_problem`).
     """
 
-    def __init__(self, sched: Any):
+    def __init__(self, sched: Any, load_checks: dict | None = None,
+                 check_recompute: bool = False):
         self.sched = sched
+        self.load_checks = {**LOAD_STATE_CHECKS, **(load_checks or {})}
+        self.check_recompute = check_recompute
+        self.admitted: set[str] = set()
+        # Per request, the KV loads the scheduler started (admissions with
+        # external tokens).
+        self.load_starts: collections.Counter[str] = collections.Counter()
         self.block_size = sched.block_size
         groups = sched.kv_cache_config.kv_cache_groups
         self.mamba_group_ids = [
@@ -154,6 +194,8 @@ class MambaStateChecker:
                 return original_match(request, num_computed_tokens)
 
             def update_state_after_alloc(request, blocks, num_external_tokens):
+                if num_external_tokens > 0:
+                    self.load_starts[request.request_id] += 1
                 cached = self._at_match.pop(request.request_id, None)
                 if num_external_tokens == 0 or cached is None:
                     cached = self._cached_states(request)
@@ -225,6 +267,12 @@ class MambaStateChecker:
 
     def check(self, req: Any, adm: Admission) -> None:
         assert adm.resume_point is not None
+        first = req.request_id not in self.admitted
+        self.admitted.add(req.request_id)
+        if self.check_recompute and first:
+            problem = self.recompute_problem(adm)
+            if problem:
+                raise RecomputeViolation(f"{req.request_id}: {problem}")
         if adm.resume_point and self.window_groups:
             problem = self.window_problem(req, adm)
             if problem:
@@ -236,7 +284,7 @@ class MambaStateChecker:
         if adm.resume_point == 0 or not self.mamba_group_ids:
             return
         local = adm.resume_point - adm.external_tokens
-        load_check = LOAD_STATE_CHECKS.get(adm.serving_connector or "")
+        load_check = self.load_checks.get(adm.serving_connector or "")
         if adm.external_tokens > 0 and load_check is not None:
             problem = load_check(adm)
         elif local == 0:
@@ -249,6 +297,23 @@ class MambaStateChecker:
                 f"{adm.external_tokens} external from {adm.serving_connector}): "
                 f"{problem}"
             )
+
+    @staticmethod
+    def recompute_problem(adm: Admission) -> str | None:
+        """The cost side of the invariant, on a remote prefill's first admission:
+        the prefiller computed the prompt up to ``prefiller_end`` and NIXL moves
+        its KV and the Mamba state there, so resuming earlier recomputes tokens a
+        restoring load would have delivered (a local hit of length - 1 included).
+        A MultiConnector child before NIXL that matches serves instead, by the
+        MultiConnector's order: that is the operator's choice, not a lost load."""
+        if adm.prefiller_end is None or adm.resume_point >= adm.prefiller_end:
+            return None
+        if adm.external_tokens > 0 and adm.serving_connector not in NIXL_CONNECTORS:
+            return None
+        return (f"resumes at {adm.resume_point} ({adm.external_tokens} external from "
+                f"{adm.serving_connector}), recomputing "
+                f"{adm.prefiller_end - adm.resume_point} tokens up to "
+                f"{adm.prefiller_end} that NIXL would have loaded with their Mamba state")
 
     def window_problem(self, req: Any, adm: Admission) -> str | None:
         """Why a sliding-window group lacks the request's own KV inside the window
@@ -359,24 +424,34 @@ class Driver:
     One batch at a time (``EngineCore.step``), or with ``async_scheduling`` two in
     flight: the next batch is scheduled before the previous one's output is applied
     (``EngineCore.step_with_batch_queue``, queue size 2). The worker samples one
-    token per scheduled request, finishes every KV load in flight (those of
-    ``failing`` fail), and with ``num_spec`` n-gram drafts it proposes that many
-    draft tokens for every running request after each step and accepts a random
-    number of those it was scheduled (``rng``), as a real verifier may.
+    token per scheduled request, finishes every KV load in flight (the first
+    load of each request in ``failing`` fails), and with ``num_spec`` drafts it
+    proposes that many draft tokens for every running request after each step
+    and accepts a random number of those it was scheduled (``rng``), as a real
+    verifier may. N-gram and MTP drafts reach the scheduler the same way after a
+    synchronous step (``EngineCore.post_step``: ``take_draft_token_ids`` then
+    ``update_draft_token_ids``, which drops a prefill chunk's drafts).
+    ``worker``: a hash-store connector's stand-in worker
+    (:class:`~.hash_stores.OffloadingWorker`, which completes the transfer jobs
+    of each batch in that batch's output, or :class:`~.hash_stores.LMCacheWorker`,
+    which completes the stores of finished requests).
     """
 
     def __init__(self, sched: Any, checker: MambaStateChecker, failing=frozenset(),
-                 num_spec: int = 0, async_scheduling: bool = False, rng: Any = None):
-        import collections
+                 num_spec: int = 0, async_scheduling: bool = False, rng: Any = None,
+                 worker: Any = None):
         import random
 
         self.sched, self.checker, self.failing = sched, checker, set(failing)
+        self.worker = worker
         self.num_spec, self.async_scheduling = num_spec, async_scheduling
         self.rng = rng or random.Random(0)
         self.in_flight: collections.deque = collections.deque()
-        # Loads whose end a worker output reports already: a load ends once (with
-        # two batches in flight, it is still waiting when the next one is scheduled).
-        self.reported: set[str] = set()
+        # Per request, the loads whose end a worker output reported: a load ends
+        # once (with two batches in flight, it is still waiting when the next one
+        # is scheduled), and a request may start another (a failed load recomputed
+        # from a hit another connector then loads, even within one schedule()).
+        self.reported: dict[str, int] = {}
 
     def step(self) -> None:
         if self.sched.has_requests():
@@ -397,9 +472,9 @@ class Driver:
             rid for rid, r in self.sched.requests.items()
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         }
-        self.reported &= waiting
-        loading = waiting - self.reported
-        self.reported |= loading
+        loading = {rid for rid in waiting
+                   if self.checker.load_starts[rid] > self.reported.get(rid, 0)}
+        self.reported.update((rid, self.checker.load_starts[rid]) for rid in loading)
         accepted = {
             rid: self.rng.randint(0, len(drafts))
             for rid, drafts in (getattr(output, "scheduled_spec_decode_tokens", {}) or {}).items()
@@ -408,10 +483,17 @@ class Driver:
         # (a prompt chunk, or a resumed request's recompute that stops at a
         # Mamba-aligned point before its earlier outputs end) samples nothing.
         sampling = {r.request_id for r in reqs if not r.is_prefill_chunk}
-        return model_runner_output(
+        # A request's first load fails (a transfer that breaks); the load that
+        # recovers it, from whatever hit it then finds, goes through.
+        failed = loading & self.failing
+        self.failing -= failed
+        result = model_runner_output(
             reqs, loading or None, num_accepted=accepted, sampling=sampling,
-            **_load_failure(self.sched, loading & self.failing),
+            **_load_failure(self.sched, failed),
         )
+        if self.worker is not None:
+            self.worker.report(output, result)
+        return result
 
     def _propose_drafts(self) -> None:
         if not self.num_spec:

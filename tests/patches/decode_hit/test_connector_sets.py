@@ -31,7 +31,6 @@ on the server's object groups, which no scheduler-level test sees.)
 
 import pytest
 
-from .. import mamba_state
 from ..builders import (
     BLOCK_SIZE,
     connectors,
@@ -44,6 +43,7 @@ from ..builders import (
 )
 from ..hash_stores import (
     FakeLMCacheServer,
+    HashStoreLoads,
     OffloadingWorker,
     child,
     hash_store_step,
@@ -67,7 +67,7 @@ class Instance:
     """A decode instance with a connector set, its checker, and the hash-store
     child's storage (the Offloading worker's record, or the LMCache server)."""
 
-    def __init__(self, kind, kv_role, monkeypatch):
+    def __init__(self, kind, kv_role):
         self.kind = kind
         self.server = FakeLMCacheServer()
         if "lmcachemp" in kind:
@@ -82,41 +82,14 @@ class Instance:
         else:
             self.sched = scheduler(config, hybrid_kv_cache_config())
         self.worker = OffloadingWorker(self.sched) if "offloading" in kind else None
-        self.checker = MambaStateChecker(self.sched)
         # What each hash-store child's load brings to the resume point, from
         # what it moves (see the module docstring).
-        monkeypatch.setitem(
-            mamba_state.LOAD_STATE_CHECKS, "OffloadingConnector", self._offloading_problem
-        )
-        monkeypatch.setitem(
-            mamba_state.LOAD_STATE_CHECKS, "LMCacheMPConnector", self._lmcache_problem
-        )
+        loads = HashStoreLoads(self.sched, self.server, self.worker)
+        self.checker = MambaStateChecker(self.sched, load_checks=loads.checks())
 
     @property
     def hash_store(self) -> str:
         return "LMCacheMPConnector" if "lmcachemp" in self.kind else "OffloadingConnector"
-
-    def _offloading_problem(self, adm):
-        req = self.sched.requests[adm.request_id]
-        if adm.resume_point % BLOCK_SIZE:
-            return "the load ends inside a block"
-        index = adm.resume_point // BLOCK_SIZE - 1
-        loading = self.worker.load_keys(adm.request_id)
-        for gid in self.checker.mamba_group_ids:
-            key = offload_key(req, index, gid)
-            if key not in self.worker.stored:
-                return f"no stored Mamba chunk of this prefix, group {gid} block {index}"
-            if key not in loading:
-                return f"the load does not bring group {gid}'s chunk at block {index}"
-        return None
-
-    def _lmcache_problem(self, adm):
-        req = self.sched.requests[adm.request_id]
-        if adm.resume_point % self.server.chunk_tokens:
-            return "the load ends inside an LMCache chunk"
-        if not self.server.holds(req.prompt_token_ids, adm.resume_point):
-            return "no stored chunk of this request's prefix ends at the resume point"
-        return None
 
     def step(self):
         return hash_store_step(self.sched, self.checker, self.worker)
@@ -162,11 +135,11 @@ class Instance:
         return next(a for a in self.checker.admissions if a.request_id == req.request_id)
 
 
-def _decode_instance(kind, kv_role, monkeypatch, stored=None):
+def _decode_instance(kind, kv_role, stored=None):
     """A decode instance that served one remote prefill whose prompt starts with
     PREFIX (its attention blocks are cached, its Mamba groups hold no state
     inside PREFIX); with ``stored``, the hash-store child holds its chunks."""
-    inst = Instance(kind, kv_role, monkeypatch)
+    inst = Instance(kind, kv_role)
     # The Offloading tier is filled by this instance, before its prefix cache
     # is dropped; the LMCache server is shared and filled by another instance,
     # after ``first`` (which would otherwise load PREFIX, Mamba state included,
@@ -184,12 +157,12 @@ def _decode_instance(kind, kv_role, monkeypatch, stored=None):
 
 @pytest.mark.parametrize("kv_role", ROLES)
 @pytest.mark.parametrize("kind", SETS)
-def test_remote_prefill_keeps_the_attention_hit(kind, kv_role, monkeypatch):
+def test_remote_prefill_keeps_the_attention_hit(kind, kv_role):
     # Nothing in the hash store for this prompt: the prefix comes from D's own
     # cache, NIXL pulls the rest and the Mamba state at its end, in both
     # orders. Stock: the hash-store child does not declare the capability, so
     # D takes the hit every group agrees on (0) and NIXL pulls everything.
-    inst = _decode_instance(kind, kv_role, monkeypatch)
+    inst = _decode_instance(kind, kv_role)
     req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=3),
                   kv_transfer_params=remote_prefill_params(6))
     inst.serve(req)
@@ -200,14 +173,14 @@ def test_remote_prefill_keeps_the_attention_hit(kind, kv_role, monkeypatch):
 
 @pytest.mark.parametrize("kv_role", ROLES)
 @pytest.mark.parametrize("kind", SETS)
-def test_hash_store_with_deeper_chunks_serves_when_first(kind, kv_role, monkeypatch):
+def test_hash_store_with_deeper_chunks_serves_when_first(kind, kv_role):
     # The hash store holds PREFIX plus two more blocks of this prompt, with the
     # Mamba state at their end; D's own cache holds PREFIX's attention only.
     # First in the order, the hash store matches and loads from the local hit
     # to its stored Mamba chunk (checked: the request's own state); second,
     # NIXL matches first and pulls up to the prefiller's end.
     shared = PREFIX + prompt(2 * BLOCK_SIZE, seed=5)
-    inst = _decode_instance(kind, kv_role, monkeypatch, stored=shared + [9])
+    inst = _decode_instance(kind, kv_role, stored=shared + [9])
     req = request(shared + prompt(BLOCK_SIZE, seed=6),
                   kv_transfer_params=remote_prefill_params(7))
     inst.serve(req)
@@ -224,7 +197,7 @@ def test_hash_store_with_deeper_chunks_serves_when_first(kind, kv_role, monkeypa
 @pytest.mark.parametrize("stored", [False, True], ids=["empty-store", "stored"])
 @pytest.mark.parametrize("kv_role", ROLES)
 @pytest.mark.parametrize("kind", SETS)
-def test_plain_request_gets_no_stateless_hit(kind, kv_role, stored, monkeypatch):
+def test_plain_request_gets_no_stateless_hit(kind, kv_role, stored):
     # A router sends a prompt straight to the decode pool: NIXL has nothing to
     # load, so no connector gives a resume point and the attention-only hit on
     # PREFIX is not taken (the checker raises on a stateless resume). With its
@@ -232,7 +205,7 @@ def test_plain_request_gets_no_stateless_hit(kind, kv_role, stored, monkeypatch)
     # state at the end, in either order.
     shared = PREFIX + prompt(2 * BLOCK_SIZE, seed=4)
     inst = _decode_instance(
-        kind, kv_role, monkeypatch, stored=shared + [9] if stored else None
+        kind, kv_role, stored=shared + [9] if stored else None
     )
     plain = request(shared + prompt(BLOCK_SIZE, seed=7))
     inst.serve(plain)

@@ -1,33 +1,46 @@
-"""Property: no request on a hybrid model ever resumes without its Mamba state.
+"""Property: no request on a hybrid model ever resumes without its Mamba state,
+and no remote prefill recomputes what its load would have restored.
 
 Hypothesis generates whole decode-instance workloads and drives a real
 Scheduler through them, checking every admission with
 :class:`MambaStateChecker`: roles (kv_both, kv_consumer, kv_producer),
 connector sets (NIXL; MultiConnector with NIXL and DecodeBench, which does not
-restore the Mamba state, in both orders), remote-prefill and plain requests,
-KV loads that fail (and are recomputed),
-prompts that are k blocks or k blocks + 1 of a shared prefix plus a suffix,
-KV pools small enough to preempt (every connector set), Qwen3.5's groups with or
-without a sliding-window group beside them (the checker also asks for the
-request's own KV inside the window), and three ways the engine core drives the
-scheduler (:class:`Driver`): one batch at a time, with n-gram speculative
-decoding, and with async scheduling (two batches in flight).
+restore the Mamba state, in both orders; NIXL beside vLLM's OffloadingConnector
+or lmcache's LMCacheMPConnector, in both orders, their loads checked against
+the chunks the store holds: ``hash_stores``), remote-prefill and plain
+requests, KV loads that fail (and are recomputed), prompts that are k blocks or
+k blocks + 1 of a shared prefix plus a suffix, KV pools small enough to preempt
+(every connector set), Qwen3.5's groups with or without a sliding-window group
+beside them (the checker also asks for the request's own KV inside the window),
+and the ways the engine core drives the scheduler (:class:`Driver`): one
+batch at a time, with n-gram speculative decoding or multi-module MTP (2 or 3
+modules, where the release has it: the drafter's prefill lookahead, and NIXL's
+back-off of ``num_spec - 1`` prompt tokens), and with async scheduling (two
+batches in flight). The cost side: a remote prefill's first admission
+resumes where the prefiller stopped, unless a MultiConnector child ahead of
+NIXL serves it (``MambaStateChecker.recompute_problem``).
 
 Bounded for CI: ``HYBRIDPD_HYPOTHESIS_EXAMPLES`` examples (default 100) per
 connector set, derandomized so every run checks the same workloads; set
-``HYBRIDPD_HYPOTHESIS_SEED`` to explore others. A failure prints the shrunk
+``HYBRIDPD_HYPOTHESIS_SEED`` to explore others, and ``HYBRIDPD_HYPOTHESIS_ENGINES``
+(e.g. ``mtp2,mtp3``) to draw only some engine modes. A failure prints the shrunk
 workload (and, with a seed, the blob ``@reproduce_failure`` replays); each one
 found becomes a named test (test_upstream_known_issues.py, or the patch's).
-The long sweep: ``HYBRIDPD_HYPOTHESIS_EXAMPLES=3400 hybridpd test --pin V
---suite patches`` (about 10 000 workloads over the three sets).
+The long sweep adds the MTP modes and the hash-store sets (:data:`WIDE`):
+``HYBRIDPD_HYPOTHESIS_WIDE=1 HYBRIDPD_HYPOTHESIS_EXAMPLES=1500 hybridpd test
+--pin V --suite patches`` (about 10 000 workloads over the seven sets of v0.32+).
 """
 
+import contextlib
 import os
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+import vllm
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
+from packaging.version import Version
+from vllm.config import VllmConfig
 
 from ..builders import (
     BLOCK_SIZE,
@@ -39,8 +52,25 @@ from ..builders import (
     scheduler,
     vllm_config,
 )
-from ..decode_hit_patch import proves
-from ..mamba_state import Driver, MambaStateChecker
+from ..decode_hit_patch import UPSTREAM_GATE, proves
+from ..hash_stores import (
+    FakeLMCacheServer,
+    HashStoreLoads,
+    LMCacheWorker,
+    OffloadingWorker,
+    lmcache_adapter_stub,
+    lmcache_mp_unavailable,
+)
+from ..mamba_state import Deadlock, Driver, MambaStateChecker, deadlock
+from .test_upstream_known_issues import (
+    FAILED_LOAD_SELF_RESERVATION,
+    KV_HOLDING_DEADLOCK,
+    MTP_LOOKAHEAD_HANG,
+    MtpLookaheadHang,
+    SelfReservationHang,
+    failed_load_self_reservation,
+    mtp_lookahead_hang,
+)
 
 _SEED = os.environ.get("HYBRIDPD_HYPOTHESIS_SEED")
 _SETTINGS = settings(
@@ -74,11 +104,43 @@ request_spec = st.fixed_dictionaries(
 )
 
 
-#: How the engine core drives the scheduler: one batch at a time, the same with
-#: n-gram speculative decoding (2 draft tokens per step, a random number accepted;
-#: the Mamba groups hold a block per draft), or async scheduling (two batches in
-#: flight).
-ENGINE_MODES = {"sync": (0, False), "spec2": (2, False), "async": (0, True)}
+#: How the engine core drives the scheduler (draft tokens per step, async
+#: scheduling, speculative method): one batch at a time, the same with n-gram
+#: speculative decoding (2 draft tokens per step, a random number accepted; the
+#: Mamba groups hold a block per draft), with multi-module MTP (2 or 3 MTP
+#: modules, one draft each: the scheduler ends no prefill chunk inside the
+#: drafter's lookahead and NIXL's prefiller stops ``num_spec - 1`` tokens short),
+#: or async scheduling (two batches in flight).
+ENGINE_MODES = {
+    "sync": (0, False, "ngram"),
+    "spec2": (2, False, "ngram"),
+    "mtp2": (2, False, "mtp"),
+    "mtp3": (3, False, "mtp"),
+    "async": (0, True, "ngram"),
+}
+#: Whether this release knows multi-module MTP on the scheduler's side (its
+#: prefill lookahead); the mtp modes are drawn only where it does.
+MULTI_MODULE_MTP = hasattr(VllmConfig, "num_prefill_lookahead_tokens")
+
+
+#: The long sweep's dimensions (``HYBRIDPD_HYPOTHESIS_WIDE=1``): the MTP modes and
+#: the hash-store connector sets. CI's bounded run leaves them out while they hold
+#: findings not classified yet (a sliding-window group's block inside the window
+#: that an Offloading load over a local hit neither caches nor writes, v0.32.0
+#: patched; workloads that do not drain with 3 MTP modules, v0.33.0 patched): a
+#: CI run would go red on them, or spend its budget shrinking them on stock.
+WIDE = os.environ.get("HYBRIDPD_HYPOTHESIS_WIDE") == "1"
+
+
+def _engine_modes():
+    """The modes drawn: ``HYBRIDPD_HYPOTHESIS_ENGINES`` (comma-separated) narrows
+    them for a focused sweep; the MTP modes only in the wide sweep (:data:`WIDE`)."""
+    only = os.environ.get("HYBRIDPD_HYPOTHESIS_ENGINES")
+    return sorted(
+        m for m, (_, _, method) in ENGINE_MODES.items()
+        if (method != "mtp" or (MULTI_MODULE_MTP and WIDE))
+        and (not only or m in only.split(","))
+    )
 
 
 def workload(pools):
@@ -86,11 +148,18 @@ def workload(pools):
         {
             "kv_role": st.sampled_from(["kv_both", "kv_consumer", "kv_producer"]),
             "num_blocks": st.sampled_from(pools),
-            "engine": st.sampled_from(sorted(ENGINE_MODES)),
+            "engine": st.sampled_from(_engine_modes()),
             # Qwen3.5's groups, or with a sliding-window group beside them
             "window": st.sampled_from([None, 2 * BLOCK_SIZE]),
             "seed": st.integers(0, 2**16),
             "requests": st.lists(request_spec, min_size=1, max_size=8),
+            # What an LMCache MP server holds before the workload (another
+            # instance stored it): (prefix, blocks) of the shared prefixes. The
+            # OffloadingConnector's CPU tier fills from the instance's own stores.
+            "stored": st.lists(
+                st.tuples(st.integers(0, len(PREFIXES) - 1), st.integers(1, 6)),
+                max_size=2,
+            ),
         }
     )
 
@@ -102,13 +171,21 @@ def workload(pools):
 # fixes it (test_sync_load_admission.py). On v0.20.2 DecodeBench does not support
 # the hybrid allocator at all.
 _MULTI = pytest.mark.vllm_versions(">=0.23")
+# lmcache's LMCacheMPConnector and the OffloadingConnector's Mamba (align-mode)
+# chunks exist from v0.32 on (test_connector_sets.py).
+_HASH_STORE = pytest.mark.vllm_versions(">=0.32")
 # One patch per case (decode_hit_patch): NIXL alone is inside upstream's gate from v0.28.
 KINDS = [
     pytest.param("nixl", [40, 64, 400], id="nixl", marks=proves(False)),
-    pytest.param("nixl+decodebench", [40, 64, 400], id="nixl+decodebench",
-                 marks=[_MULTI, proves(True)]),
-    pytest.param("decodebench+nixl", [40, 64, 400], id="decodebench+nixl",
-                 marks=[_MULTI, proves(True)]),
+    *(
+        pytest.param(kind, [40, 64, 400], id=kind, marks=[_MULTI, proves(True)])
+        for kind in ("nixl+decodebench", "decodebench+nixl")
+    ),
+    *(
+        pytest.param(kind, [40, 64, 400], id=kind, marks=[_HASH_STORE, proves(True)])
+        for kind in ("nixl+offloading", "offloading+nixl", "nixl+lmcachemp", "lmcachemp+nixl")
+        if WIDE
+    ),
 ]
 
 
@@ -125,15 +202,29 @@ def _make_request(spec, n):
 
 def _run(kind, wl):
     role = wl["kv_role"]
-    num_spec, async_scheduling = ENGINE_MODES[wl["engine"]]
-    sched = scheduler(
-        vllm_config(**connectors(kind, role), kv_load_failure_policy="recompute",
-                    num_speculative_tokens=num_spec, async_scheduling=async_scheduling),
-        hybrid_kv_cache_config(num_blocks=wl["num_blocks"], num_speculative_blocks=num_spec,
-                               sliding_window=wl["window"]),
-        async_scheduling=async_scheduling,
+    num_spec, async_scheduling, spec_method = ENGINE_MODES[wl["engine"]]
+    server = FakeLMCacheServer()
+    for prefix, blocks in wl["stored"]:
+        server.store(PREFIXES[prefix][: blocks * BLOCK_SIZE])
+    config = vllm_config(**connectors(kind, role), kv_load_failure_policy="recompute",
+                         num_speculative_tokens=num_spec, spec_method=spec_method,
+                         async_scheduling=async_scheduling)
+    kv_cache_config = hybrid_kv_cache_config(
+        num_blocks=wl["num_blocks"], num_speculative_blocks=num_spec,
+        sliding_window=wl["window"],
     )
-    checker = MambaStateChecker(sched)
+    with lmcache_adapter_stub(server) if "lmcachemp" in kind else contextlib.nullcontext():
+        sched = scheduler(config, kv_cache_config, async_scheduling=async_scheduling)
+    worker = (OffloadingWorker(sched) if "offloading" in kind
+              else LMCacheWorker(sched, server) if "lmcachemp" in kind else None)
+    checker = MambaStateChecker(
+        sched, load_checks=HashStoreLoads(
+            sched, server, worker if "offloading" in kind else None).checks(),
+        # The cost side where the case proves the patch that carries it: from
+        # v0.28, NIXL alone is upstream's contract, which leaves a hit of prompt
+        # length - 1 recomputing (test_mamba_state.py proves that case).
+        check_recompute=kind != "nixl" or Version(vllm.__version__) < UPSTREAM_GATE,
+    )
     specs = wl["requests"]
     # A producer never receives remote-prefill requests.
     pending = [
@@ -143,7 +234,7 @@ def _run(kind, wl):
     reqs = [r for _, r in pending]
     failing = {r.request_id for (_, r), s in zip(pending, specs) if s["load_fails"]}
     driver = Driver(sched, checker, failing, num_spec, async_scheduling,
-                    random.Random(wl["seed"]))
+                    random.Random(wl["seed"]), worker=worker)
     for step in range(600):
         for arrival, r in pending:
             if arrival == step:
@@ -151,6 +242,15 @@ def _run(kind, wl):
         driver.step()
         if step >= 6 and all(r.is_finished() for r in reqs):
             break
+    # A hang of a known kind first (it may hold other requests' KV behind it).
+    if failed_load_self_reservation(sched, reqs):
+        raise SelfReservationHang(
+            "nothing runs; a request whose load failed waits on its own reservation")
+    stuck = deadlock(sched, reqs)
+    if stuck and spec_method == "mtp" and mtp_lookahead_hang(reqs, num_spec):
+        raise MtpLookaheadHang(stuck)
+    if stuck:
+        raise Deadlock(stuck)
     # Not vacuous: every request was admitted (and checked) and finished.
     assert all(r.is_finished() for r in reqs), "the workload did not drain"
     admitted = {a.request_id for a in checker.admissions}
@@ -159,10 +259,35 @@ def _run(kind, wl):
 
 @pytest.mark.parametrize("kind,pools", KINDS)
 def test_no_request_resumes_without_its_mamba_state(kind, pools):
+    if "lmcachemp" in kind:
+        # Before any config: vLLM resolves the class while validating it.
+        reason = lmcache_mp_unavailable()
+        if reason is not None:
+            pytest.skip(reason)
+    known_deadlock = Version(vllm.__version__) in KV_HOLDING_DEADLOCK
+    known_mtp_hang = Version(vllm.__version__) in MTP_LOOKAHEAD_HANG
+    known_self_reservation = Version(vllm.__version__) in FAILED_LOAD_SELF_RESERVATION
+
     @_seeded
     @_SETTINGS
     @given(wl=workload(pools))
     def prop(wl):
-        _run(kind, wl)
+        try:
+            _run(kind, wl)
+        except SelfReservationHang:
+            if not known_self_reservation:
+                raise
+            event("hung: a failed load's retry reserves its own blocks (known on this release)")
+        except MtpLookaheadHang:
+            if not known_mtp_hang:
+                raise
+            # test_upstream_known_issues.py holds this hang too.
+            event("hung: MTP lookahead vs Mamba align (known on this release)")
+        except Deadlock:
+            if not known_deadlock:
+                raise
+            # test_upstream_known_issues.py holds this release's hang; every
+            # admission before it was checked.
+            event("hung: async loads filled the pool (known on this release)")
 
     prop()
