@@ -2,7 +2,7 @@
 # hybridpd's test command (the one README.md names; .ci/run calls it).
 #
 # Installs what it needs by itself, then runs, failing loudly at the first red step:
-#   1. the tool tests (tests/tool, no network);
+#   1. the tool tests (tests/tool, no network; two pytest-xdist workers);
 #   2. `hybridpd check`: records, patch files and a fresh checkout + apply + export agree
 #      (the vLLM series and the LMCache series);
 #   3. per ported pin, `hybridpd test --suite patches`: the red->green patch tests (stock /
@@ -79,7 +79,9 @@ installed_gate() {
 
 step "install hybridpd" install
 hpd="$venv/bin/hybridpd"
-step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider
+# Two workers (pytest-xdist): the tool tests are independent (each its own tmp_path, cache
+# and ports), and half of their time is git and subprocess waits.
+step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider -n 2
 step "hybridpd check" "$hpd" check
 step "hybridpd check (LMCache series)" "$hpd" --series patches/lmcache check
 
@@ -137,8 +139,12 @@ if [ "$e2e" = 1 ]; then
       --role kv_producer/kv_consumer --connector nixl --max-model-len 1024 \
       --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
     gates=(bash ci/lmcache-gates.sh)
-    [ "$full" = 1 ] && gates+=(--full)
-    step "LMCache gates: MultiConnector of NIXL and LMCacheMP (both orders) with a tool-started lmcache server; red on a vLLM mutant$([ "$full" = 1 ] && echo ', red without the allocation, state-binding or null-slot fixes')" \
+    red="red on a vLLM mutant"
+    if [ "$full" = 1 ]; then
+      gates+=(--full)
+      red+=", red without the allocation, state-binding or null-slot fixes"
+    fi
+    step "LMCache gates: MultiConnector of NIXL and LMCacheMP (both orders) with a tool-started lmcache server; $red" \
       "${gates[@]}" "$hpd" "${HYBRIDPD_E2E_LMCACHE_OUT:-out/e2e-lmcache}"
   else
     echo "ci/test.sh: hybridpd has no e2e command" >&2
