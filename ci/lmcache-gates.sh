@@ -8,6 +8,9 @@
 #   2. the correctness gate on a mutant of the patched vLLM build that resumes without
 #      the Mamba state (ci/mutant-correctness.sh) goes red on [LMCacheMP, NIXL], the
 #      order where the series' decode-side decision runs on LMCache's loads too;
+#   3.-5. with --full only (each of those lmcache patches has its red->green patch test in
+#      every CI run, `hybridpd --series patches/lmcache test`; these runs show the same bugs
+#      in a served PD pair, and only change outcome with the LMCache pin or its series):
 #   3. [NIXL, LMCacheMP] with lmcache built without cpu-shm-kv-cache-allocation (and
 #      cpu-shm-exited-worker-segments, which builds on it) must go
 #      red: LMCache's CPU registration moves the KV cache NIXL registered first, and
@@ -30,9 +33,12 @@
 #      hard-linked copy of the e2e venv): patched (the allocation patch's class imports),
 #      then reverted byte for byte (pip's RECORD hashes check every file).
 #
-# Usage: ci/lmcache-gates.sh HYBRIDPD OUT_DIR
+# Usage: ci/lmcache-gates.sh [--full] HYBRIDPD OUT_DIR
 set -euo pipefail
 
+full=0
+if [ "${1:-}" = --full ]; then full=1; shift; fi
+[ $# = 2 ] || { echo "usage: ci/lmcache-gates.sh [--full] HYBRIDPD OUT_DIR" >&2; exit 2; }
 hpd="$1"
 out="$2"
 mkdir -p "$out"
@@ -69,6 +75,7 @@ must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT...: red, and FILE holds e
     exit 1
   fi
 }
+if [ "$full" = 1 ]; then
 # cpu-shm-exited-worker-segments builds on cpu-shm-kv-cache-allocation (its segments'
 # creator record): a run without the allocation patch leaves it out too (it only removes
 # segments once vLLM stopped, after every request was checked).
@@ -81,6 +88,7 @@ must_fail lmcache+nixl cpu-shm-kv-cache-allocation,cpu-shm-vllm-state-binding,cp
 must_fail lmcache+nixl null-recurrent-slot-not-stored,cpu-shm-exited-worker-segments stderr \
   "FAILED: patched / lmcache+nixl: N2 " \
   "FAILED: patched / lmcache+nixl: the lmcache server left the stopped decode instance's shared-memory segments behind"
+fi
 
 # 6. apply --installed on the released lmcache wheel.
 cache="${HYBRIDPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hybridpd}"

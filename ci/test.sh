@@ -2,40 +2,48 @@
 # hybridpd's test command (the one README.md names; .ci/run calls it).
 #
 # Installs what it needs by itself, then runs, failing loudly at the first red step:
-#   1. the tool tests (tests/tool, no network);
+#   1. the tool tests (tests/tool, no network; two pytest-xdist workers);
 #   2. `hybridpd check`: records, patch files and a fresh checkout + apply + export agree
 #      (the vLLM series and the LMCache series);
-#   3. per ported pin, `hybridpd test`: the red->green patch tests (stock / without the
-#      patch / patched) and vLLM's own tests of the touched modules;
+#   3. per ported pin, `hybridpd test --suite patches`: the red->green patch tests (stock /
+#      without the patch / patched) and the state-level property test (vLLM's own tests of
+#      the touched modules with `--upstream` or `--full`, below);
 #   3b. the LMCache series' patch tests (`--series patches/lmcache test`);
 #   4. a reduced `hybridpd bench replay` of 0.20.2 (NIXL) and 0.33.0 (NIXL beside a
 #      connector upstream's gate refuses): red if the patched decode-side hit falls below
 #      99 % of the block-rounded limit;
 #   5. the CPU prefill/decode end-to-end runs on v0.32.0 (`hybridpd e2e`): the smoke,
-#      stock and patched; `apply --installed` on a copy of the smoke's stock venv (a PD
+#      stock and patched, with NIXL beside DecodeBench (the set upstream's gate refuses on
+#      0.32.0; NIXL alone is upstream's there and the correctness scenario serves it
+#      patched); `apply --installed` on a copy of the smoke's stock venv (a PD
 #      pair from it takes the decode-side hit; --revert restores every file); the
 #      correctness scenario on the patched build (every
 #      output against a single instance, with preemption on the decode instance); the
 #      LMCache gates (ci/lmcache-gates.sh: the correctness scenario with a MultiConnector
 #      of NIXL and LMCacheMP, both child orders, on the decode instance and its own
 #      tool-started lmcache server, patched lmcache green; the same scenario on a mutant
-#      vLLM build, where it must go red; red with lmcache built without its allocation,
-#      state-binding or null-slot fixes).
+#      vLLM build, where it must go red; with `--full`, red with lmcache built without its
+#      allocation, state-binding or null-slot fixes).
 #
-# Tiers. By default step 3 runs the reduced upstream selection on the patched tree and
-# compares it with the committed stock baseline (tool/hybridpd/data/upstream/), which
-# keeps a CI run on 2 cores under an hour. `--full` runs the full upstream selection on
-# stock and patched (what ci/github-workflow.yml runs as a matrix over the pins).
+# Tiers. Every run does steps 1, 2, 3 (the patch tests: red->green and the state-level
+# property, on every ported pin), 3b, 4 and 5 (the CPU e2e gates). vLLM's own tests of the
+# touched modules are the upstream tier: `--upstream` runs the reduced selection on the
+# patched tree against the committed stock baseline (tool/hybridpd/data/upstream/), `--full`
+# the full selection on stock and patched and the LMCache gates' red runs without each
+# lmcache fix (ci/lmcache-gates.sh --full); ci/github-workflow.yml runs `--full` as a matrix
+# over the pins. A default run on 2 cores stays under an hour.
 # `--pins "0.20.2 0.33.0"` limits step 3; `--no-e2e` skips step 5.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 full=0
+upstream=0
 e2e=1
 pins=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --full) full=1 ;;
+    --upstream) upstream=1 ;;
     --no-e2e) e2e=0 ;;
     --pins) pins="$2"; shift ;;
     *) echo "ci/test.sh: unknown argument $1" >&2; exit 2 ;;
@@ -71,7 +79,9 @@ installed_gate() {
 
 step "install hybridpd" install
 hpd="$venv/bin/hybridpd"
-step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider
+# Two workers (pytest-xdist): the tool tests are independent (each its own tmp_path, cache
+# and ports), and half of their time is git and subprocess waits.
+step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider -n 2
 step "hybridpd check" "$hpd" check
 step "hybridpd check (LMCache series)" "$hpd" --series patches/lmcache check
 
@@ -83,9 +93,12 @@ for pin in $pins; do
   if [ "$full" = 1 ]; then
     step "hybridpd test --pin $pin (full upstream, stock run)" \
       "$hpd" test --pin "$pin" --suite all --full-upstream
-  else
+  elif [ "$upstream" = 1 ]; then
     step "hybridpd test --pin $pin (reduced upstream vs stock baseline)" \
       "$hpd" test --pin "$pin" --suite all --stock-baseline
+  else
+    step "hybridpd test --pin $pin (patch tests: red->green, state-level property)" \
+      "$hpd" test --pin "$pin" --suite patches
   fi
 done
 
@@ -117,7 +130,7 @@ if [ "$e2e" = 1 ]; then
   if "$hpd" e2e --help >/dev/null 2>&1; then
     step "hybridpd e2e smoke (0.32.0, CPU, stock vs patched)" \
       "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \
-      --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit \
+      --connector nixl+decodebench --compare stock --expect-patched-hit \
       --out "${HYBRIDPD_E2E_OUT:-out/e2e-smoke}"
     step "apply --installed on the smoke's stock venv: PD hit, then reverted byte for byte" \
       installed_gate
@@ -125,8 +138,14 @@ if [ "$e2e" = 1 ]; then
       "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
       --role kv_producer/kv_consumer --connector nixl --max-model-len 1024 \
       --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
-    step "LMCache gates: MultiConnector of NIXL and LMCacheMP (both orders) with a tool-started lmcache server; red on a vLLM mutant, red without the allocation, state-binding or null-slot fixes" \
-      bash ci/lmcache-gates.sh "$hpd" "${HYBRIDPD_E2E_LMCACHE_OUT:-out/e2e-lmcache}"
+    gates=(bash ci/lmcache-gates.sh)
+    red="red on a vLLM mutant"
+    if [ "$full" = 1 ]; then
+      gates+=(--full)
+      red+=", red without the allocation, state-binding or null-slot fixes"
+    fi
+    step "LMCache gates: MultiConnector of NIXL and LMCacheMP (both orders) with a tool-started lmcache server; $red" \
+      "${gates[@]}" "$hpd" "${HYBRIDPD_E2E_LMCACHE_OUT:-out/e2e-lmcache}"
   else
     echo "ci/test.sh: hybridpd has no e2e command" >&2
     exit 1

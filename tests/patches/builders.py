@@ -9,7 +9,9 @@ remote KV transfer) is the only thing faked.
 The model is a tiny local OPT config written to a temporary directory: the
 scheduler and the KV cache manager never run the model, they only need a
 ModelConfig that resolves offline. Multi-module MTP needs a target whose
-checkpoint carries MTP modules: a tiny Qwen3-Next config (:func:`tiny_mtp_model_dir`). The hybrid layout itself comes from the
+checkpoint carries MTP modules: a tiny Qwen3-Next config
+(:func:`tiny_mtp_model_dir`). Their model classes are inspected in the test
+process (:func:`inspect_in_process`). The hybrid layout itself comes from the
 KVCacheConfig: one full-attention group plus Mamba groups in
 ``mamba_cache_mode="align"``, the layout of Qwen3.5 (three Gated-DeltaNet
 layers for every full-attention layer).
@@ -120,6 +122,21 @@ def _tiny_mtp_config(num_mtp_modules: int) -> dict[str, Any]:
 
 
 @functools.cache
+def inspect_in_process(*architectures: str) -> None:
+    """Have vLLM inspect these model classes in this process.
+
+    ModelConfig asks the registry what a lazily registered architecture supports
+    (``_ModelInfo.from_model_cls``), and the registry answers from a subprocess
+    that imports vLLM afresh: tens of seconds per test process on 2 cores.
+    Registering the class itself (imported here, as that subprocess imports it)
+    makes vLLM run the same inspection in this process."""
+    from vllm import ModelRegistry
+
+    for arch in architectures:
+        ModelRegistry.register_model(arch, ModelRegistry.models[arch].load_model_cls())
+
+
+@functools.cache
 def tiny_mtp_model_dir(num_mtp_modules: int) -> str:
     """A local config-only Qwen3-Next checkpoint with ``num_mtp_modules`` MTP
     modules (one directory per count and test process, removed at exit).
@@ -205,6 +222,9 @@ def vllm_config(
     if spec_method not in ("ngram", "mtp"):
         raise ValueError(spec_method)
     mtp = spec_method == "mtp" and num_speculative_tokens > 0
+    inspect_in_process(
+        *(("Qwen3NextForCausalLM", "Qwen3NextMTP") if mtp else ("OPTForCausalLM",))
+    )
     model_config = ModelConfig(
         model=tiny_mtp_model_dir(num_speculative_tokens) if mtp else tiny_model_dir(),
         dtype="float32",

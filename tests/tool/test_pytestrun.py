@@ -219,3 +219,21 @@ def test_another_projects_tree_takes_vllms_metadata_from_the_host_tree(tmp_path:
     assert vllm_tree(host, [layer]) == host
     assert vllm_tree(lmcache, [layer, host]) == host
     assert vllm_tree(lmcache, [layer]) == lmcache  # none: cpu_metadata_overlay says so
+
+
+def test_a_set_stop_event_ends_the_run_and_its_process(tmp_path: Path) -> None:
+    """A run side by side with others (hybridpd test's trees) ends within a second
+    when its caller is interrupted, and leaves no pytest process behind."""
+    import threading
+
+    from hybridpd.pytestrun import Stopped
+
+    pid_file = tmp_path / "pid"
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    start = time.monotonic()
+    with pytest.raises(Stopped):
+        _run(tmp_path, f"echo $$ > {pid_file}\nexec sleep 60\n", stop=stop)
+    assert time.monotonic() - start < 10
+    pid = int(pid_file.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

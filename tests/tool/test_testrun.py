@@ -239,8 +239,42 @@ def test_a_tree_without_a_patch_runs_only_that_patchs_tests(series, tmp_path, mo
              "without": {"fix-add": tmp_path / "stock", "feature": tmp_path / "w-feature"}}
     testrun.run_patch_suite(series, series.pin("1.0"), tmp_path / "venv", trees, tmp_path,
                             tmp_path / "hf", lambda _: None)
-    assert calls == [
-        ("patches-stock", "stock", {}),
+    # Stock and patched run side by side (either may start first), then the trees
+    # without a patch; where a patch's tests must fail, nothing is shrunk.
+    assert sorted(calls[:2]) == [
         ("patches-patched", "patched", {}),
-        ("patches-without-feature", "w-feature", {"HYBRIDPD_PATCH_TESTS_OF": "feature"}),
+        ("patches-stock", "stock", {"HYBRIDPD_HYPOTHESIS_SHRINK": "0"}),
     ]
+    assert calls[2:] == [
+        ("patches-without-feature", "w-feature",
+         {"HYBRIDPD_PATCH_TESTS_OF": "feature", "HYBRIDPD_HYPOTHESIS_SHRINK": "0"}),
+    ]
+
+
+def test_side_by_side_returns_results_in_order_and_stops_the_others_on_a_failure() -> None:
+    import threading
+
+    from hybridpd.testrun import side_by_side
+
+    started = threading.Barrier(2, timeout=10)
+
+    def slow(result):
+        def call(stop):
+            started.wait()
+            stop.wait(0.2)
+            return result
+        return call
+
+    assert side_by_side([slow("a"), slow("b")]) == ["a", "b"]
+
+    stopped = []
+
+    def waits_for_stop(stop):
+        stopped.append(stop.wait(10))  # a pytest run polls its stop event the same way
+
+    def fails(stop):
+        raise RuntimeError("crashed")
+
+    with pytest.raises(RuntimeError, match="crashed"):
+        side_by_side([waits_for_stop, fails])
+    assert stopped == [True]

@@ -40,6 +40,7 @@ import dataclasses
 import os
 import re
 import shutil
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
@@ -278,6 +279,26 @@ def has_plugin(venv: Path, module: str) -> bool:
     return proc.run([py, "-c", f"import {module}"]).ok
 
 
+class Stopped(Exception):
+    """A pytest run ended because its ``stop`` event was set."""
+
+
+def _wait(child, timeout: float | None, stop: threading.Event | None) -> int | None:
+    """:func:`proc.wait`, also watching ``stop`` (once a second) when there is one."""
+    if stop is None:
+        return proc.wait(child, timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+        code = proc.wait(child, left)
+        if code is not None:
+            return code
+        if stop.is_set():
+            raise Stopped("stopped")
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+
+
 def run_pytest(
     venv: Path,
     tree: Path,
@@ -293,6 +314,7 @@ def run_pytest(
     nice: int | None = 10,
     layers: Sequence[Path] = (),
     log: Log = quiet,
+    stop: threading.Event | None = None,
 ) -> SuiteResult:
     """Run ``files`` (paths relative to ``tree``) in one pytest process.
 
@@ -301,7 +323,9 @@ def run_pytest(
     read as a result. ``test_timeout`` applies per test through pytest-timeout when the
     venv has it. ``session_timeout`` bounds the whole process (status ``timeout``; the
     process group is killed). Never raises for test outcomes; the status and reason say
-    what happened.
+    what happened. ``stop``, set from another thread (a run side by side with others,
+    whose caller was interrupted), ends the process within a second and raises
+    :class:`Stopped`.
     """
     tree, venv, out_dir = Path(tree).resolve(), Path(venv).resolve(), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -341,7 +365,7 @@ def run_pytest(
     child = proc.start(cmd, log_path, cwd=tree, env=env)
     try:
         with progress.ticker(f"pytest[{label}]", lambda: pytest_progress(log_path)):
-            code = proc.wait(child, session_timeout)
+            code = _wait(child, session_timeout, stop)
     except BaseException:  # Ctrl-C or SIGTERM: the pytest run must not outlive us
         proc.stop(child)
         raise

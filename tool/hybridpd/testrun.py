@@ -27,8 +27,10 @@ Suites.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import shutil
+import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
@@ -148,6 +150,36 @@ def upstream_json(report: upstream.UpstreamReport) -> dict:
 #: Set for a run on a tree without one patch: the patch tests' conftest keeps only the
 #: tests of that patch (``tests/patches/conftest.py``, ``tests/lmcache_patches``).
 ONLY_PATCH_ENV = "HYBRIDPD_PATCH_TESTS_OF"
+#: Set to "0" on the trees where a patch's tests must fail (stock, without the patch):
+#: a failing property example is printed as found, not shrunk. Only the outcome counts
+#: there; shrinking the counterexamples a missing patch produces cost ~1 min per pin.
+NO_SHRINK_ENV = "HYBRIDPD_HYPOTHESIS_SHRINK"
+#: pytest runs of one suite side by side (one per core of a 2-core CI machine; each
+#: run is one single-threaded process over its own tree).
+TREE_JOBS = 2
+
+
+def side_by_side(calls: Sequence, jobs: int = TREE_JOBS) -> list:
+    """``call(stop)`` for each of ``calls`` on ``jobs`` threads, results in order.
+
+    ``stop`` is a :class:`threading.Event` for :func:`run_pytest`: when one call
+    raises, or this thread is interrupted (Ctrl-C, SIGTERM), the others' pytest
+    processes are ended before the exception goes on.
+    """
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(call, stop) for call in calls]
+        try:
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
+            return [future.result() for future in futures]
+        except BaseException:
+            stop.set()
+            for future in futures:
+                future.cancel()
+            raise
 
 
 def patch_tests_dir(series: Series) -> Path:
@@ -226,23 +258,33 @@ def run_patch_suite(
     tests_dir = patch_tests_dir(series)
     targets = [str(tests_dir)]
 
-    def run(tree: Path, label: str, only: str | None = None) -> dict[str, str]:
-        result = run_pytest(
-            venv, tree, targets, out_dir, hf_home=hf_home, label=label, layers=layers,
-            env_overrides={ONLY_PATCH_ENV: only} if only else None, log=log,
-        )
-        junit = out_dir / f"{label}.junit.xml"
-        if not result.finished or not junit.is_file():
-            raise TestRunError(
-                f"patch tests on {label} did not finish ({result.status}): "
-                f"{result.reason}; log {result.log_path}"
-            )
-        return _case_outcomes(junit)
+    def run(tree: Path, label: str, only: str | None = None, shrink: bool = True):
+        env = {ONLY_PATCH_ENV: only} if only else {}
+        if not shrink:
+            env[NO_SHRINK_ENV] = "0"
 
-    stock = run(trees["stock"], "patches-stock")
-    patched = run(trees["patched"], "patches-patched")
+        def call(stop: threading.Event) -> dict[str, str]:
+            result = run_pytest(
+                venv, tree, targets, out_dir, hf_home=hf_home, label=label, layers=layers,
+                env_overrides=env, log=log, stop=stop,
+            )
+            junit = out_dir / f"{label}.junit.xml"
+            if not result.finished or not junit.is_file():
+                raise TestRunError(
+                    f"patch tests on {label} did not finish ({result.status}): "
+                    f"{result.reason}; log {result.log_path}"
+                )
+            return _case_outcomes(junit)
+
+        return call
+
+    stock, patched = side_by_side([
+        run(trees["stock"], "patches-stock", shrink=False),
+        run(trees["patched"], "patches-patched"),
+    ])
     mapping = patch_properties(out_dir / "patches-patched.junit.xml")
     without: dict[str, dict[str, str]] = {}
+    runs = {}
     for patch in series.carried(pin):
         tree = trees["without"][patch.id]
         if tree == trees["stock"]:
@@ -252,7 +294,10 @@ def run_patch_suite(
         else:
             # Only the patch's own tests decide on the tree without it (red_green reads
             # no other outcome of that run): the others are deselected.
-            without[patch.id] = run(tree, f"patches-without-{patch.id}", only=patch.id)
+            runs[patch.id] = run(
+                tree, f"patches-without-{patch.id}", only=patch.id, shrink=False
+            )
+    without.update(zip(runs, side_by_side(list(runs.values()))))
     return red_green(series, pin, mapping, stock, without, patched)
 
 
