@@ -23,7 +23,11 @@ from ..mamba_state import Deadlock
 #: preempted, the engine hangs. Later releases reserve them at admission
 #: (``_inflight_prefill_reserved_blocks`` + ``_spec_decode_step_blocks``,
 #: "to avoid deadlock"). test_mamba_state_property.py counts such a workload
-#: as this bug on these releases, and fails on any other.
+#: as this bug on these releases, and fails on any other. Upstream: reported as
+#: https://github.com/vllm-project/vllm/issues/45387 and /issues/45388 (closed),
+#: fixed by https://github.com/vllm-project/vllm/pull/44560 (async loads may not
+#: take blocks that in-flight prefills need); the speculative-decoding part
+#: (lookahead blocks allocated only once the load landed) by /pull/57104.
 KV_HOLDING_DEADLOCK = SpecifierSet("<0.21")
 
 #: The shrunk workload test_mamba_state_property.py found (v0.20.2, NIXL): three
@@ -69,7 +73,10 @@ def test_async_loads_that_fill_the_pool_deadlock():
 #: prompt one token past a block boundary, with 3). The only chunk the align
 #: rule allows is then one the lookahead forbids: the scheduler cuts it to
 #: nothing, the request never runs, and as the head of the waiting queue it
-#: blocks every request behind it. No fix in a release yet.
+#: blocks every request behind it. No fix in a release yet. Upstream: the
+#: lookahead came with https://github.com/vllm-project/vllm/pull/50062
+#: (scheduler support for multi-module MTP), whose chunk-boundary rule does not
+#: meet the Mamba align rule; not reported yet.
 MTP_LOOKAHEAD_HANG = SpecifierSet(">=0.32")
 
 
@@ -131,7 +138,12 @@ def test_multi_module_mtp_remote_prefill_past_a_block_boundary_hangs():
 #: scheduler keeps for in-flight prefills includes the request's own remaining
 #: blocks: it must fit twice. In a pool too small for that it is never
 #: admitted, though nothing else runs. Found with multi-module MTP (whose
-#: lookahead blocks make the reservation larger), not specific to it.
+#: lookahead blocks make the reservation larger), not specific to it. Upstream:
+#: the stall behind the head of the queue is what
+#: https://github.com/vllm-project/vllm/pull/57841 (open) addresses, for a head
+#: that holds no blocks; its own limits name kv_load_failure_policy="recompute".
+#: /issues/35541 reports a head-of-queue stall after a failed load (a fix was
+#: tried in /pull/35570).
 FAILED_LOAD_SELF_RESERVATION = SpecifierSet(">=0.32")
 
 
