@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 from packaging.version import InvalidVersion, Version
 
-from hybridpd import cache, gitops, guard, seriesedit
+from hybridpd import apinames, cache, gitops, guard, seriesedit
 from hybridpd import apply as apply_mod
 from hybridpd import moves as moves_mod
 from hybridpd import checkout as checkout_mod
@@ -131,6 +131,8 @@ class Conflict:
     merged: bool  # False: git could not even start a 3-way merge
     #: The patch's files that the target release renamed or turned into a re-export.
     moved: tuple[moves_mod.Move, ...] = ()
+    #: Methods the patch calls that the source release defines and the target does not.
+    missing_api: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -138,6 +140,7 @@ class Conflict:
             "merged": self.merged,
             "files": [{"path": f.path, "hunks": [list(h) for h in f.hunks]} for f in self.files],
             "moved": [m.to_json() for m in self.moved],
+            "missing_api": list(self.missing_api),
         }
 
 
@@ -476,6 +479,12 @@ def next_steps(
     ]
 
 
+def source_patch(report: PortReport, series: Series) -> Path:
+    """The source pin's file of the patch the port stopped on."""
+    assert report.conflict is not None
+    return series.patch_path(series.pin(report.from_version), report.conflict.id).resolve()
+
+
 def apply_by_hand(report: PortReport, series: Series) -> list[str]:
     """For a patch git could not merge (a 3-way ``git apply`` would fail the same way):
     the command that applies the source pin's patch file hunk by hunk in the port's
@@ -733,15 +742,25 @@ def _upstream(
 
 def _conflict(dest: Path, patch: Path, patch_id: str, v2: Pin) -> Conflict:
     moved = _moved(dest, patch, v2)
+    missing = _missing_api(dest, patch, v2)
     unmerged = gitops.conflicted_files(dest)
     if unmerged:
         files = tuple(ConflictFile(f, _marker_lines(dest / f)) for f in unmerged)
-        return Conflict(patch_id, files, merged=True, moved=moved)
+        return Conflict(patch_id, files, merged=True, moved=moved, missing_api=missing)
     # No 3-way merge ran (git had no pre-image to merge from): name what plain
     # apply rejects.
     rejected = gitops.rejected_files(dest, patch) or gitops.patch_files(dest, patch)
     return Conflict(patch_id, tuple(ConflictFile(f, ()) for f in rejected), merged=False,
-                    moved=moved)
+                    moved=moved, missing_api=missing)
+
+
+def _missing_api(dest: Path, patch: Path, v2: Pin) -> tuple[str, ...]:
+    """The methods the patch calls that V1's release defines and V2's does not
+    (:mod:`hybridpd.apinames`); nothing when the port has no V1 commits."""
+    if gitops.resolve(dest, BASE_REF) is None:
+        return ()
+    v1_release = gitops.check(dest, "rev-list", "--max-parents=0", BASE_REF).split()[-1]
+    return apinames.missing(dest, patch, v1_release, v2.tag)
 
 
 def _moved(dest: Path, patch: Path, v2: Pin) -> tuple[moves_mod.Move, ...]:

@@ -8,6 +8,7 @@ import click
 
 from hybridpd import port as port_mod
 from hybridpd.progress import quiet
+from hybridpd.series import Series
 
 from . import jsonout
 from .options import State, dir_option, json_flag, log
@@ -66,19 +67,22 @@ def port(
     steps = port_mod.next_steps(report, state.series_arg, state.series)
     by_hand = port_mod.apply_by_hand(report, state.series)
     if as_json:
-        _emit_json(report, steps, by_hand)
+        _emit_json(report, steps, by_hand, state.series)
     else:
-        _echo_report(report, steps, by_hand)
+        _echo_report(report, steps, by_hand, state.series)
     if report.conflict is not None:
         ctx.exit(1)
 
 
-def _emit_json(report: port_mod.PortReport, steps: list[str], by_hand: list[str]) -> None:
+def _emit_json(
+    report: port_mod.PortReport, steps: list[str], by_hand: list[str], series: Series
+) -> None:
     if report.recovered:  # said on stderr whatever the output (the run's log was quiet)
         log(report.recovered)
     data = report.to_json()
     if report.conflict is not None:
         data["conflict"]["next"] = steps
+        data["conflict"]["source"] = str(port_mod.source_patch(report, series))
         if by_hand:
             data["conflict"]["apply_by_hand"] = by_hand
     jsonout.emit(data)
@@ -91,7 +95,9 @@ def _echo_aborted(stopped: port_mod.Aborted, repo: Path, as_json: bool) -> None:
         click.echo(f"aborted: {repo} is {stopped.to_version} stock ({stopped.stock[:12]})")
 
 
-def _echo_report(report: port_mod.PortReport, steps: list[str], by_hand: list[str]) -> None:
+def _echo_report(
+    report: port_mod.PortReport, steps: list[str], by_hand: list[str], series: Series
+) -> None:
     click.echo(f"port {report.from_version} -> {report.to_version} in {report.dir}")
     rows = [("ID", "RESULT", "EVIDENCE", "FILES")] + [
         (p.id, p.result, p.evidence or "-", ", ".join(p.files) or "-") for p in report.patches
@@ -109,11 +115,13 @@ def _echo_report(report: port_mod.PortReport, steps: list[str], by_hand: list[st
             kept = ", ".join(report.kept)
             log(f"kept {kept}: no record in series.toml and no commit in the port")
     else:
-        _echo_conflict(report, report.conflict, steps, by_hand)
+        _echo_conflict(report, report.conflict, steps, by_hand,
+                       port_mod.source_patch(report, series))
 
 
 def _echo_conflict(
-    report: port_mod.PortReport, conflict: port_mod.Conflict, steps: list[str], by_hand: list[str]
+    report: port_mod.PortReport, conflict: port_mod.Conflict, steps: list[str],
+    by_hand: list[str], source: Path,
 ) -> None:
     click.echo(f"stopped: patch {conflict.id} conflicts with {report.to_version}")
     for f in conflict.files:
@@ -129,6 +137,12 @@ def _echo_conflict(
     for move in conflict.moved:
         click.echo(f"  upstream moved {move.describe(report.to_version)}: make the patch's "
                    "change there")
+    if conflict.missing_api:
+        names = ", ".join(conflict.missing_api)
+        click.echo(f"  the patch calls {names}, which {report.from_version} defines and "
+                   f"{report.to_version} does not: resolving the markers is not enough, "
+                   f"adapt the change to {report.to_version}'s API")
+    click.echo(f"  source: {source}")
     click.echo("next:")
     if by_hand:
         click.echo(f"  apply {report.from_version}'s patch file hunk by hunk (git cannot merge it):")
