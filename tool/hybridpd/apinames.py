@@ -65,7 +65,7 @@ def missing(repo: Path, patch: Path, source_rev: str, target_rev: str) -> tuple[
     called, defined = used_names(text)
     # A method the patch adds is its own; one it replaces (removed, then added back with
     # another signature) is upstream's and must exist in the target too.
-    own = defined - _removed_defs(text)
-    wanted = (called - own) | (defined & _removed_defs(text))
+    rewritten = defined & _removed_defs(text)
+    wanted = (called - (defined - rewritten)) | rewritten
     at_source = _defines(repo, source_rev, wanted)
     return tuple(sorted(at_source - _defines(repo, target_rev, at_source)))

@@ -491,7 +491,7 @@ def apply_by_hand(report: PortReport, series: Series) -> list[str]:
     directory, leaving the hunks that do not apply in ``.rej`` files beside their files."""
     if report.conflict is None or report.conflict.merged:
         return []
-    path = series.patch_path(series.pin(report.from_version), report.conflict.id).resolve()
+    path = source_patch(report, series)
     return [f"git -C {shlex.quote(str(report.dir))} apply --reject {shlex.quote(str(path))}"]
 
 
@@ -757,19 +757,25 @@ def _conflict(dest: Path, patch: Path, patch_id: str, v2: Pin) -> Conflict:
 def _missing_api(dest: Path, patch: Path, v2: Pin) -> tuple[str, ...]:
     """The methods the patch calls that V1's release defines and V2's does not
     (:mod:`hybridpd.apinames`); nothing when the port has no V1 commits."""
-    if gitops.resolve(dest, BASE_REF) is None:
-        return ()
-    v1_release = gitops.check(dest, "rev-list", "--max-parents=0", BASE_REF).split()[-1]
-    return apinames.missing(dest, patch, v1_release, v2.tag)
+    v1_release = _v1_release(dest)
+    return () if v1_release is None else apinames.missing(dest, patch, v1_release, v2.tag)
 
 
 def _moved(dest: Path, patch: Path, v2: Pin) -> tuple[moves_mod.Move, ...]:
     """The patch's files that V2 renamed or made a re-export, from V1's release commit
     (the root of BASE_REF) to V2's tag; nothing when the port has no V1 commits."""
-    if gitops.resolve(dest, BASE_REF) is None:
+    v1_release = _v1_release(dest)
+    if v1_release is None:
         return ()
-    v1_release = gitops.check(dest, "rev-list", "--max-parents=0", BASE_REF).split()[-1]
     return moves_mod.moves(dest, v1_release, v2.tag, gitops.patch_files(dest, patch))
+
+
+def _v1_release(dest: Path) -> str | None:
+    """V1's release commit (the root of BASE_REF), or None when the port has no V1
+    commits."""
+    if gitops.resolve(dest, BASE_REF) is None:
+        return None
+    return gitops.check(dest, "rev-list", "--max-parents=0", BASE_REF).split()[-1]
 
 
 def _marker_lines(path: Path) -> tuple[tuple[int, int], ...]:
