@@ -30,7 +30,9 @@
 # touched modules are the upstream tier: `--upstream` runs the reduced selection on the
 # patched tree against the committed stock baseline (tool/hybridpd/data/upstream/), `--full`
 # the full selection on stock and patched and the LMCache gates' red runs without each
-# lmcache fix (ci/lmcache-gates.sh --full); ci/github-workflow.yml runs `--full` as a matrix
+# lmcache fix (ci/lmcache-gates.sh --full); both also verify the PRs `export-pr --all`
+# writes for 0.33.0 (upstream-style tests red on stock, green after `git am`);
+# ci/github-workflow.yml runs `--full` as a matrix
 # over the pins. A default run on 2 cores stays under an hour.
 # `--pins "0.20.2 0.33.0"` limits step 3; `--no-e2e` skips step 5.
 set -euo pipefail
@@ -101,6 +103,14 @@ for pin in $pins; do
       "$hpd" test --pin "$pin" --suite patches
   fi
 done
+
+# The upstream tier also proves the PRs `export-pr` writes for the newest pin: each
+# patch's upstream-style tests fail on stock and pass after `git am`.
+if [[ ( "$full" = 1 || "$upstream" = 1 ) && " $pins " == *" 0.33.0 "* ]]; then
+  prs=$(mktemp -d)
+  step "hybridpd export-pr --all --pin 0.33.0 --verify (upstream-style tests red on stock, green after git am)" \
+    "$hpd" export-pr --all --pin 0.33.0 --to "$prs" --verify
+fi
 
 # The LMCache series' red->green patch tests, in vLLM 0.32.0's test environment (built by
 # the loop above, or here when --pins leaves 0.32.0 out).

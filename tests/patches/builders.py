@@ -343,7 +343,9 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
     ``nixl``: NixlConnector alone (it declares that it delivers the Mamba
     state). ``nixl+decodebench``: a MultiConnector of NIXL and a connector that
     does not declare it, which is where upstream's capability gate is false;
-    ``decodebench+nixl``: the same children in the other order. ``lmcache``,
+    ``decodebench+nixl``: the same children in the other order. ``nixlpush``,
+    ``nixlpush+decodebench``: the same with NIXL in push mode (NixlPushConnector:
+    the decode instance registers its blocks, the prefiller writes them). ``lmcache``,
     ``nixl+lmcache``, ``lmcache+nixl``: LMCacheConnectorV1 alone and beside NIXL.
     ``nixl+lmcachemp``, ``lmcachemp+nixl``: LMCacheMPConnector (lmcache's own
     class where lmcache is importable; build it inside
@@ -357,11 +359,16 @@ def connectors(kind: str, kv_role: str = "kv_both") -> dict[str, Any]:
         "LMCacheMPConnector": LMCACHE_EXTRA_CONFIG,
         "OffloadingConnector": OFFLOADING_EXTRA_CONFIG,
     }
-    single = {"nixl": "NixlConnector", "lmcache": "LMCacheConnectorV1"}
+    single = {
+        "nixl": "NixlConnector",
+        "nixlpush": "NixlPushConnector",
+        "lmcache": "LMCacheConnectorV1",
+    }
     if kind in single:
         return {"kv_role": kv_role, "kv_connector": single[kind]}
     children = {
         "nixl+decodebench": ["NixlConnector", "DecodeBenchConnector"],
+        "nixlpush+decodebench": ["NixlPushConnector", "DecodeBenchConnector"],
         "decodebench+nixl": ["DecodeBenchConnector", "NixlConnector"],
         "nixl+lmcache": ["NixlConnector", "LMCacheConnectorV1"],
         "lmcache+nixl": ["LMCacheConnectorV1", "NixlConnector"],

@@ -5,7 +5,8 @@ Hypothesis generates whole decode-instance workloads and drives a real
 Scheduler through them, checking every admission with
 :class:`MambaStateChecker`: roles (kv_both, kv_consumer, kv_producer),
 connector sets (NIXL; MultiConnector with NIXL and DecodeBench, which does not
-restore the Mamba state, in both orders; NIXL beside vLLM's OffloadingConnector
+restore the Mamba state, in both orders; NIXL's push mode, alone and ahead of
+DecodeBench; NIXL beside vLLM's OffloadingConnector
 or lmcache's LMCacheMPConnector, in both orders, their loads checked against
 the chunks the store holds: ``hash_stores``), remote-prefill and plain
 requests, KV loads that fail (and are recomputed), prompts that are k blocks or
@@ -28,7 +29,7 @@ workload (and, with a seed, the blob ``@reproduce_failure`` replays); each one
 found becomes a named test (test_upstream_known_issues.py, or the patch's).
 The long sweep adds the MTP modes and the hash-store sets (:data:`WIDE`):
 ``HYBRIDPD_HYPOTHESIS_WIDE=1 HYBRIDPD_HYPOTHESIS_EXAMPLES=1500 hybridpd test
---pin V --suite patches`` (about 10 000 workloads over the seven sets of v0.32+).
+--pin V --suite patches`` (13 500 workloads over the nine sets of v0.32+).
 """
 
 import contextlib
@@ -179,9 +180,16 @@ _MULTI = pytest.mark.vllm_versions(">=0.23")
 # lmcache's LMCacheMPConnector and the OffloadingConnector's Mamba (align-mode)
 # chunks exist from v0.32 on (test_connector_sets.py).
 _HASH_STORE = pytest.mark.vllm_versions(">=0.32")
+# NixlPushConnector: v0.32 and v0.33 have it, v0.20.2 does not.
+_PUSH = pytest.mark.vllm_versions(">=0.32")
 # One patch per case (decode_hit_patch): NIXL alone is inside upstream's gate from v0.28.
 KINDS = [
     pytest.param("nixl", [40, 64, 400], id="nixl", marks=proves(False)),
+    # NIXL's push mode: the decode instance registers its blocks and the prefill
+    # instance writes them (same scheduler contract as the pull mode).
+    pytest.param("nixlpush", [40, 64, 400], id="nixlpush", marks=[_PUSH, proves(False)]),
+    pytest.param("nixlpush+decodebench", [40, 64, 400], id="nixlpush+decodebench",
+                 marks=[_PUSH, proves(True)]),
     *(
         pytest.param(kind, [40, 64, 400], id=kind, marks=[_MULTI, proves(True)])
         for kind in ("nixl+decodebench", "decodebench+nixl")
@@ -227,8 +235,10 @@ def _run(kind, wl):
             sched, server, worker if "offloading" in kind else None).checks(),
         # The cost side where the case proves the patch that carries it: from
         # v0.28, NIXL alone is upstream's contract, which leaves a hit of prompt
-        # length - 1 recomputing (test_mamba_state.py proves that case).
-        check_recompute=kind != "nixl" or Version(vllm.__version__) < UPSTREAM_GATE,
+        # length - 1 recomputing (test_mamba_state.py proves that case); NIXL
+        # push mode is the same scheduler contract.
+        check_recompute=(kind not in ("nixl", "nixlpush")
+                         or Version(vllm.__version__) < UPSTREAM_GATE),
     )
     specs = wl["requests"]
     # A producer never receives remote-prefill requests.
