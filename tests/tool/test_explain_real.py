@@ -36,6 +36,7 @@ CASES = {
     "lmcache+nixl": ("lmcache+nixl", {}),
     "lmcache-v1": ("lmcache-v1", {}),
     "nixl, no HMA": ("nixl", {"disable_hybrid_kv_cache_manager": True}),
+    "nixl, TP 2": ("nixl", {"tensor_parallel_size": 2}),
 }
 
 
@@ -68,6 +69,20 @@ def test_nixl_keeps_the_hybrid_manager_and_groups_mamba_with_attention(answers) 
     # The CPU platform turns async scheduling off (a GPU engine builds AsyncScheduler).
     assert _both(result, "scheduler") == (
         "Scheduler built, scheduler-side connector NixlPullConnector")
+
+
+def test_tensor_parallel_answers_for_one_rank(answers) -> None:
+    # Each rank holds half of the linear-attention heads and one of the two KV heads:
+    # every page halves, the same memory holds twice the blocks, and the groups and
+    # their block size are the same.
+    result = answers["nixl, TP 2"]
+    assert "tensor parallel 2 (one rank's KV cache below)" in _both(result, "start")
+    one, two = (answers[c].answers["stock"]["steps"]["groups"] for c in ("nixl", "nixl, TP 2"))
+    assert [g["type"] for g in two["groups"]] == [g["type"] for g in one["groups"]]
+    assert two["block_size"] == one["block_size"]
+    assert two["mamba_page_size_padded"] * 2 == one["mamba_page_size_padded"]
+    assert abs(two["num_blocks"] - 2 * one["num_blocks"]) <= 1
+    assert _both(result, "decode_hit") == _both(answers["nixl"], "decode_hit")
 
 
 def test_nixl_beside_offloading_builds(answers) -> None:

@@ -112,8 +112,9 @@ def test_a_test_that_names_no_patch_must_pass_patched(series) -> None:
     _, problems = _rows(series, stock, without, patched, mapping)
 
     assert problems == [
-        "4 test(s) that name no patch do not pass patched (a strict xfail that passes: "
-        "the pin fixed a known issue): gone, guard, now-skipped, xfail-fixed"
+        "4 test(s) that name no patch do not pass patched (each fails patched, or passes "
+        "on stock and not patched; a strict xfail of a known upstream issue that passes "
+        "means the pin fixed it): gone, guard, now-skipped, xfail-fixed"
     ]
 
 

@@ -388,7 +388,8 @@ def red_green(
     if broken:
         problems.append(
             f"{len(broken)} test(s) that name no patch do not pass patched "
-            f"(a strict xfail that passes: the pin fixed a known issue): {', '.join(broken)}"
+            "(each fails patched, or passes on stock and not patched; a strict xfail of a "
+            f"known upstream issue that passes means the pin fixed it): {', '.join(broken)}"
         )
     return rows, problems
 

@@ -28,7 +28,10 @@ from ..mamba_state import Deadlock
 #: fixed by https://github.com/vllm-project/vllm/pull/44560 (async loads may not
 #: take blocks that in-flight prefills need); the speculative-decoding part
 #: (lookahead blocks allocated only once the load landed) by /pull/57104.
-KV_HOLDING_DEADLOCK = SpecifierSet("<0.21")
+#: Measured: the property test hangs so on v0.20.2 and v0.21.0; v0.23.0 is the
+#: first sdist whose scheduler has ``_inflight_prefill_reserved_blocks`` (v0.22.0
+#: has none).
+KV_HOLDING_DEADLOCK = SpecifierSet("<0.23")
 
 #: The shrunk workload test_mamba_state_property.py found (v0.20.2, NIXL): three
 #: remote prefills land in a 40-block pool with 2-token speculative decoding.

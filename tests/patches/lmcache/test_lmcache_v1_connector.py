@@ -129,12 +129,15 @@ def test_the_connector_is_refused_when_the_hybrid_allocator_is_asked_for(kind):
     pass), vLLM refuses to create the connector: the MultiConnector itself where it
     checks its children at configuration (v0.32+) or does not support HMA (stock
     v0.20.2), its LMCache child where the MultiConnector checks them on creation
-    (v0.20.2 with multi-connector-hma)."""
+    (v0.20.2 with multi-connector-hma), or the MultiConnector's own assertion on its
+    children (v0.21.0, the first release whose MultiConnector supports HMA)."""
     _lmcache_is_not_hma()
     config = _config(**connectors(kind), hybrid_kv_cache_manager=True)
     name = "LMCacheConnectorV1" if kind == "lmcache" else "(LMCacheConnectorV1|MultiConnector)"
     with pytest.raises(
-        ValueError, match=rf"Connector {name} does not support HMA but HMA is enabled"
+        (ValueError, AssertionError),
+        match=rf"Connector {name} does not support HMA but HMA is enabled"
+        r"|HMA should not be enabled unless all sub-connectors support it",
     ):
         scheduler(config, hybrid_kv_cache_config())
 

@@ -33,6 +33,10 @@ from .options import State, json_flag, log
               help="vLLM's --disable-hybrid-kv-cache-manager.")
 @click.option("--max-model-len", type=int, default=8192, show_default=True,
               help="vLLM's --max-model-len (vLLM's own default is the model's length).")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1,
+              show_default=True,
+              help="vLLM's --tensor-parallel-size: the KV cache groups and the pool are "
+                   "one rank's, as each GPU holds them.")
 @click.option("--num-speculative-tokens", type=int, default=0, show_default=True,
               help="vLLM's speculative decoding tokens: matched against the known risks "
                    "(question 5); the engine is answered without a draft model.")
@@ -64,6 +68,7 @@ def explain(state: State, version: str, model: str, connector: str | None,
         enable_prefix_caching=not flags["no_prefix_caching"],
         disable_hybrid_kv_cache_manager=flags["disable_hybrid_kv_cache_manager"],
         max_model_len=flags["max_model_len"], kv_cache_gib=flags["kv_cache_gib"],
+        tensor_parallel_size=flags["tensor_parallel_size"],
         num_speculative_tokens=flags["num_speculative_tokens"],
         lmcache_version=flags["lmcache_version"],
         timeout=flags["timeout"])

@@ -139,6 +139,23 @@ class _EngineCore:
         return self.model_executor.collective_rpc(method, timeout, args, kwargs)
 
 
+@contextlib.contextmanager
+def _tensor_parallel_rank(size: int):
+    """This process as rank 0 of a tensor-parallel group of ``size`` while the model's
+    layers are built and asked for their KV cache specs: the process holds one rank
+    (:func:`_init_distributed`), and a layer reads only its group's size and rank to
+    divide its heads and its Mamba state; nothing communicates on the meta device."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    saved = group.world_size, group.rank_in_group
+    group.world_size, group.rank_in_group = size, 0
+    try:
+        yield
+    finally:
+        group.world_size, group.rank_in_group = saved
+
+
 def _build_model(vllm_config) -> None:
     """The model as vLLM's loader initializes it (``BaseModelLoader.load_model``: the
     model's dtype as the default, ``initialize_model``, which also configures
@@ -460,6 +477,7 @@ def explain(request: dict, case: int = 0) -> dict:
         "enable_prefix_caching": cc.enable_prefix_caching,
         "max_num_batched_tokens": sc.max_num_batched_tokens,
         "block_size": cc.block_size,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
     }
     with set_current_vllm_config(config):
         out["steps"].running("groups")
@@ -469,11 +487,13 @@ def explain(request: dict, case: int = 0) -> dict:
 
             from vllm.platforms import current_platform
 
-            _build_model(config)
-            # As the executor does once the model is loaded: the platform sets the
-            # block size (and pads the Mamba page), which the layers' specs read.
-            current_platform.update_block_size_for_backend(config)
-            specs = _layer_specs(config)
+            with _tensor_parallel_rank(config.parallel_config.tensor_parallel_size):
+                _build_model(config)
+                # As the executor does once the model is loaded: the platform sets
+                # the block size (and pads the Mamba page), which the layers' specs
+                # read.
+                current_platform.update_block_size_for_backend(config)
+                specs = _layer_specs(config)
             executor = _executor(config, specs, int(request.get("kv_cache_bytes", 16 << 30)))
             kv_cache_config = EngineCore._initialize_kv_caches(_EngineCore(executor), config)
         except Exception as exc:  # noqa: BLE001

@@ -19,7 +19,8 @@ FOLLOWER_NAMES = {"remote_prefill": "remote prefill",
 #: What the answers are not: said once, above them.
 CAVEAT = ("  (a CPU engine of this pin answered: block sizes are rounded to its attention "
           "kernels, max_num_batched_tokens and async scheduling are its defaults unless "
-          "given; tensor parallel 1; speculative decoding only matched against the known "
+          "given; with tensor parallel, rank 0's layers, groups and pool (nothing "
+          "communicates); speculative decoding only matched against the known "
           "risks; the connectors' worker side (KV cache registration) is not run)")
 SIDE_NAMES = {"stock": "stock", "patched": "with the series"}
 
@@ -36,7 +37,9 @@ def _start(step: dict) -> str:
     return (f"yes ({step['architecture']}); hybrid KV cache manager "
             f"{manager}, mamba_cache_mode {step['mamba_cache_mode']}, prefix caching "
             f"{'on' if step['enable_prefix_caching'] else 'off'}, "
-            f"max_num_batched_tokens {step['max_num_batched_tokens']}")
+            f"max_num_batched_tokens {step['max_num_batched_tokens']}"
+            + (f", tensor parallel {step['tensor_parallel_size']} (one rank's KV cache below)"
+               if step.get("tensor_parallel_size", 1) > 1 else ""))
 
 
 def _groups(step: dict) -> str:

@@ -42,6 +42,8 @@ class ExplainOptions:
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
     max_model_len: int = 8192
+    #: vLLM's --tensor-parallel-size: the groups and the pool are one rank's (rank 0).
+    tensor_parallel_size: int = 1
     #: Matched against the known risks only (question 5); the engine is built without
     #: speculative decoding (a draft model needs its weights' config).
     num_speculative_tokens: int = 0
@@ -62,6 +64,8 @@ class ExplainOptions:
         args.update({k: v for k, v in optional.items() if v is not None})
         if self.disable_hybrid_kv_cache_manager:
             args["disable_hybrid_kv_cache_manager"] = True
+        if self.tensor_parallel_size != 1:
+            args["tensor_parallel_size"] = self.tensor_parallel_size
         return args
 
 
