@@ -373,6 +373,33 @@ def test_abort_restores_the_release(stopped: tuple[Series, Path, Result]) -> Non
     assert again.exit_code == 1 and "no port in progress" in again.output
 
 
+def test_a_port_starts_again_in_the_directory_an_aborted_one_left(
+    stopped: tuple[Series, Path, Result],
+) -> None:
+    series, dest, _ = stopped
+    assert cli(series, "--abort", "--dir", str(dest)).exit_code == 0
+    again = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+    assert again.exit_code == 1, again.output  # the same conflict, from a fresh checkout
+    assert f"replacing the ended port in {dest}" in again.output
+    assert "stopped: patch feature conflicts with 2.0" in again.output
+    # A directory with a port in progress is never replaced.
+    busy = cli(series, "--from", "1.0", "--to", "2.0", "--dir", str(dest))
+    assert busy.exit_code == 1 and "a port is in progress" in busy.output
+
+
+def test_a_finished_port_directory_is_replaced_by_the_next_port(tmp_path: Path) -> None:
+    _, series = port_project(tmp_path)
+    dest = tmp_path / "port"
+    port_mod.start(series, "1.0", "2.0", dest)
+    (dest / "scratch.txt").write_text("left by hand after the port\n")
+    said: list[str] = []
+    report = port_mod.start(load(series.path), "1.0", "2.0", dest, replace=True,
+                            log=said.append)
+    assert f"replacing the ended port in {dest}" in said
+    assert results(report) == [("fix-add", "clean", None), ("feature", "clean", None)]
+    assert not (dest / "scratch.txt").exists()
+
+
 def test_abort_json_names_the_release_it_left(stopped: tuple[Series, Path, Result]) -> None:
     import json
 

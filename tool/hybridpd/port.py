@@ -72,6 +72,9 @@ from hybridpd.progress import Log, quiet
 from hybridpd.series import Pin, Series
 
 STATE_FILE = guard.PORT_STATE
+#: Left in ``.git/`` by a port that finished or was aborted: ``start`` may replace
+#: such a directory (its results are in the series, or were dropped on purpose).
+ENDED_FILE = "hybridpd-port-ended"
 #: Where the V1 release commit is kept in the port directory while a port runs.
 BASE_REF = "refs/hybridpd/port-from"
 STATE_SCHEMA = 1
@@ -276,6 +279,10 @@ def start(
         raise PortError(
             f"a port is in progress in {dest}: use --continue, --skip --upstream RELEASE or --abort"
         )
+    if (dest / ".git" / ENDED_FILE).is_file():
+        # A finished or aborted port's repository: nothing in it is pending.
+        log(f"replacing the ended port in {dest}")
+        shutil.rmtree(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise PortError(f"{dest} already exists and is not empty; remove it or pass --dir")
     missing = [
@@ -546,6 +553,7 @@ def abort(dest: Path, log: Log = quiet) -> Aborted:
         gitops.clean(dest)
         _drop_base(dest)
         PortState.path(dest).unlink()
+        _mark_ended(dest, "aborted")
     return Aborted(dest, state.to_version, state.stock, recovered)
 
 
@@ -704,11 +712,16 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
             written.append(series.relative(target))
     _drop_base(dest)
     PortState.path(dest).unlink()
+    _mark_ended(dest, "finished")
     report = _report(state, dest, written=(*written, series.relative(series.path)))
     return dataclasses.replace(report, kept=tuple(series.relative(p) for p in kept))
 
 
 # Helpers ----------------------------------------------------------------------
+
+
+def _mark_ended(dest: Path, how: str) -> None:
+    guard.write_atomic(dest / ".git" / ENDED_FILE, how + "\n")
 
 
 def _load_state(series: Series, dest: Path) -> PortState:
