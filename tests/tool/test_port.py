@@ -137,9 +137,10 @@ def test_re_porting_keeps_an_upstream_state_over_a_dropped_one(tmp_path: Path) -
     assert ported.state(ported.pin("2.0"), "fix-add") == PinState("upstream", "1.5")
 
 
-def test_recorded_upstream_on_an_already_ported_pin(tmp_path: Path) -> None:
-    # Re-porting: 2.0 already says fix-add is upstream, so it is not even tried,
-    # though its change is not in 2.0.
+def test_re_porting_tries_a_patch_the_target_records_upstream(tmp_path: Path) -> None:
+    # Re-porting: 2.0 says fix-add is upstream, but its change is not in 2.0 (the
+    # record `hybridpd test` disproves). --replace replays what 1.0 carries, so the
+    # fix is carried again instead of being dropped on the record's word.
     project, _ = port_project(tmp_path)
     project.unported.clear()
     project.records[0]["states"]["2.0"] = "upstream:1.5"
@@ -147,11 +148,12 @@ def test_recorded_upstream_on_an_already_ported_pin(tmp_path: Path) -> None:
     series = project.write()
     report = port_mod.start(series, "1.0", "2.0", tmp_path / "port", replace=True)
     assert results(report) == [
-        ("fix-add", "upstream", "recorded"),
+        ("fix-add", "clean", None),
         ("feature", "clean", None),
     ]
-    assert report.patches[0].release == "1.5"
-    assert "total = a + b" not in (tmp_path / "port" / "proj" / "core.py").read_text()
+    assert "total = a + b" in (tmp_path / "port" / "proj" / "core.py").read_text()
+    assert load(series.path).state(load(series.path).pin("2.0"), "fix-add") == PinState(
+        "carried", None)
 
 
 @pytest.mark.parametrize("as_json", [False, True])

@@ -10,7 +10,8 @@ Each patch gets one result:
 * ``clean``: applies to V2 as it is; ``3way``: needs a 3-way merge, which succeeds;
 * ``resolved``: conflicted, and was resolved by hand (``--continue``);
 * ``upstream``, with its evidence: ``recorded`` (series.toml already says so: the
-  record is upstream on V2, or already on V1; not replayed), ``reverse-applies``
+  record is upstream on V2, or already on V1; not replayed; with ``--replace`` a
+  patch V1 carries is replayed whatever V2's record says), ``reverse-applies``
   (the tree already has the change), ``empty`` (the automatic 3-way merge left
   nothing to commit) or ``manual`` (``--skip --upstream RELEASE``, the only way a
   patch that stopped the port is left out of it);
@@ -191,7 +192,8 @@ class PortState:
 
     ``plan`` is every patch id in series order; ``done`` the results so far, in the
     same order; ``current`` the patch ``git am`` stopped on and ``before`` HEAD before
-    it; ``stock`` the V2 release commit.
+    it; ``stock`` the V2 release commit; ``replace``: V2 was ported already (its
+    upstream records are tried again, not copied).
     """
 
     from_version: str
@@ -202,6 +204,7 @@ class PortState:
     done: list[dict[str, Any]] = field(default_factory=list)
     current: str | None = None
     before: str | None = None
+    replace: bool = False
     schema: int = STATE_SCHEMA
 
     @staticmethod
@@ -308,6 +311,7 @@ def start(
                 series=str(series.path.resolve()),
                 stock=gitops.head(dest),
                 plan=[p.id for p in series.patches],
+                replace=replace,
             )
             state.save(dest)
         return _run(series, dest, state, log)
@@ -594,7 +598,10 @@ def _replay(
     on_v1 = record.pins[v1.version]
     path = series.patch_path(v1, patch_id)
     files = tuple(gitops.patch_files(dest, path)) if path.is_file() else ()
-    if on_v2 is not None and on_v2.state == "upstream":
+    # Porting again onto V2 (--replace) tries every patch V1 carries, whatever V2's
+    # record says: that record may be the one `hybridpd test` just disproved.
+    retry = state.replace and on_v1.state == "carried"
+    if on_v2 is not None and on_v2.state == "upstream" and not retry:
         return PatchResult(patch_id, "upstream", "recorded", files, release=on_v2.release)
     if (on_v2 or on_v1).state == "dropped":
         return PatchResult(patch_id, "dropped", "recorded", files)
