@@ -67,6 +67,8 @@ PER_REQUEST = "divergent-hybrid-hit-per-request"
 NIXL_READ = "nixl-mamba-prefix-cache-read"
 PREFIX = prompt(4 * BLOCK_SIZE, seed=1)
 NEW_VLLM = Version(vllm.__version__) >= Version("0.28")
+# v0.21-v0.27 keep v0.20's worker class and read through a ReadSpec.
+READ_SPEC_VLLM = Version(vllm.__version__) >= Version("0.21")
 ATTN, MAMBA = 0, 1  # hybrid_kv_cache_config: group 0 attention, 1.. Mamba
 ENC = 1_000_000  # desc-id encoding: group * ENC + block id
 
@@ -240,6 +242,26 @@ def _read_v020(w, local_ids, remote_ids):
                    local_xfer_side_handle=1, remote_xfer_side_handle=2)
 
 
+def _worker_v021(kv_cache_config):
+    w = _worker_v020(kv_cache_config)
+    w.transfer_topo.get_engine_info.return_value = SimpleNamespace(
+        remote_block_size=BLOCK_SIZE, remote_physical_blocks_per_logical=1)
+    w.dst_num_blocks = defaultdict(int)
+    w._physical_blocks_per_logical_kv_block = 1
+    w._compute_desc_ids = _encode_desc_ids  # stand-in, see module docstring
+    return w
+
+
+def _read_v021(w, local_ids, remote_ids):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import ReadSpec
+
+    w._read_blocks(
+        read_spec=ReadSpec(remote_rank=0, local_block_ids=local_ids,
+                           remote_block_ids=remote_ids),
+        dst_engine_id="prefill-engine", request_id="req", remote_request_id="p",
+        local_xfer_side_handle=1, remote_xfer_side_handle=2)
+
+
 def _pairs(nixl):
     """The recorded READ as {group: [(remote block, local block), ...]}."""
     reads = [x for x in nixl.xfers if x[0] == "READ"]
@@ -257,6 +279,8 @@ def _read_pairs(kv_cache_config, meta, remote_ids):
     """NIXL's worker posts the READ of ``meta``'s receive; the READ as pairs."""
     if NEW_VLLM:
         w, read = _worker_v033(kv_cache_config), _read_v033
+    elif READ_SPEC_VLLM:
+        w, read = _worker_v021(kv_cache_config), _read_v021
     else:
         w, read = _worker_v020(kv_cache_config), _read_v020
     w.nixl_wrapper = nixl = _RecordingNixl()
