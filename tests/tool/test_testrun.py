@@ -159,6 +159,27 @@ def test_an_upstream_record_is_proven_only_by_its_tests_passing_on_stock(series)
     rows, problems = _rows(series, stock, without, patched, mapping)
     assert problems == ["landed: recorded upstream in 1.0 (since 0.9), but none of its "
                         "tests runs on 1.0"]
+    assert not rows["landed"].ok
+
+
+def test_a_test_stock_skips_for_want_of_a_carried_patch_proves_upstream_patched(
+    series,
+) -> None:
+    """0.21.0: NIXL's worker test of nixl-mamba-prefix-cache-read (upstream there)
+    cannot reach the worker on stock, whose scheduler refuses external KV before
+    scheduler-mamba-external-kv (carried): it skips on stock and passes on the
+    release with every carried patch, which proves the record."""
+    mapping = {"t1": "fix-add", "t2": "feature", "u1": "landed"}
+    stock = {"t1": "failed", "t2": "failed", "u1": "skipped"}
+    without = {"fix-add": stock, "feature": stock}
+    patched = {"t1": "passed", "t2": "passed", "u1": "passed"}
+    rows, problems = _rows(series, stock, without, patched, mapping)
+    assert problems == [] and rows["landed"].ok
+    # A failure on stock is never excused by the carried patches.
+    rows, problems = _rows(series, stock | {"u1": "failed"}, without, patched, mapping)
+    assert not rows["landed"].ok
+    assert problems == ["landed: recorded upstream in 1.0 (since 0.9), but 1 of its tests "
+                        "do not pass on stock 1.0: u1"]
 
 
 def test_a_baseline_is_used_only_when_it_covers_the_files(monkeypatch, tmp_path: Path) -> None:

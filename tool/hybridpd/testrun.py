@@ -61,7 +61,10 @@ class PatchRow:
     A carried patch is ``proven`` when one of its tests fails on stock and on
     the tree without it, and passes patched. A patch upstream on the pin has
     no tree without it (``without`` is None): its tests must pass on stock
-    (the release itself proves the record), at least one of them.
+    (the release itself proves the record), at least one of them; a test that
+    stock skips because it needs a patch the pin carries (a scheduler that
+    refuses the request before the code under test is reached) proves it by
+    passing patched, the release with every other patch (``release_proves``).
     """
 
     id: str
@@ -71,13 +74,14 @@ class PatchRow:
     without: Counts | None
     patched: Counts
     proven: bool
+    release_proves: bool = False
 
     @property
     def ok(self) -> bool:
         if self.patched.failed:
             return False
         if self.state == "upstream":
-            return not (self.stock.failed or self.stock.errors) and self.stock.passed > 0
+            return self.release_proves
         return self.proven or self.state == "dropped"
 
     def to_json(self) -> dict:
@@ -301,14 +305,25 @@ def run_patch_suite(
     return red_green(series, pin, mapping, stock, without, patched)
 
 
+def _release_proves(tests: list[str], stock: dict[str, str], patched: dict[str, str]) -> bool:
+    """No test of an upstream patch fails on stock, and one passes there, or one that
+    stock skips passes on the release with every other patch (see :class:`PatchRow`)."""
+    return bool(tests) and all(stock.get(t) in ("passed", "skipped") for t in tests) and any(
+        stock.get(t) == "passed" or (stock.get(t) == "skipped" and patched.get(t) == "passed")
+        for t in tests)
+
+
 def _upstream_claim_problems(
     patch_id: str, version: str, release: str | None, tests: list[str],
     stock: dict[str, str], carriers: Sequence[str] = (),
+    patched: dict[str, str] | None = None,
 ) -> list[str]:
     """A patch recorded upstream on a pin is proven there only by its own tests passing
     on the stock release: one that fails (or does not run) there, or none that passes,
-    makes the record a claim nobody checked. ``carriers``: the ported pins that carry
-    the patch, for the port that carries it again where the release has it only partly."""
+    makes the record a claim nobody checked. A test stock skips for want of a carried
+    patch it needs counts where it passes ``patched`` (:func:`_release_proves`).
+    ``carriers``: the ported pins that carry the patch, for the port that carries it
+    again where the release has it only partly."""
     claim = f"{patch_id}: recorded upstream in {version} (since {release})"
     if not tests:
         return [f"{claim}, but no test names it"]
@@ -322,7 +337,7 @@ def _upstream_claim_problems(
                  "it instead of skipping it" if older else "")
         return [f"{claim}, but {len(failing)} of its tests do not pass on stock "
                 f"{version}: {', '.join(failing)}{again}"]
-    if not any(stock.get(t) == "passed" for t in tests):
+    if not _release_proves(tests, stock, patched or {}):
         return [f"{claim}, but none of its tests runs on {version}"]
     return []
 
@@ -357,6 +372,7 @@ def red_green(
             None if before is None else _counts(before, tests),
             _counts(patched, tests),
             proven,
+            state.state == "upstream" and _release_proves(tests, stock, patched),
         )
         rows.append(row)
         if state.state == "carried" and not proven:
@@ -373,7 +389,7 @@ def red_green(
                         if p.ported and patch.pins.get(p.version) is not None
                         and patch.pins[p.version].state == "carried"]
             problems += _upstream_claim_problems(patch.id, pin.version, state.release,
-                                                 tests, stock, carriers)
+                                                 tests, stock, carriers, patched)
     unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
     problems += [f"tests name {p}, which has no record in series.toml" for p in unknown]
     # A test that names no patch holds the patched build to a behaviour the series

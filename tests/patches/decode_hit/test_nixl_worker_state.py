@@ -41,6 +41,7 @@ the per-group trim on 0.20.2, and the order both lists are handed to NIXL in)
 is vLLM's own code.
 """
 
+import contextlib
 from collections import defaultdict
 from types import SimpleNamespace
 from unittest.mock import MagicMock
@@ -134,10 +135,30 @@ def _prefill_instance(prompt_ids):
     return params["remote_block_ids"], state_block, computed, p_blocks
 
 
+@contextlib.contextmanager
+def _scheduler_admits_external_kv():
+    """A release whose scheduler refuses external KV on a Mamba-align model (stock
+    v0.20.2 and v0.21.0, before scheduler-mamba-external-kv) never reaches NIXL's
+    worker: the test cannot say anything about the worker there, so it skips (on
+    the trees with that patch it runs)."""
+    try:
+        yield
+    except AssertionError as exc:
+        if "External KV connector is not verified yet" not in str(exc):
+            raise
+        pytest.skip("the scheduler refuses external KV on a Mamba-align model before "
+                    "NIXL's worker is reached (needs scheduler-mamba-external-kv)")
+
+
 def _decode_recv(prompt_ids, remote_block_ids, warm=True):
     """D: (when ``warm``) serve a remote-prefill request sharing PREFIX, then
     admit the new one with P's block ids; return (its recv metadata, D's block
     table, L, T)."""
+    with _scheduler_admits_external_kv():
+        return _decode_recv_admitted(prompt_ids, remote_block_ids, warm)
+
+
+def _decode_recv_admitted(prompt_ids, remote_block_ids, warm):
     sched = scheduler(vllm_config(**connectors("nixl", "kv_consumer")),
                       hybrid_kv_cache_config())
     if warm:
