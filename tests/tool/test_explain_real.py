@@ -157,6 +157,11 @@ def test_nixl_alone_keeps_the_hit_on_stock_and_the_series_also_past_upstreams_ga
     block = answers["nixl"].answers["stock"]["steps"]["decode_hit"]["block_size"]
     for side in runner.SIDES:
         assert followers[side]["remote_prefill"]["local_hit_tokens"] == cached
+        # The donor left the prefix's attention blocks and no Mamba state inside the
+        # prefix, in any Mamba group (read from vLLM's block pool): the local hit of
+        # a follower is divergent, its state comes only from a load.
+        donor = answers["nixl"].answers[side]["steps"]["decode_hit"]["donor_prefix_mamba"]
+        assert [g["blocks"] for g in donor] == [[], [], []], (side, donor)
     stock, patched = (followers[s]["remote_prefill_prefix_plus_one"] for s in runner.SIDES)
     assert (stock["resume_point"], stock["mamba_state"]) == (0, "not needed")
     assert (patched["local_hit_tokens"], patched["external_tokens"]) == (cached - block, block)
