@@ -1047,11 +1047,17 @@ def test_pop_blocks_for_free_trims_null_head():
 
 
 @pytest.mark.parametrize("num_local_blocks", [0, 2])
-@pytest.mark.parametrize("num_external_blocks", [1, 3])
+# Whole blocks, or a NIXL-style load that stops one token short of a block.
+@pytest.mark.parametrize("num_external_computed_tokens", [16, 47])
 @pytest.mark.parametrize("num_new_tokens", [0, 1, 17])
 @pytest.mark.parametrize("num_speculative_blocks", [0, 2])
+@pytest.mark.parametrize("apply_admission_cap", [False, True])
 def test_mamba_external_load_admission_matches_allocation(
-    num_local_blocks, num_external_blocks, num_new_tokens, num_speculative_blocks
+    num_local_blocks,
+    num_external_computed_tokens,
+    num_new_tokens,
+    num_speculative_blocks,
+    apply_admission_cap,
 ):
     """With a KV connector load in align mode, `get_num_blocks_to_allocate`
     must count the block `allocate_external_computed_blocks` takes for the
@@ -1089,7 +1095,6 @@ def test_mamba_external_load_admission_matches_allocation(
         new_computed_blocks = [pool.null_block] * (num_local_blocks - 1)
         new_computed_blocks += pool.get_new_blocks(1)
     num_local_computed_tokens = num_local_blocks * block_size
-    num_external_computed_tokens = num_external_blocks * block_size
     total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
     num_tokens = total_computed_tokens + num_new_tokens
 
@@ -1100,6 +1105,7 @@ def test_mamba_external_load_admission_matches_allocation(
         total_computed_tokens=total_computed_tokens,
         num_local_computed_tokens=num_local_computed_tokens,
         num_tokens_main_model=num_tokens,
+        apply_admission_cap=apply_admission_cap,
     )
 
     # The order `KVCacheManager.allocate_slots` allocates in.
