@@ -315,13 +315,13 @@ def _release_proves(tests: list[str], stock: dict[str, str], patched: dict[str, 
 
 def _upstream_claim_problems(
     patch_id: str, version: str, release: str | None, tests: list[str],
-    stock: dict[str, str], carriers: Sequence[str] = (),
-    patched: dict[str, str] | None = None,
+    stock: dict[str, str], release_proves: bool, carriers: Sequence[str] = (),
 ) -> list[str]:
     """A patch recorded upstream on a pin is proven there only by its own tests passing
     on the stock release: one that fails (or does not run) there, or none that passes,
-    makes the record a claim nobody checked. A test stock skips for want of a carried
-    patch it needs counts where it passes ``patched`` (:func:`_release_proves`).
+    makes the record a claim nobody checked. ``release_proves``: the row's verdict
+    (:func:`_release_proves`: a test stock skips for want of a carried patch it needs
+    counts where it passes patched).
     ``carriers``: the ported pins that carry the patch, for the port that carries it
     again where the release has it only partly."""
     claim = f"{patch_id}: recorded upstream in {version} (since {release})"
@@ -337,7 +337,7 @@ def _upstream_claim_problems(
                  "it instead of skipping it" if older else "")
         return [f"{claim}, but {len(failing)} of its tests do not pass on stock "
                 f"{version}: {', '.join(failing)}{again}"]
-    if not _release_proves(tests, stock, patched or {}):
+    if not release_proves:
         return [f"{claim}, but none of its tests runs on {version}"]
     return []
 
@@ -389,7 +389,8 @@ def red_green(
                         if p.ported and patch.pins.get(p.version) is not None
                         and patch.pins[p.version].state == "carried"]
             problems += _upstream_claim_problems(patch.id, pin.version, state.release,
-                                                 tests, stock, carriers, patched)
+                                                 tests, stock, row.release_proves,
+                                                 carriers)
     unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
     problems += [f"tests name {p}, which has no record in series.toml" for p in unknown]
     # A test that names no patch holds the patched build to a behaviour the series

@@ -150,15 +150,11 @@ def _scheduler_admits_external_kv():
                     "NIXL's worker is reached (needs scheduler-mamba-external-kv)")
 
 
+@_scheduler_admits_external_kv()
 def _decode_recv(prompt_ids, remote_block_ids, warm=True):
     """D: (when ``warm``) serve a remote-prefill request sharing PREFIX, then
     admit the new one with P's block ids; return (its recv metadata, D's block
     table, L, T)."""
-    with _scheduler_admits_external_kv():
-        return _decode_recv_admitted(prompt_ids, remote_block_ids, warm)
-
-
-def _decode_recv_admitted(prompt_ids, remote_block_ids, warm):
     sched = scheduler(vllm_config(**connectors("nixl", "kv_consumer")),
                       hybrid_kv_cache_config())
     if warm:
