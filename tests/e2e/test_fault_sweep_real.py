@@ -101,7 +101,7 @@ def _hybridpd(*args: str, kill: Kill | None = None, timeout: float = 1800) -> Ru
     env["PYTHONUNBUFFERED"] = "1"  # the output lines a kill waits for, as they come
     if kill and kill.point:
         env["HYBRIDPD_FAULT"] = kill.point
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
     started = time.monotonic()
     child = subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -135,7 +135,7 @@ def _one_line_or_ok(run: Run, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def carried() -> list[str]:
-    from hybridpd.series import load, locate
+    from hybridpd.series.model import load, locate
 
     series = load(locate())
     return [p.id for p in series.carried(series.pin(PIN))]

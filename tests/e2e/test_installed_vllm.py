@@ -72,7 +72,7 @@ def _hybridpd(*args: str, fault: str | None = None, timeout: float = 600):
     env = {k: v for k, v in os.environ.items() if k != "HYBRIDPD_FAULT"}
     if fault:
         env["HYBRIDPD_FAULT"] = fault
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True, text=True, env=env, timeout=timeout,
@@ -81,7 +81,7 @@ def _hybridpd(*args: str, fault: str | None = None, timeout: float = 600):
 
 @pytest.mark.e2e_cpu
 def test_apply_installed_serves_the_hit_and_reverts_byte_for_byte(tmp_path: Path) -> None:
-    from hybridpd.series import load, locate
+    from hybridpd.series.model import load, locate
 
     series = load(locate(None))
     source = _source_venv(series)

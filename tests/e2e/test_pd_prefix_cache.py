@@ -19,7 +19,7 @@ import pytest
 
 
 def run_e2e(out: Path, *args: str, timeout: float = 1500) -> tuple[subprocess.CompletedProcess, dict]:
-    cmd = [sys.executable, "-m", "hybridpd.e2e", "--pin", "0.32.0", "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "hybridpd.cli.entry", "e2e", "--pin", "0.32.0", "--out", str(out), *args]
     for build in ("patched", "stock"):
         venv = os.environ.get(f"HYBRIDPD_E2E_{build.upper()}_VENV")
         if venv:

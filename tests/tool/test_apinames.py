@@ -1,11 +1,11 @@
-"""hybridpd.apinames: the upstream API a patch calls that a port's target lacks."""
+"""hybridpd.porting.apinames: the upstream API a patch calls that a port's target lacks."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from hybridpd import apinames
+from hybridpd.porting import apinames
 
 PATCH = """\
 diff --git a/vllm/sched.py b/vllm/sched.py

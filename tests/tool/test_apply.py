@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from builders import BASE_FILES, FIX_ADD, commit_patch, standard_project
 from hybridpd import gitops
-from hybridpd.apply import TRAILER, apply, status
+from hybridpd.series.apply import TRAILER, apply, status
 from hybridpd.errors import ApplyError, DirtyTreeError, PatchCommitError, UnknownPinError
 
 pytestmark = pytest.mark.usefixtures("isolated")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hybridpd import cli
+from hybridpd.cli import main as cli_main
+from hybridpd.cli.options import State
 from hybridpd.bench import decode_replay, deployment, env, lookup, render, replay
 from hybridpd.errors import UsageError
 
@@ -173,13 +174,13 @@ def test_corner_counts_are_in_the_json_and_the_table_stock_beside_patched(monkey
         return report
 
     monkeypatch.setattr(replay, "run", run)
-    monkeypatch.setattr(cli.State, "series", None)
-    out = CliRunner().invoke(cli.main, ["bench", "replay", "--pin", "0.33.0", "--json",
+    monkeypatch.setattr(State, "series", None)
+    out = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.33.0", "--json",
                                         "--exact-repeat-fraction", "0.25"])
     assert out.exit_code == 0, out.output
     assert seen["w"].exact_repeat_fraction == 0.25
     assert json.loads(out.stdout)["stock"]["corner_recomputed_tokens"] == 52224
-    bad = CliRunner().invoke(cli.main, ["bench", "replay", "--pin", "0.33.0",
+    bad = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.33.0",
                                         "--exact-repeat-fraction", "1.5"])
     assert bad.exit_code == 2
 
@@ -226,26 +227,26 @@ def test_png_is_written(tmp_path: Path) -> None:
 
 def test_expect_hit_fails_the_command_below_the_fraction(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(replay, "run", lambda series, options, log, status: _report(98))
-    monkeypatch.setattr(cli.State, "series", None)
+    monkeypatch.setattr(State, "series", None)
     runner = CliRunner()
-    ok = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--expect-hit", "0.98"])
+    ok = runner.invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2", "--expect-hit", "0.98"])
     assert ok.exit_code == 0, ok.output
-    bad = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--expect-hit", "0.99",
+    bad = runner.invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2", "--expect-hit", "0.99",
                                    "--json"])
     assert bad.exit_code == 1
     assert json.loads(bad.stdout)["patched"]["hit_tokens"] == 98
     assert "98.00% of the limit" in bad.stderr
-    usage = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--num-prompts", "0"])
+    usage = runner.invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2", "--num-prompts", "0"])
     assert usage.exit_code == 2 and "--num-prompts" in usage.stderr
 
 
 def test_library_usage_errors_show_the_subcommands_usage_line(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(cli.State, "series", None)
+    monkeypatch.setattr(State, "series", None)
     bad_config = tmp_path / "config.json"
     bad_config.write_text("not json")
     runner = CliRunner()
     for extra in (["--max-model-len", "10"], ["--model-config", str(bad_config)]):
-        result = runner.invoke(cli.main, ["bench", "replay", "--pin", "0.20.2", "--json", *extra])
+        result = runner.invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2", "--json", *extra])
         assert result.exit_code == 2, result.output
         assert "Usage: main bench replay [OPTIONS]" in result.stderr
         assert json.loads(result.stdout)["ok"] is False
@@ -254,10 +255,10 @@ def test_library_usage_errors_show_the_subcommands_usage_line(monkeypatch, tmp_p
 @pytest.mark.parametrize("text", ["[1, 2]", '{"text_config": 3}', '{"hidden_size": 8}',
                                   '{"num_hidden_layers": "40"}'])
 def test_a_model_config_of_the_wrong_shape_is_one_usage_line(monkeypatch, tmp_path, text) -> None:
-    monkeypatch.setattr(cli.State, "series", None)
+    monkeypatch.setattr(State, "series", None)
     config = tmp_path / "config.json"
     config.write_text(text)
-    result = CliRunner().invoke(cli.main, ["bench", "replay", "--pin", "0.20.2",
+    result = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2",
                                            "--model-config", str(config)])
     assert result.exit_code == 2, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)

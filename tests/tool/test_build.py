@@ -12,9 +12,9 @@ from pathlib import Path
 import git
 import pytest
 
-from hybridpd import build as b
+from hybridpd.envs import build as b
 from builders import killed_apply, make_wheel
-from hybridpd import wheel_overlay as wo
+from hybridpd.envs import wheel_overlay as wo
 
 STOCK = {
     "pkg/__init__.py": b"VERSION = '1.0'\n",
@@ -272,7 +272,7 @@ def test_build_recovers_a_killed_apply_first_and_says_so(tmp_path, monkeypatch):
     from builders import standard_project
     from click.testing import CliRunner
     from hybridpd import gitops, guard
-    from hybridpd.cli import main
+    from hybridpd.cli.main import main
 
     project, series = standard_project(tmp_path)
     repo = project.checkout("1.0", "vllm")

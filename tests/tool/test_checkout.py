@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from builders import BASE_FILES, Project
 from hybridpd import cache, gitops
-from hybridpd.checkout import checkout
+from hybridpd.series.checkout import checkout
 from hybridpd.errors import CheckoutError, ChecksumError, GitError, UnknownPinError
-from hybridpd.series import Series
+from hybridpd.series.model import Series
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

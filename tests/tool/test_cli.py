@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from builders import FIX_ADD, Project, standard_project
 from click.testing import CliRunner, Result
-from hybridpd.cli import main
+from hybridpd.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -133,8 +133,8 @@ def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(project: Project) 
     # The console script is the launcher; a Ctrl-C while it imports the CLI (before
     # the CLI's error handler exists) gets the same one line as a Ctrl-C later.
     (script,) = importlib.metadata.entry_points(group="console_scripts", name="hybridpd")
-    assert script.value == "hybridpd.launch:main"
-    code = "import sys; from hybridpd.launch import main; sys.exit(main())"
+    assert script.value == "hybridpd.cli.entry:main"
+    code = "import sys; from hybridpd.cli.entry import main; sys.exit(main())"
     env = {**os.environ, "HYBRIDPD_FAULT": "startup:INT"}
     result = subprocess.run([sys.executable, "-c", code, "--series", str(project.series_path),
                              "list"], capture_output=True, text=True, env=env, timeout=60)
@@ -150,7 +150,7 @@ def test_ctrl_c_while_the_cli_starts_with_json_prints_the_failure_document(
 ) -> None:
     # --json runs always print one JSON document on stdout: the one the CLI prints for
     # any failure ({"ok": false, "error": ...}), also before the CLI is imported.
-    code = "import sys; from hybridpd.launch import main; sys.exit(main())"
+    code = "import sys; from hybridpd.cli.entry import main; sys.exit(main())"
     env = {**os.environ, "HYBRIDPD_FAULT": "startup:INT"}
     result = subprocess.run([sys.executable, "-c", code, "--series", str(project.series_path),
                              "list", "--json"], capture_output=True, text=True, env=env,

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from builders import Project
 from click.testing import CliRunner
-from hybridpd import doctor, kernels, pkgindex, proc
-from hybridpd.cli import main
+from hybridpd import pkgindex, proc
+from hybridpd.envs import doctor, kernels
+from hybridpd.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

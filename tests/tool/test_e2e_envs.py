@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from builders import FIX_ADD, standard_project
 from hybridpd import gitops
-from hybridpd.apply import TRAILER
+from hybridpd.series.apply import TRAILER
 from hybridpd.e2e.envs import source
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -52,8 +52,9 @@ def made(monkeypatch: pytest.MonkeyPatch) -> _Calls:
     """``install.environment`` (tested in test_install.py) and pip, recorded."""
     from types import SimpleNamespace
 
-    from hybridpd import build as build_mod
-    from hybridpd import install, proc
+    from hybridpd.envs import build as build_mod
+    from hybridpd import proc
+    from hybridpd.envs import install
     from hybridpd.e2e import envs
 
     def environment(pin, tree, venv, *, variant, torch, require_nixl, log):

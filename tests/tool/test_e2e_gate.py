@@ -67,7 +67,7 @@ def test_the_recorded_command_reproduces_non_default_options() -> None:
 
 
 def test_an_explicit_series_is_part_of_the_recorded_command(tmp_path) -> None:
-    from hybridpd.cli import main
+    from hybridpd.cli.main import main
     from hybridpd.cli.e2e import e2e_command, reproducing_argv
 
     series = tmp_path / "series.toml"

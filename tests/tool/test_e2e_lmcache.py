@@ -223,7 +223,7 @@ def test_the_lmcache_series_is_found_beside_the_vllm_one(tmp_path: Path) -> None
     with pytest.raises(E2EError, match="no LMCache series"):
         lm.lmcache_series(series)
     root = Path(__file__).resolve().parents[2]
-    from hybridpd.series import load
+    from hybridpd.series.model import load
 
     found = lm.lmcache_series(load(root / "patches" / "series.toml"))
     assert found.package == "lmcache"

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from builders import Project, standard_project
 from click.testing import CliRunner
-from hybridpd import cache, serving
-from hybridpd.cli import main
+from hybridpd import cache
+from hybridpd.envs import serving
+from hybridpd.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

@@ -23,7 +23,7 @@ import pytest
 from builders import Project
 from click.testing import CliRunner
 from hybridpd import proc
-from hybridpd.cli import main
+from hybridpd.cli.main import main
 from hybridpd.e2e import reap
 from hybridpd.e2e.servers import Processes, group_members
 
@@ -55,7 +55,7 @@ HYBRIDPD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from hybridpd.cli import main
+    from hybridpd.cli.main import main
     from hybridpd.e2e import run as run_mod, scenarios as sc
     from hybridpd.e2e.envs import Env
     from hybridpd.e2e.servers import Processes

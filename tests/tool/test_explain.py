@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from hybridpd import proc
-from hybridpd.explain import connectors, model, render, runner
-from hybridpd.series import Series
+from hybridpd.explain import model, render, runner
+from hybridpd import connectors
+from hybridpd.series.model import Series
 
 
 def test_named_sets_are_vllms_kv_transfer_configs() -> None:
@@ -302,7 +303,7 @@ def test_a_driver_stopped_at_its_limit_keeps_what_it_answered(side_by_side) -> N
 
 def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypatch) -> None:
     from click.testing import CliRunner
-    from hybridpd.cli import main
+    from hybridpd.cli.main import main
 
     seen = []
 
@@ -509,7 +510,7 @@ SHA = "0" * 64
 
 def _series(tmp_path: Path) -> Series:
     """A vLLM-like series with two pins and a hosted LMCache-like one, each with risks."""
-    from hybridpd.series import load
+    from hybridpd.series.model import load
 
     vllm = tmp_path / "patches" / "series.toml"
     (vllm.parent / "lm").mkdir(parents=True)
@@ -669,7 +670,7 @@ def test_a_risk_naming_an_unknown_connector_is_refused_in_one_line(tmp_path) -> 
     """A ``when.connectors`` name no deployment configures (NIXL's scheduler-side class,
     a typo) would never match: the series does not load, so ``check`` fails."""
     from click.testing import CliRunner
-    from hybridpd.cli import main
+    from hybridpd.cli.main import main
 
     _series(tmp_path)
     path = tmp_path / "patches" / "series.toml"

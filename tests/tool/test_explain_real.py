@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.explain import connectors, render, runner
-from hybridpd.series import load
+from hybridpd.explain import render, runner
+from hybridpd import connectors
+from hybridpd.series.model import load
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "tool" / "hybridpd" / "data" / "hf" / "Qwen--Qwen3.5-35B-A3B")

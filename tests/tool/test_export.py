@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 from builders import FIX_ADD, Project, commit_patch, standard_project
 from hybridpd import gitops
-from hybridpd.apply import apply
+from hybridpd.series.apply import apply
 from click.testing import CliRunner
-from hybridpd.cli import main
+from hybridpd.cli.main import main
 from hybridpd.errors import ExportError, PatchCommitError
-from hybridpd.export import check, export
-from hybridpd.series import Pin, Series
+from hybridpd.series.export import check, export
+from hybridpd.series.model import Pin, Series
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -195,7 +195,7 @@ def test_a_write_cut_short_never_leaves_a_half_written_patch_file(tmp_path: Path
     def small_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
     result = subprocess.run(
         [sys.executable, "-c", code, "--series", str(series.path), "export", "--dir", str(repo)],
         capture_output=True, text=True, preexec_fn=small_files, timeout=120,

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 from builders import FEATURE, FIX_ADD, PACKAGE, Project, commit_patch
 from click.testing import CliRunner
-from hybridpd import exportpr, gitops, hfsnap, pytestrun, testenv, testrun
-from hybridpd.cli import main
-from hybridpd.export import export
-from hybridpd.pytestrun import SuiteResult
-from hybridpd.series import load
-from hybridpd.series import TestSetup as Setup  # not a test class
+from hybridpd import gitops
+from hybridpd.upstreaming import exportpr
+from hybridpd.proof import hfsnap, pytestrun, testenv, testrun
+from hybridpd.cli.main import main
+from hybridpd.series.export import export
+from hybridpd.proof.pytestrun import SuiteResult
+from hybridpd.series.model import load
+from hybridpd.series.model import TestSetup as Setup  # not a test class
 
 #: The committed vLLM series (the host of LMCache's tests).
 VLLM_SERIES = Path(__file__).resolve().parents[2] / "patches" / "series.toml"

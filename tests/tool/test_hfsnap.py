@@ -1,7 +1,7 @@
 """hfsnap: config-only hub cache snapshots (offline, fast).
 
 The resolution test uses the real ``huggingface_hub``: from this interpreter when it has
-it, otherwise from ``$HYBRIDPD_TEST_PYTHON`` (e.g. a test env built by hybridpd.testenv);
+it, otherwise from ``$HYBRIDPD_TEST_PYTHON`` (e.g. a test env built by hybridpd.proof.testenv);
 it is skipped when neither has the library.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd import hfsnap
-from hybridpd.upstream import MODELS
+from hybridpd.proof import hfsnap
+from hybridpd.proof.upstream import MODELS
 
 
 def test_every_model_the_gate_needs_has_data() -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from builders import killed_apply, standard_project
-from hybridpd import install as install_mod
+from hybridpd.envs import install as install_mod
 from hybridpd.errors import HybridpdError
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -148,7 +148,7 @@ def test_an_unreadable_index_is_named_and_others_still_count(tmp_path: Path, mon
 def test_a_nixl_failure_leaves_a_built_venv_that_says_it_cannot_serve(
     tmp_path: Path, built, monkeypatch
 ) -> None:
-    from hybridpd.build import BuildError
+    from hybridpd.envs.build import BuildError
 
     def no_nixl(py, checkout, log):
         raise BuildError("pip could not install nixl-cu12==1.4.1 into PY")
@@ -175,7 +175,7 @@ def test_an_existing_checkout_decides_the_pin(tmp_path: Path, monkeypatch) -> No
 
 def test_the_cli_ends_with_the_command_that_starts_a_pd_pair(tmp_path: Path, monkeypatch) -> None:
     from click.testing import CliRunner
-    from hybridpd.cli import main
+    from hybridpd.cli.main import main
 
     def fake_build(checkout, venv, version, stock_ref, variant, log=None, torch=None):
         return SimpleNamespace(
@@ -205,7 +205,7 @@ def test_the_cli_ends_with_the_command_that_starts_a_pd_pair(tmp_path: Path, mon
 
 
 def _raise_build_error(py, checkout, log):
-    from hybridpd.build import BuildError
+    from hybridpd.envs.build import BuildError
 
     raise BuildError("no nixl")
 
@@ -213,7 +213,7 @@ def _raise_build_error(py, checkout, log):
 def test_an_environment_that_requires_nixl_raises_its_failure(
     tmp_path: Path, built, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hybridpd.build import BuildError
+    from hybridpd.envs.build import BuildError
 
     _, series = standard_project(tmp_path)
     monkeypatch.setattr(install_mod.pdextras, "install_nixl", _raise_build_error)

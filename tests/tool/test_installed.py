@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 from builders import BASE_FILES, FEATURE, FIX_ADD, standard_project
-from hybridpd import guard, installed
-from hybridpd import wheel_overlay as wo
+from hybridpd import guard
+from hybridpd.envs import installed
+from hybridpd.envs import wheel_overlay as wo
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -84,7 +85,7 @@ def hybridpd(series, *args: str, fault: str | None = None) -> subprocess.Complet
     env = {k: v for k, v in os.environ.items() if k != guard.FAULT_ENV}
     if fault:
         env[guard.FAULT_ENV] = fault
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
     return subprocess.run(
         [sys.executable, "-c", code, "--series", str(series.path), *args],
         capture_output=True, text=True, env=env, timeout=120,
@@ -437,9 +438,9 @@ def build_made_env(tmp_path: Path, project, series, patched: bool = True
     stock venv). Returns its Python, the checkout and the checkout's head."""
     import zipfile
 
-    from hybridpd import build as build_mod
+    from hybridpd.envs import build as build_mod
     from hybridpd import gitops
-    from hybridpd.apply import apply
+    from hybridpd.series.apply import apply
 
     py = make_env(tmp_path / "venv")
     target = installed.locate(py, "proj")

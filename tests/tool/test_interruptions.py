@@ -3,7 +3,7 @@
 Each kill is deterministic: ``HYBRIDPD_FAULT=<point>[:TERM]`` makes the hybridpd
 process kill itself when it reaches ``<point>`` (:func:`hybridpd.guard.fault`), and a
 git hook kills git and hybridpd in the middle of a ``git am``. The CLI runs as a real
-process (``python -m hybridpd.cli``), so signals act as they do for a user.
+process (``python -m hybridpd.cli.entry``), so signals act as they do for a user.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import standins
 from builders import Project, port_project, standard_project
 from hybridpd import gitops, guard
-from hybridpd.series import Series
+from hybridpd.series.model import Series
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -31,7 +31,7 @@ def hybridpd(
     fault: str | None = None,
     tmp: Path | None = None,
     path: Path | None = None,
-    code: str = "import sys; from hybridpd.cli import main; sys.exit(main())",
+    code: str = "import sys; from hybridpd.cli.main import main; sys.exit(main())",
 ):
     env = dict(os.environ)
     env.pop(guard.FAULT_ENV, None)
@@ -270,7 +270,7 @@ def test_concurrent_applies_end_with_the_series_applied_once(project) -> None:
     proj, series, full = project
     repo = proj.checkout("1.0")
     env = {k: v for k, v in os.environ.items() if k != guard.FAULT_ENV}
-    code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+    code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
     cmd = [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(repo)]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]
@@ -321,8 +321,8 @@ def port_series(tmp_path: Path) -> Series:
 
 @pytest.mark.parametrize("point", ["port:replayed", "port:series-written"])
 def test_sigkill_mid_port_is_recovered_by_continue(port_series, tmp_path: Path, point) -> None:
-    from hybridpd.export import check
-    from hybridpd.series import load
+    from hybridpd.series.export import check
+    from hybridpd.series.model import load
 
     dest = tmp_path / "port"
     killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
@@ -341,8 +341,8 @@ def test_sigkill_mid_port_is_recovered_by_continue(port_series, tmp_path: Path, 
 def test_sigkill_inside_a_ports_git_am_is_recovered_by_continue(
     port_series, tmp_path: Path
 ) -> None:
-    from hybridpd.export import check
-    from hybridpd.series import load
+    from hybridpd.series.export import check
+    from hybridpd.series.model import load
 
     dest = tmp_path / "port"
     killed = hybridpd(port_series, "port", "--from", "1.0", "--to", "2.0", "--dir", str(dest),
@@ -599,7 +599,7 @@ def _args(command: str, repo: Path, venv: Path) -> list[str]:
 
 def _before(command: str, proj: Project, series: Series, tmp_path: Path) -> tuple[Path, Path]:
     """The checkout and venv ``command`` is killed on, as a user has them then."""
-    from hybridpd.apply import apply
+    from hybridpd.series.apply import apply
 
     venv = tmp_path / "venv"
     if command in ("build", "install"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from builders import standard_project
 from click.testing import CliRunner
-from hybridpd.cli import main
+from hybridpd.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

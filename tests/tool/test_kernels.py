@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd import kernels
-from hybridpd.kernels import CpuFlags
+from hybridpd.envs import kernels
+from hybridpd.envs.kernels import CpuFlags
 
 AVX2_ONLY = CpuFlags("x86_64", avx512=False, avx512_bf16=False)
 AVX512 = CpuFlags("x86_64", avx512=True, avx512_bf16=False)

@@ -20,12 +20,12 @@ import pytest
 from builders import PACKAGE, Project, standard_project
 from click.testing import CliRunner
 from hybridpd import cache, gitops, guard, pkgindex
-from hybridpd.cli import main
+from hybridpd.cli.main import main
 from hybridpd.errors import LocalFileError
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
-CLI = "import sys; from hybridpd.cli import main; sys.exit(main())"
+CLI = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
 
 
 def run(series_path: Path, *args: str):

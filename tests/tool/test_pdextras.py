@@ -7,8 +7,8 @@ import stat
 from pathlib import Path
 
 import pytest
-from hybridpd import pdextras
-from hybridpd.build import BuildError
+from hybridpd.envs import pdextras
+from hybridpd.envs.build import BuildError
 
 
 def _python(tmp_path: Path, cuda: str = "", pip_rc: int = 0, version: str = "1.5.0",

@@ -18,9 +18,9 @@ from builders import (
     standard_project,
 )
 from click.testing import CliRunner, Result
-from hybridpd.cli import main
-from hybridpd.export import export
-from hybridpd.series import load
+from hybridpd.cli.main import main
+from hybridpd.series.export import export
+from hybridpd.series.model import load
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -194,7 +194,7 @@ def test_a_pin_that_records_a_later_fix_upstream_is_not_proposed(
 
 
 def test_hunks_are_read_as_git_applies_them() -> None:
-    from hybridpd.pinadd import _patch_hunks
+    from hybridpd.porting.pinadd import _patch_hunks
 
     text = "\n".join([
         "Subject: x", "", "---", "diff --git a/a.py b/a.py", "index 1..2 100644",

@@ -9,12 +9,12 @@ import pytest
 from builders import CORE, FIX_ADD, port_project, standard_project
 from click.testing import CliRunner, Result
 from hybridpd import cache, gitops
-from hybridpd import port as port_mod
-from hybridpd.apply import TRAILER
-from hybridpd.cli import main
+from hybridpd.porting import port as port_mod
+from hybridpd.series.apply import TRAILER
+from hybridpd.cli.main import main
 from hybridpd.errors import HybridpdError
-from hybridpd.export import check
-from hybridpd.series import PinState, Series, load
+from hybridpd.series.export import check
+from hybridpd.series.model import PinState, Series, load
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -493,7 +493,7 @@ def test_the_port_lock_is_held_from_the_checkout_on(
     def save_then_probe(self, repo):
         save(self, repo)
         if not second:
-            code = "import sys; from hybridpd.cli import main; sys.exit(main())"
+            code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
             second.append(subprocess.run(
                 [sys.executable, "-c", code, "--series", str(series.path), "port",
                  "--continue", "--dir", str(dest)],
@@ -588,7 +588,7 @@ def test_a_patch_on_top_of_an_earlier_one_is_merged_against_its_real_pre_image(
     blob of no release. 2.0 changed a line of its context, so only a 3-way merge
     applies it, and only with the source pin's patched commits in the port."""
     from builders import commit_patch
-    from hybridpd.export import export
+    from hybridpd.series.export import export
 
     changed = {"proj/core.py": CORE.replace("def mul(a, b):", "def mul(a, b):  # times")}
     project, series = port_project(tmp_path, changed)

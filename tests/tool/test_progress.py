@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from hybridpd import progress
-from hybridpd.build import pip_args
-from hybridpd.pytestrun import pytest_progress
+from hybridpd.envs.build import pip_args
+from hybridpd.proof.pytestrun import pytest_progress
 
 
 class Terminal(io.StringIO):
@@ -89,7 +89,7 @@ def test_the_library_does_not_import_click() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, hybridpd.install, hybridpd.installed, hybridpd.testrun, "
-            "hybridpd.port, hybridpd.exportpr, hybridpd.doctor; print('click' in sys.modules)")
+    code = ("import sys, hybridpd.envs.install, hybridpd.envs.installed, hybridpd.proof.testrun, "
+            "hybridpd.porting.port, hybridpd.upstreaming.exportpr, hybridpd.envs.doctor; print('click' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr

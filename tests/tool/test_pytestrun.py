@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.pytestrun import (
+from hybridpd.proof.pytestrun import (
     SuiteResult,
     cpu_metadata_overlay,
     parse_junit,
@@ -211,7 +211,7 @@ def test_pytest_env_does_not_inherit_pythonpath(tmp_path: Path) -> None:
 
 
 def test_another_projects_tree_takes_vllms_metadata_from_the_host_tree(tmp_path: Path) -> None:
-    from hybridpd.pytestrun import vllm_tree
+    from hybridpd.proof.pytestrun import vllm_tree
 
     lmcache, layer, host = (tmp_path / n for n in ("lmcache", "layer", "vllm"))
     for d in (lmcache, layer, host / "vllm.egg-info"):
@@ -226,7 +226,7 @@ def test_a_set_stop_event_ends_the_run_and_its_process(tmp_path: Path) -> None:
     when its caller is interrupted, and leaves no pytest process behind."""
     import threading
 
-    from hybridpd.pytestrun import Stopped
+    from hybridpd.proof.pytestrun import Stopped
 
     pid_file = tmp_path / "pid"
     stop = threading.Event()

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 from hybridpd.errors import SeriesError, UnknownPinError
-from hybridpd.series import load, locate
+from hybridpd.series.model import load, locate
 
 SHA = "0" * 64
 VALID = f'''
@@ -223,7 +223,7 @@ def test_fixes_lost_on_a_release_that_predates_their_upstream_fix() -> None:
     a target at or after the release each names (an unreadable one counts as after)."""
     from pathlib import Path
 
-    from hybridpd.series import load
+    from hybridpd.series.model import load
 
     series = load(Path(__file__).resolve().parents[2] / "patches" / "series.toml")
     # 0.32.0 records coordinator-consumer-skips-mamba-hit upstream since 0.28.0, and

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 from builders import Project
-from hybridpd import seriesedit
+from hybridpd.series import edit as seriesedit
 from hybridpd.errors import SeriesError
-from hybridpd.series import PinState, load
+from hybridpd.series.model import PinState, load
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import pytest
 
-from hybridpd.cli import main
+from hybridpd.cli.main import main
 
 TOOL = Path(__file__).resolve().parents[2] / "tool" / "hybridpd"
 #: The only modules that start processes or use GitPython.
@@ -144,3 +144,126 @@ def test_only_the_store_and_guard_take_locks() -> None:
         if path not in (TOOL / "cache.py", TOOL / "guard.py") and "fcntl" in _imported(path)
     ]
     assert found == []
+
+
+# The floor plan: each wing imports only from the floors below it (and from itself); the
+# plumbing is the flat top level. A wing's rank is its floor; wings on one floor do not
+# import each other.
+PLUMBING = {"__init__", "cache", "connectors", "errors", "gitops", "guard", "pkgindex",
+            "proc", "progress"}
+FLOORS = {
+    "series": 1,
+    "porting": 2, "proof": 2,
+    "envs": 3,
+    "e2e": 4, "bench": 4,
+    "explain": 5, "upstreaming": 5,
+    "cli": 6,
+}
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _wing(module: str) -> str | None:
+    """``hybridpd.<wing>.…``'s wing, or None for the plumbing."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else None
+
+
+def _floor(module: str) -> int:
+    wing = _wing(module)
+    return 0 if wing is None else FLOORS[wing]
+
+
+def _imports(root: Path, path: Path) -> set[str]:
+    """Every hybridpd module ``path`` imports: at module level or inside a function, by an
+    import statement or by ``importlib.import_module``/``__import__`` of a literal name."""
+    module = _module_name(root, path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            # ``from hybridpd.series import model``: the module, not only its package.
+            found |= {f"{base}.{alias.name}" for alias in node.names
+                      if (root.parent / f"{base}.{alias.name}".replace(".", "/")).with_suffix(".py").is_file()}
+        elif isinstance(node, ast.Call) and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
+                and ast.unparse(node.func) in ("importlib.import_module", "import_module",
+                                               "__import__"):
+            found.add(node.args[0].value)
+    return {name for name in found if name.split(".")[0] == root.name and name != module}
+
+
+def _layering_problems(root: Path) -> list[str]:
+    """Upward or sideways imports between wings, top-level modules that are not plumbing,
+    and import loops, in the package at ``root``."""
+    problems = []
+    modules = sorted(p for p in root.rglob("*.py") if "data" not in p.relative_to(root).parts)
+    graph = {}
+    for path in modules:
+        name = _module_name(root, path)
+        if path.parent == root and path.stem not in PLUMBING:
+            problems.append(f"{name}: a top-level module that is not plumbing (give it a wing)")
+        if _wing(name) is not None and _wing(name) not in FLOORS:
+            problems.append(f"{name}: a wing without a floor in FLOORS")
+            continue
+        graph[name] = _imports(root, path)
+        for target in sorted(graph[name]):
+            if _wing(target) == _wing(name) or _wing(target) not in (None, *FLOORS):
+                continue
+            if _floor(target) >= _floor(name):
+                problems.append(f"{name} imports {target}: not from a lower floor")
+    # Loops, with packages standing for their __init__ (``from hybridpd.cli import x``).
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph.get(name, ())):
+            if target not in graph:
+                continue
+            if state.get(target) == 1:
+                problems.append("import loop: " + " -> ".join(trail[trail.index(target):]
+                                                              + [target]))
+            elif target not in state:
+                visit(target, trail + [target])
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+    return problems
+
+
+def test_wings_import_only_from_lower_floors_and_never_in_a_loop() -> None:
+    assert _layering_problems(TOOL) == []
+
+
+@pytest.mark.parametrize("planted", [
+    # an upward import at module level, inside a function, and by importlib
+    ("series/model.py", "\nfrom hybridpd.cli import options\n", "imports hybridpd.cli"),
+    ("proc.py", "\ndef _f():\n    from hybridpd.envs import build\n", "imports hybridpd.envs"),
+    ("e2e/report.py", "\nimport importlib\n_m = importlib.import_module('hybridpd.bench.env')\n",
+     "imports hybridpd.bench.env"),
+    # a loop inside one wing
+    ("e2e/metrics.py", "\nfrom hybridpd.e2e import scenarios\n", "import loop"),
+    # a shim at the top
+    ("build.py", "from hybridpd.envs.build import *\n", "not plumbing"),
+])
+def test_the_layering_check_goes_red_on_a_planted_import(tmp_path: Path, planted) -> None:
+    import shutil
+
+    root = tmp_path / "hybridpd"
+    shutil.copytree(TOOL, root, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    relative, code, expected = planted
+    with open(root / relative, "a", encoding="utf-8") as handle:
+        handle.write(code)
+    assert any(expected in problem for problem in _layering_problems(root))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from builders import Project
-from hybridpd.testrun import PatchRow, _case_outcomes, patch_properties, red_green
+from hybridpd.proof.testrun import PatchRow, _case_outcomes, patch_properties, red_green
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -82,7 +82,7 @@ def test_patch_is_proven_only_when_red_without_it(series) -> None:
 
 
 def test_the_table_names_the_state_of_an_unproven_patch(series) -> None:
-    from hybridpd.testrun import TestReport, format_table
+    from hybridpd.proof.testrun import TestReport, format_table
 
     mapping = {"t1": "fix-add", "t3": "landed"}
     stock = {"t1": "failed", "t3": "passed"}
@@ -183,7 +183,7 @@ def test_a_test_stock_skips_for_want_of_a_carried_patch_proves_upstream_patched(
 
 
 def test_a_baseline_is_used_only_when_it_covers_the_files(monkeypatch, tmp_path: Path) -> None:
-    from hybridpd import testrun, upstream
+    from hybridpd.proof import testrun, upstream
 
     baseline = tmp_path / "9.9.9-stock.json"
     baseline.write_text('{"files": ["a.py", "b.py"], "outcomes": {}}')
@@ -202,7 +202,8 @@ def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) 
     import time
 
     from builders import standard_project
-    from hybridpd import cache, testrun
+    from hybridpd import cache
+    from hybridpd.proof import testrun
 
     _, series = standard_project(tmp_path)
     monkeypatch.setattr(testrun, "_run_locked", lambda *args: "ran")
@@ -246,8 +247,8 @@ def test_a_tree_without_a_patch_runs_only_that_patchs_tests(series, tmp_path, mo
     """red_green reads nothing else of that run: the other tests are deselected there
     (HYBRIDPD_PATCH_TESTS_OF, read by the patch tests' conftest); a patch without a test
     of its own gets no run; the first carried patch's tree is the stock one, run once."""
-    from hybridpd import testrun
-    from hybridpd.pytestrun import SuiteResult
+    from hybridpd.proof import testrun
+    from hybridpd.proof.pytestrun import SuiteResult
 
     calls = []
 
@@ -276,7 +277,7 @@ def test_a_tree_without_a_patch_runs_only_that_patchs_tests(series, tmp_path, mo
 def test_side_by_side_returns_results_in_order_and_stops_the_others_on_a_failure() -> None:
     import threading
 
-    from hybridpd.testrun import side_by_side
+    from hybridpd.proof.testrun import side_by_side
 
     started = threading.Barrier(2, timeout=10)
 

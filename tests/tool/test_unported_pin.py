@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from builders import Project
 from click.testing import CliRunner
-from hybridpd.apply import apply
-from hybridpd.cli import main
+from hybridpd.series.apply import apply
+from hybridpd.cli.main import main
 from hybridpd.errors import ApplyError, SeriesError
-from hybridpd.export import check
+from hybridpd.series.export import check
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

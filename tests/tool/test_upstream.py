@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd import testenv, upstream
-from hybridpd.pytestrun import SuiteResult
+from hybridpd.proof import testenv, upstream
+from hybridpd.proof.pytestrun import SuiteResult
 
 SDISTS = Path("/tmp/sd")  # extracted release sdists, where a machine has them
 
@@ -253,7 +253,7 @@ def test_layers_are_built_once_beside_the_env_and_only_for_their_releases(
 
 
 def test_layers_go_after_the_tree_on_pythonpath(tmp_path: Path) -> None:
-    from hybridpd import pytestrun
+    from hybridpd.proof import pytestrun
 
     env = pytestrun.pytest_env(tmp_path / "venv", tmp_path / "tree", tmp_path / "hf",
                                base={}, layers=[tmp_path / "l1", tmp_path / "l2"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from builders import make_wheel
-from hybridpd import wheel_overlay as wo
+from hybridpd.envs import wheel_overlay as wo
 
 STOCK = {
     "pkg/__init__.py": b"VERSION = '1.0'\n",

@@ -2,7 +2,7 @@
 
 Location: ``$HYBRIDPD_CACHE``, else ``$XDG_CACHE_HOME/hybridpd``, else
 ``~/.cache/hybridpd``. Its entries: ``sdists/`` (release sources, under their index file
-name), ``envs/`` (the patch tests' environments, :mod:`hybridpd.testenv`), ``trees/`` and
+name), ``envs/`` (the patch tests' environments, :mod:`hybridpd.proof.testenv`), ``trees/`` and
 ``runs/`` (``hybridpd test``), ``e2e/`` (the e2e environments), ``bench/`` and
 ``installed/``.
 

@@ -11,7 +11,7 @@ asked not to). What that gives, and what these tests hold the patched build to:
   vLLM adapter tracks (it builds its slot mappings from ``block_ids[0]``);
 - plain and sliding-window models go through preemption and resumption with
   LMCache's real vLLM adapter (lmcache 0.5.6, from the test environment's lmcache
-  layer: ``hybridpd.testenv.LAYERS``), whose scheduler side asserts that every resumed
+  layer: ``hybridpd.proof.testenv.LAYERS``), whose scheduler side asserts that every resumed
   request went through its lookup and resumes where the lookup said.
 
 Only what needs a GPU below the adapter is faked: LMCache's compiled device ops and

@@ -1,8 +1,8 @@
 """Where a bench runs: a pin's stock and patched trees and its CPU test environment.
 
 The trees are kept under ``<cache>/bench/<pin>/`` and made current on every run
-(:func:`hybridpd.releasetree.prepare`: the release, plus the series for ``patched``);
-the environment is the pin's test environment (:func:`hybridpd.testenv.ensure_test_env`),
+(:func:`hybridpd.series.releasetree.prepare`: the release, plus the series for ``patched``);
+the environment is the pin's test environment (:func:`hybridpd.proof.testenv.ensure_test_env`),
 shared with ``hybridpd test``. Scripts run with the tree first on ``PYTHONPATH``, as the
 patch tests do, and with ``tests/patches`` importable for the builders.
 
@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from hybridpd import cache, gitops, proc, pytestrun, releasetree, testenv
-from hybridpd.apply import patch_commits
+from hybridpd import cache, gitops, proc
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Series
+from hybridpd.proof import pytestrun, testenv
+from hybridpd.series import releasetree
+from hybridpd.series.apply import patch_commits
+from hybridpd.series.model import Series
 
 BUILDS = ("stock", "patched")
 

@@ -21,7 +21,7 @@ from hybridpd.bench.env import BUILDS, BenchEnv, BenchError, prepared
 from hybridpd.bench.replay import CONNECTORS
 from hybridpd.errors import UsageError
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Series
+from hybridpd.series.model import Series
 
 WORKER = Path(__file__).with_name("lookup_worker.py")
 PATHS = ("decode", "plain")

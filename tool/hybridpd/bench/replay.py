@@ -18,7 +18,7 @@ from hybridpd.bench import deployment
 from hybridpd.bench.env import BUILDS, BenchEnv, prepared, run_script
 from hybridpd.errors import UsageError
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Series
+from hybridpd.series.model import Series
 
 DRIVER = Path(__file__).with_name("decode_replay.py")
 

@@ -8,78 +8,8 @@ its options, calls one library function, and renders the result: human text by
 default, JSON with ``--json``. The JSON shapes are contracts that scripts and CI
 depend on; change them only compatibly. Nothing outside this package imports click.
 
-To add a command: a module here with a ``@click.command()`` taking the shared
-:class:`~.options.State` (``@click.pass_obj``), registered below.
+The group is :mod:`.main`; the console script is :mod:`.entry` (standard library only,
+so a Ctrl-C while the CLI imports ends like any other). To add a command: a module here
+with a ``@click.command()`` taking the shared :class:`~.options.State`
+(``@click.pass_obj``), registered in :mod:`.main`.
 """
-
-from __future__ import annotations
-
-import signal
-from pathlib import Path
-
-import click
-
-from hybridpd import __version__
-
-from . import jsonout
-from .apply import apply, status
-from .bench import bench_group
-from .checkout import checkout
-from .doctor import doctor_
-from .e2e import e2e_command
-from .explain import explain
-from .export import check, export
-from .export_pr import export_pr
-from .install import build, install
-from .listing import list_
-from .options import State
-from .pin import pin_group
-from .port import port
-from .testing import test
-
-__all__ = ["State", "main"]
-
-
-@click.group(cls=jsonout.JsonGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="hybridpd")
-@click.option(
-    "--series",
-    "series_path",
-    type=click.Path(exists=True, path_type=Path),
-    help="series.toml, or a directory holding it or patches/series.toml. Default: "
-    "$HYBRIDPD_SERIES, else patches/series.toml in the current directory or a "
-    "parent, else the hybridpd source checkout.",
-)
-@click.pass_context
-def main(ctx: click.Context, series_path: Path | None) -> None:
-    """Manage the hybridpd patch series against pinned vLLM releases.
-
-    Typical flow: `checkout` a pin, `apply` the series, change or add patch commits
-    (each with a `Hybridpd-Patch: <id>` trailer), `export` them back to
-    patches/<pin>/, and let `check` prove the committed files are current.
-    """
-    ctx.obj = State(series_path)
-    _interrupt_on(signal.SIGTERM, signal.SIGHUP)
-
-
-def _interrupt_on(*signals: signal.Signals) -> None:
-    """Make ``signals`` end a command the way Ctrl-C does, through its restore path.
-
-    Only where the signal still has its default action (a caller that handles it,
-    such as a test harness, keeps its handler).
-    """
-
-    def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    for sig in signals:
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            signal.signal(sig, interrupt)
-
-
-# In the order `hybridpd --help` has always listed them (click sorts them by name).
-for _command in (
-    checkout, apply, status, list_, export, doctor_, check, pin_group, port, install, build,
-    test, export_pr, e2e_command, bench_group, explain,
-):
-    main.add_command(_command)

@@ -8,14 +8,20 @@ from pathlib import Path
 
 import click
 
-from hybridpd import installed as installed_mod
-from hybridpd.apply import ApplyResult
-from hybridpd.apply import apply as apply_series
-from hybridpd.apply import status as checkout_status
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import (
+    State,
+    checkout_dir,
+    installed_flag,
+    json_flag,
+    log,
+    python_option,
+)
+from hybridpd.envs import installed as installed_mod
 from hybridpd.errors import UsageError
-
-from . import jsonout
-from .options import State, checkout_dir, installed_flag, json_flag, log, python_option
+from hybridpd.series.apply import ApplyResult
+from hybridpd.series.apply import apply as apply_series
+from hybridpd.series.apply import status as checkout_status
 
 
 def _installed_usage(installed: bool, python: Path | None, repo: Path, revert: bool) -> None:

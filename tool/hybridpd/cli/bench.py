@@ -14,9 +14,8 @@ import click
 from hybridpd import progress
 from hybridpd.bench import deployment, lookup, render
 from hybridpd.bench import replay as replay_mod
+from hybridpd.cli import jsonout
 from hybridpd.errors import CheckFailed
-
-from . import jsonout
 
 _W, _H = deployment.Workload(), deployment.Hardware()
 _POSITIVE = click.IntRange(min=1)

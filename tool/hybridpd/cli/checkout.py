@@ -6,10 +6,9 @@ from pathlib import Path
 
 import click
 
-from hybridpd.checkout import SOURCES, Source
-from hybridpd.checkout import checkout as make_checkout
-
-from .options import State, dir_option
+from hybridpd.cli.options import State, dir_option
+from hybridpd.series.checkout import SOURCES, Source
+from hybridpd.series.checkout import checkout as make_checkout
 
 
 @click.command()

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import click
 
-from hybridpd import doctor
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, json_flag
+from hybridpd.envs import doctor
 from hybridpd.errors import DoctorFailed
-
-from . import jsonout
-from .options import State, json_flag
 
 
 @click.command(name="doctor")

@@ -11,15 +11,14 @@ from pathlib import Path
 
 import click
 
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import log
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e import run as run_mod
 from hybridpd.e2e import scenarios as sc
 from hybridpd.e2e.tinymodel import ARCHITECTURES
 from hybridpd.errors import CheckFailed
-
-from . import jsonout
-from .options import log
 
 _D = run_mod.E2EOptions(version="")  # the defaults
 

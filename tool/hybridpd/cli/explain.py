@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from hybridpd.explain import connectors, render, runner
+from hybridpd import connectors
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, json_flag, log
+from hybridpd.explain import render, runner
 from hybridpd.progress import quiet
-
-from . import jsonout
-from .options import State, json_flag, log
 
 
 @click.command("explain")

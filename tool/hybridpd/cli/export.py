@@ -7,13 +7,12 @@ from pathlib import Path
 
 import click
 
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, checkout_dir, json_flag, log
 from hybridpd.errors import CheckFailed
-from hybridpd.export import CheckResult
-from hybridpd.export import check as check_series
-from hybridpd.export import export as export_series
-
-from . import jsonout
-from .options import State, checkout_dir, json_flag, log
+from hybridpd.series.export import CheckResult
+from hybridpd.series.export import check as check_series
+from hybridpd.series.export import export as export_series
 
 
 @click.command()

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import click
 
-from hybridpd import exportpr
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, json_flag, log
 from hybridpd.errors import CheckFailed, UsageError
-
-from . import jsonout
-from .options import State, json_flag, log
+from hybridpd.upstreaming import exportpr
 
 
 @click.command(name="export-pr")

@@ -8,13 +8,20 @@ from pathlib import Path
 
 import click
 
-from hybridpd import build as build_mod
-from hybridpd import install as install_mod
-from hybridpd.apply import checkout_pin
-from hybridpd.checkout import SOURCES, Source
-
-from . import jsonout
-from .options import State, checkout_dir, dir_option, json_flag, log, torch_option, variant_option
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import (
+    State,
+    checkout_dir,
+    dir_option,
+    json_flag,
+    log,
+    torch_option,
+    variant_option,
+)
+from hybridpd.envs import build as build_mod
+from hybridpd.envs import install as install_mod
+from hybridpd.series.apply import checkout_pin
+from hybridpd.series.checkout import SOURCES, Source
 
 
 @click.command()

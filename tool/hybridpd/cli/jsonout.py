@@ -21,8 +21,8 @@ from typing import Any
 
 import click
 
+from hybridpd.cli.argv import wants_json
 from hybridpd.errors import HybridpdError, Interrupted, LocalFileError, UsageError
-from hybridpd.launch import wants_json
 
 _META = "hybridpd.json"
 #: Set, a crash (an exception that is not one of hybridpd's errors) shows its traceback.

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import click
 
-from hybridpd import exportpr
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, json_flag
 from hybridpd.errors import UsageError
-from hybridpd.series import Pin, Series
-
-from . import jsonout
-from .options import State, json_flag
+from hybridpd.series.model import Pin, Series
+from hybridpd.upstreaming import exportpr
 
 
 @click.command(name="list")

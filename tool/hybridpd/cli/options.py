@@ -9,11 +9,10 @@ from typing import Any
 
 import click
 
-from hybridpd import install
-from hybridpd import series as series_mod
-from hybridpd.series import Series
-
-from . import jsonout
+from hybridpd.cli import jsonout
+from hybridpd.envs import install
+from hybridpd.series import model as series_mod
+from hybridpd.series.model import Series
 
 
 @dataclass

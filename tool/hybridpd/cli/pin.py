@@ -6,11 +6,10 @@ import shlex
 
 import click
 
-from hybridpd import pinadd
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, json_flag, log
+from hybridpd.porting import pinadd
 from hybridpd.progress import quiet
-
-from . import jsonout
-from .options import State, json_flag, log
 
 
 @click.group("pin", cls=jsonout.UsageGroup)

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import click
 
-from hybridpd import port as port_mod
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, dir_option, json_flag, log
+from hybridpd.porting import port as port_mod
 from hybridpd.progress import quiet
-from hybridpd.series import Series
-
-from . import jsonout
-from .options import State, dir_option, json_flag, log
+from hybridpd.series.model import Series
 
 
 @click.command()

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import click
 
-from hybridpd import testrun
+from hybridpd.cli import jsonout
+from hybridpd.cli.options import State, json_flag, log
 from hybridpd.errors import CheckFailed
-
-from . import jsonout
-from .options import State, json_flag, log
+from hybridpd.proof import testrun
 
 
 @click.command()

@@ -7,8 +7,8 @@ checkout, ``venv/`` the virtualenv) and is reused while its marker (``e2e-env.js
 ``--patched-venv`` / ``--stock-venv`` use a prepared venv instead (recorded in the report
 as such).
 
-The checkout is :func:`hybridpd.releasetree.prepare` (a kept one goes back to the tag
-first); the venv is :func:`hybridpd.install.environment`, as ``hybridpd install`` makes
+The checkout is :func:`hybridpd.series.releasetree.prepare` (a kept one goes back to the tag
+first); the venv is :func:`hybridpd.envs.install.environment`, as ``hybridpd install`` makes
 it (the build, then NixlConnector's NIXL, which here must install). The e2e adds
 ``matplotlib`` for the report's plot (drawn by the venv's Python) and the import hook of
 :mod:`hybridpd.e2e.qwen35` (vLLM's Qwen3.5 module without torchvision).
@@ -22,15 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hybridpd import build as build_mod
-from hybridpd import cache, install, kernels, pdextras, proc
+from hybridpd import cache, proc
+from hybridpd.e2e import qwen35
+from hybridpd.e2e.servers import E2EError
+from hybridpd.envs import build as build_mod
+from hybridpd.envs import install, kernels, pdextras
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log
-from hybridpd.series import Pin, Series
-
-from . import qwen35
-from .servers import E2EError
-
+from hybridpd.series.model import Pin, Series
 
 BUILDS = ("patched", "stock")
 E2E_REQUIREMENTS = ("nixl-cu12", "matplotlib")
@@ -109,7 +108,7 @@ def preflight(
         return
     from packaging.version import Version
 
-    from hybridpd import serving
+    from hybridpd.envs import serving
 
     offer = serving.read_offer()
     needs = (
@@ -178,7 +177,7 @@ def _with_lmcache(
     series: Series, env: Env, root: Path, without: Sequence[str], log: Log
 ) -> None:
     """Install the LMCache series' lmcache into ``env`` unless the same tree is in."""
-    from . import lmcache as lm
+    from hybridpd.e2e import lmcache as lm
 
     lm_series = lm.lmcache_series(series)
     say = lambda line: log(f"[{env.build}+lmcache] {line}")  # noqa: E731
@@ -246,8 +245,8 @@ def _prepare_locked(
 
 
 def source(series: Series, pin: Pin, build: str, src: Path, log: Log) -> str:
-    """Make ``src`` the ``build`` of ``pin`` (:func:`hybridpd.releasetree.prepare`)."""
-    from hybridpd import releasetree
+    """Make ``src`` the ``build`` of ``pin`` (:func:`hybridpd.series.releasetree.prepare`)."""
+    from hybridpd.series import releasetree
 
     if build == "patched":
         log(f"[{build}] applying the series")

@@ -30,13 +30,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridpd import cache, gitops, proc
-from hybridpd.apply import patch_commits
+from hybridpd.e2e.servers import E2EError, Processes, new_lines
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log
-from hybridpd.series import Series
-from hybridpd.series import load as load_series
-
-from .servers import E2EError, Processes, new_lines
+from hybridpd.series.apply import patch_commits
+from hybridpd.series.model import Series
+from hybridpd.series.model import load as load_series
 
 #: Connector sets of the decode instance that use LMCache, and their child order.
 CONNECTORS = ("nixl+lmcache", "lmcache+nixl")
@@ -157,7 +156,7 @@ def lmcache_series(vllm_series: Series) -> Series:
 def source(series: Series, src: Path, without: Sequence[str], log: Log) -> str:
     """Make ``src`` the patched LMCache tree (minus the patches ``without``); its tree
     hash."""
-    from hybridpd import releasetree
+    from hybridpd.series import releasetree
 
     pin = series.pin(series.default_pin)
     for patch_id in without:

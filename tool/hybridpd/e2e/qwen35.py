@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridpd import build as build_mod
-
-from .servers import E2EError
+from hybridpd.e2e.servers import E2EError
+from hybridpd.envs import build as build_mod
 
 #: The module the hook answers, and the module whose contents it answers with.
 ALIASED = "transformers.models.qwen2_vl.image_processing_qwen2_vl"

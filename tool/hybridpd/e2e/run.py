@@ -14,17 +14,16 @@ import time
 from pathlib import Path
 
 from hybridpd import cache, proc, progress
+from hybridpd.e2e import lmcache as lm
+from hybridpd.e2e import reap as reap_mod
+from hybridpd.e2e import report as report_mod
+from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e.envs import Env, given, preflight, prepare, probe
+from hybridpd.e2e.servers import E2EError, Processes
+from hybridpd.e2e.tinymodel import spec_id
 from hybridpd.errors import Interrupted, UsageError
 from hybridpd.progress import Log
-from hybridpd.series import Series
-
-from . import lmcache as lm
-from . import reap as reap_mod
-from . import report as report_mod
-from . import scenarios as sc
-from .envs import Env, given, preflight, prepare, probe
-from .servers import E2EError, Processes
-from .tinymodel import spec_id
+from hybridpd.series.model import Series
 
 
 class E2EUsageError(UsageError):

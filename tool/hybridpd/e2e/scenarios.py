@@ -44,12 +44,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import lmcache as lmcache_mod
-from . import metrics, proxy
-from .envs import Env
-from .servers import E2EError, Processes, ProcessFailed, StartupFailed, free_port
+from hybridpd.e2e import lmcache as lmcache_mod
+from hybridpd.e2e import metrics, proxy
+from hybridpd.e2e.envs import Env
+from hybridpd.e2e.servers import E2EError, Processes, ProcessFailed, StartupFailed, free_port
 from hybridpd.progress import Log
-
 
 SCENARIOS = ("smoke", "prefix-repetition", "correctness")
 ROLES = ("kv_both", "kv_producer/kv_consumer")

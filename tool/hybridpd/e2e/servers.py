@@ -40,12 +40,11 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from hybridpd import proc as proc_mod
+from hybridpd.e2e import reap as reap_mod
+from hybridpd.errors import HybridpdError
 from hybridpd.proc import group_members
 from hybridpd.proc import signal_group as _signal_group
-from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log
-
-from . import reap as reap_mod
 
 #: The log line of a server whose port was taken between our pick and its bind.
 ADDRESS_IN_USE = "Address already in use"

@@ -483,9 +483,8 @@ def explain(request: dict, case: int = 0) -> dict:
         out["steps"].running("groups")
         try:
             _init_distributed()
-            from vllm.v1.engine.core import EngineCore
-
             from vllm.platforms import current_platform
+            from vllm.v1.engine.core import EngineCore
 
             with _tensor_parallel_rank(config.parallel_config.tensor_parallel_size):
                 _build_model(config)

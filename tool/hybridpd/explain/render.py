@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from . import risks as risks_mod
-from .runner import SIDES, Explained
+from hybridpd.explain import risks as risks_mod
+from hybridpd.explain.runner import SIDES, Explained
 
 #: The questions, in the driver's step order, and how each is named.
 QUESTIONS = (("start", "config accepted"), ("groups", "KV cache groups"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridpd.series import Risk, Series, load
+from hybridpd.series.model import Risk, Series, load
 
 SIDES = ("stock", "patched")
 

@@ -8,16 +8,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridpd import cache, proc, releasetree, testrun
+from hybridpd import cache, proc
 from hybridpd.e2e import qwen35
 from hybridpd.errors import HybridpdError
+from hybridpd.explain import driver as driver_mod
+from hybridpd.explain import model as model_mod
+from hybridpd.explain import risks as risks_mod
 from hybridpd.progress import Log, quiet
-from hybridpd.pytestrun import cpu_metadata_overlay, pytest_env
-from hybridpd.series import Series
-
-from . import driver as driver_mod
-from . import model as model_mod
-from . import risks as risks_mod
+from hybridpd.proof import testrun
+from hybridpd.proof.pytestrun import cpu_metadata_overlay, pytest_env
+from hybridpd.series import releasetree
+from hybridpd.series.model import Series
 
 #: The trees the driver runs on, in the order they are reported.
 SIDES = ("stock", "patched")

@@ -2,15 +2,15 @@
 
 Trees. For a pin the run uses scratch git trees under ``<cache>/trees/<version>/``:
 ``stock`` (the release as checked out from its sdist) and ``patched`` (the same plus
-the carried series, applied by :func:`hybridpd.apply.apply`). For the patch suite it
+the carried series, applied by :func:`hybridpd.series.apply.apply`). For the patch suite it
 also checks out, for every carried patch, the tree *without* it (the series up to the
 patch before it), so each patch's tests are shown red because that patch is missing,
 not because an earlier one is. Trees are rebuilt on every run: tests write into their
 working directory, and a fresh apply is part of what is proven.
 
-Environment. One CPU test environment per pin (:mod:`hybridpd.testenv`) serves every
+Environment. One CPU test environment per pin (:mod:`hybridpd.proof.testenv`) serves every
 tree: vLLM is never installed in it, ``PYTHONPATH`` selects the tree
-(:mod:`hybridpd.pytestrun`). The same interpreter and dependencies run stock and
+(:mod:`hybridpd.proof.pytestrun`). The same interpreter and dependencies run stock and
 patched, so a difference in outcome comes from the vLLM source alone.
 
 Suites.
@@ -20,7 +20,7 @@ Suites.
   passes patched; the suite passes when every carried patch is proven and no test fails
   patched (a test that names no patch holds the patched build to a behaviour the series
   keeps: it must also pass patched wherever it passes on stock).
-- ``upstream``: vLLM's own tests for the touched modules (:mod:`hybridpd.upstream`), on
+- ``upstream``: vLLM's own tests for the touched modules (:mod:`hybridpd.proof.upstream`), on
   stock (or its committed baseline) and patched: the patched run must pass every test
   the stock run passes.
 """
@@ -37,14 +37,15 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from hybridpd import cache, gitops, hfsnap, testenv, upstream
-from hybridpd.apply import apply, patch_commits
-from hybridpd.checkout import checkout
+from hybridpd import cache, gitops
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
-from hybridpd.pytestrun import Counts, SuiteResult, parse_junit, run_pytest
-from hybridpd.series import Pin, Series
-from hybridpd.series import load as load_series
+from hybridpd.proof import hfsnap, testenv, upstream
+from hybridpd.proof.pytestrun import Counts, SuiteResult, parse_junit, run_pytest
+from hybridpd.series.apply import apply, patch_commits
+from hybridpd.series.checkout import checkout
+from hybridpd.series.model import Pin, Series
+from hybridpd.series.model import load as load_series
 
 SUITES = ("patches", "upstream", "all")
 PATCH_PROPERTY = "patch"
@@ -258,7 +259,7 @@ def run_patch_suite(
     layers: Sequence[Path] = (),
 ) -> tuple[list[PatchRow], list[str]]:
     """Run ``tests/patches`` on every tree and build the red/green table (with the
-    pin's :data:`~hybridpd.testenv.LAYERS` on ``PYTHONPATH``)."""
+    pin's :data:`~hybridpd.proof.testenv.LAYERS` on ``PYTHONPATH``)."""
     tests_dir = patch_tests_dir(series)
     targets = [str(tests_dir)]
 
@@ -458,7 +459,7 @@ def pin_environment(
     ``stock`` is the pin's stock tree. A project tested inside a vLLM pin (LMCache)
     runs in that pin's environment, with the pin's stock vLLM tree (checked out under
     ``root``) first after its own tree; ``with_layers`` adds the environment's
-    :data:`~hybridpd.testenv.LAYERS` after it.
+    :data:`~hybridpd.proof.testenv.LAYERS` after it.
     """
     env_pin, env_tree, host_tree = pin.version, stock, []
     if series.tests.host_series is not None:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from hybridpd import checkout as checkout_mod
 from hybridpd import gitops, guard
-from hybridpd.apply import apply, checkout_pin, patch_commits
 from hybridpd.errors import ApplyError, ExportError
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Pin, Series
+from hybridpd.series import checkout as checkout_mod
+from hybridpd.series.apply import apply, checkout_pin, patch_commits
+from hybridpd.series.model import Pin, Series
 
 #: Makes a fresh checkout of a pin at a path that does not exist yet.
 FreshCheckout = Callable[[Series, Pin, Path], object]

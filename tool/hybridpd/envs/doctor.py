@@ -5,7 +5,7 @@ it is ok, the fix. Nothing is installed, built or downloaded: the checks read th
 (``nvidia-smi``, ``/proc/cpuinfo``, free disk), the project pages of the indexes and
 find-links pip is configured with (never a host named here), and hybridpd's cache. A
 build already in the cache has its compiled ops loaded the way vLLM loads them
-(:func:`hybridpd.kernels.probe`) and ``nixl._api`` imported, in child processes.
+(:func:`hybridpd.envs.kernels.probe`) and ``nixl._api`` imported, in child processes.
 
 Per pin the report says whether it can **test** here (``hybridpd test``: a CPU test
 environment, which needs the test torch) and **serve** here (a build whose compiled ops
@@ -40,9 +40,11 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from hybridpd import cache, kernels, pkgindex, proc, serving, testenv
-from hybridpd.series import Series
-from hybridpd.serving import cpu_torch_pin, index_versions, offered
+from hybridpd import cache, pkgindex, proc
+from hybridpd.envs import kernels, serving
+from hybridpd.envs.serving import cpu_torch_pin, index_versions, offered
+from hybridpd.proof import testenv
+from hybridpd.series.model import Series
 
 Status = Literal["ok", "warn", "fail"]
 

@@ -8,7 +8,7 @@ the ``[[patches]]`` records, never anything in a file name.
 A :class:`Series` returned by :func:`load` is complete and consistent: every required
 field is present, ids are unique, and every patch has a state on every pin. Whether
 the patch *files* agree with the records is a separate question, answered by
-``hybridpd check`` (:mod:`hybridpd.export`).
+``hybridpd check`` (:mod:`hybridpd.series.export`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from packaging.version import InvalidVersion, Version
 
+from hybridpd.connectors import KNOWN as KNOWN_CONNECTORS
 from hybridpd.errors import SeriesError, UnknownPinError
-from hybridpd.explain.connectors import KNOWN as KNOWN_CONNECTORS
 
 SCHEMA = 1
 SERIES_FILE = "series.toml"
@@ -299,7 +299,7 @@ def locate(explicit: Path | None = None, cwd: Path | None = None) -> Path:
         candidate = directory / "patches" / SERIES_FILE
         if candidate.is_file():
             return candidate
-    installed = Path(__file__).resolve().parents[2] / "patches" / SERIES_FILE
+    installed = Path(__file__).resolve().parents[3] / "patches" / SERIES_FILE
     if installed.is_file():
         return installed
     raise SeriesError(f"no patches/{SERIES_FILE} above {start}; pass --series or set {SERIES_ENV}")

@@ -5,7 +5,7 @@ It holds a CPU torch, the release's ``requirements/common.txt`` and the few test
 packages the selected upstream test files import at module level (see
 ``TEST_PACKAGES``). vLLM itself is **not** installed: the tests select a source tree
 with ``PYTHONPATH=<tree>`` and find vLLM's metadata in the sdist's in-tree
-``vllm.egg-info`` (see :mod:`hybridpd.pytestrun`). The same environment therefore
+``vllm.egg-info`` (see :mod:`hybridpd.proof.pytestrun`). The same environment therefore
 serves the stock and the patched tree of a release.
 
 Invariants:
@@ -70,7 +70,7 @@ DEFAULT_TORCH_SPEC = "torch==2.13.0"
 
 #: Test-only packages, with the reason each is needed. Versions are taken from the
 #: release's own test lock file (``TEST_LOCK_FILES``) when it pins them. This is the
-#: minimum for the files in :mod:`hybridpd.upstream`, not the whole test lock file.
+#: minimum for the files in :mod:`hybridpd.proof.upstream`, not the whole test lock file.
 TEST_PACKAGES: dict[str, str] = {
     "pytest": "the runner",
     "pytest-asyncio": "async tests in the connector unit tests",

@@ -27,7 +27,7 @@ from hybridpd.errors import (
     PatchCommitError,
     UnknownPinError,
 )
-from hybridpd.series import Patch, Pin, Series
+from hybridpd.series.model import Patch, Pin, Series
 
 TRAILER = "Hybridpd-Patch"
 _SHOWN_DIRTY = 5

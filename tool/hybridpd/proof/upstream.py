@@ -34,11 +34,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import hfsnap
-from .pytestrun import SuiteResult, run_pytest
 from hybridpd.progress import Log, quiet
+from hybridpd.proof import hfsnap
+from hybridpd.proof.pytestrun import SuiteResult, run_pytest
 
-BASELINE_DIR = Path(__file__).parent / "data" / "upstream"
+BASELINE_DIR = Path(__file__).parents[1] / "data" / "upstream"
 BASELINE_SCHEMA = 1
 
 _CORE = (
@@ -85,7 +85,7 @@ REDUCED_SELECTION: dict[str, tuple[str, ...]] = {
     for version, files in FULL_SELECTION.items()
 }
 
-#: Models whose config-only snapshots the selected tests need (see hybridpd.hfsnap).
+#: Models whose config-only snapshots the selected tests need (see hybridpd.proof.hfsnap).
 MODELS = (
     "facebook/opt-125m",
     "facebook/opt-350m",
@@ -209,7 +209,7 @@ def baseline_dict(result: SuiteResult, version: str, files: Sequence[str], *,
         "tree": tree,
         "files": list(files),
         "produced": {
-            "by": "hybridpd.upstream.write_baseline",
+            "by": "hybridpd.proof.upstream.write_baseline",
             "command": _portable_command(result.command),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "wall_seconds": result.wall_seconds,

@@ -18,7 +18,7 @@ record, and the new release would lose a fix it does not have (``would_lose``). 
 to the nearest version (the full release tuple), then to the older pin.
 
 Invariant: series.toml changes only when the sdist was found and verified and the
-proposal computed; the write itself is all-or-nothing (:mod:`hybridpd.seriesedit`). An
+proposal computed; the write itself is all-or-nothing (:mod:`hybridpd.series.edit`). An
 index that lists the sdist without a hash gets the downloaded file's hash recorded.
 """
 
@@ -31,10 +31,11 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from hybridpd import cache, pkgindex, seriesedit
+from hybridpd import cache, pkgindex
 from hybridpd.errors import HybridpdError, UsageError
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Pin, Series
+from hybridpd.series import edit as seriesedit
+from hybridpd.series.model import Pin, Series
 
 
 @dataclass(frozen=True)

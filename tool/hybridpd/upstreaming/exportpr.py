@@ -24,7 +24,7 @@ for vLLM, ``lmcache-<version>`` for LMCache): the files under ``tests/`` there l
 the same paths in the project's tree (a file the tree already has is replaced: the PR
 edits it); ``alternatives.md`` holds the PR's "Alternatives considered" and
 ``test_plan.md``, where present, more of its test plan. ``--verify`` runs them in the
-test environment ``hybridpd test`` gives the series (:func:`hybridpd.testrun.pin_environment`).
+test environment ``hybridpd test`` gives the series (:func:`hybridpd.proof.testrun.pin_environment`).
 
 Measured numbers come only from committed ``report.json`` files of ``hybridpd e2e``
 under ``reports/`` (and ``benchmarks/``) of the project; none are ever made up. A
@@ -53,16 +53,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hybridpd import gitops
-from hybridpd.apply import TRAILER
-from hybridpd.checkout import checkout
 from hybridpd.e2e import report as e2e_report
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
-from hybridpd.pytestrun import FINISHED, Counts
-from hybridpd.series import SERIES_FILE, Patch, Pin, Series
+from hybridpd.proof.pytestrun import FINISHED, Counts
+from hybridpd.series.apply import TRAILER
+from hybridpd.series.checkout import checkout
+from hybridpd.series.model import SERIES_FILE, Patch, Pin, Series
 
 #: Where the upstream-style tests live: ``<series slug of the pin>/<patch id>/tests/...``.
-UPSTREAM_TESTS_DIR = Path(__file__).parent / "data" / "upstream_tests"
+UPSTREAM_TESTS_DIR = Path(__file__).parents[1] / "data" / "upstream_tests"
 ALTERNATIVES_FILE = "alternatives.md"
 TEST_PLAN_FILE = "test_plan.md"
 #: Directories of the project searched for e2e / benchmark ``report.json`` files.
@@ -1002,7 +1002,7 @@ def write_pr(
 # Verification -----------------------------------------------------------------------
 
 class SuiteLike(Protocol):
-    """What verification reads of a test run (:class:`hybridpd.pytestrun.SuiteResult`)."""
+    """What verification reads of a test run (:class:`hybridpd.proof.pytestrun.SuiteResult`)."""
 
     outcomes: dict[str, str]
     status: str
@@ -1175,7 +1175,7 @@ def pytest_runner(
     that pin's environment, its stock vLLM tree and the layers after the tree on
     ``PYTHONPATH`` (its own dependencies live there), and its compiled modules from the
     layer's release build (:func:`link_compiled`)."""
-    from hybridpd import hfsnap, pytestrun, testrun
+    from hybridpd.proof import hfsnap, pytestrun, testrun
 
     hosted = series.tests.host_series is not None
     venv, layers = testrun.pin_environment(series, pin, stock, work, log, with_layers=hosted)

@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 
 from hybridpd import proc
-from hybridpd.build import BuildError
+from hybridpd.envs.build import BuildError
 from hybridpd.progress import Log, quiet
 
 _CUDA_MAJOR = "import torch; print((torch.version.cuda or '').split('.')[0])"

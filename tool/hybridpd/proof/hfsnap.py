@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 #: Where the per-model data files live.
-DATA_DIR = Path(__file__).parent / "data" / "hf"
+DATA_DIR = Path(__file__).parents[1] / "data" / "hf"
 
 
 def model_dir_name(model_id: str) -> str:

@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-
-from . import gitops, guard, kernels
-from .apply import TRAILER
-from .errors import HybridpdError
-from . import proc as proc_mod
-from .cache import cache_dir
-from .cache import lock as cache_lock
-from .progress import Log, say
-from . import wheel_overlay as wo
+from hybridpd import gitops, guard
+from hybridpd import proc as proc_mod
+from hybridpd.cache import cache_dir
+from hybridpd.cache import lock as cache_lock
+from hybridpd.envs import kernels
+from hybridpd.envs import wheel_overlay as wo
+from hybridpd.errors import HybridpdError
+from hybridpd.progress import Log, say
+from hybridpd.series.apply import TRAILER
 
 PACKAGE = "vllm"
 
@@ -554,7 +554,7 @@ def overlay_manifest(
     release, the checkout and its head, the ids of its patch commits (their
     ``Hybridpd-Patch`` trailers, oldest first), the wheel and what was installed with
     it. ``status --installed`` and ``apply --installed`` read it (see
-    :mod:`hybridpd.installed`)."""
+    :mod:`hybridpd.envs.installed`)."""
     patches = [
         ids[0]
         for commit in gitops.commits(checkout, f"{stock_ref}..{head}")
@@ -758,7 +758,7 @@ class _Build:
         for w in req_warnings:
             self.warn(w)
         if dropped:
-            self.log(f"leaving out {', '.join(dropped)} (see hybridpd.build.CPU_DROPPED)")
+            self.log(f"leaving out {', '.join(dropped)} (see hybridpd.envs.build.CPU_DROPPED)")
         req_file = self.venv / "hybridpd-requirements.txt"
         req_file.write_text("\n".join([*req_lines, *TEST_REQUIREMENTS]) + "\n")
         self.log(f"installing {len(req_lines)} dependencies and {', '.join(TEST_REQUIREMENTS)}")

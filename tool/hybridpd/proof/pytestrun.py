@@ -1,6 +1,6 @@
 """Run pytest on a vLLM source tree in a test environment and read its JUnit XML.
 
-The environment comes from :mod:`hybridpd.testenv` (no vLLM installed in it); the tree
+The environment comes from :mod:`hybridpd.proof.testenv` (no vLLM installed in it); the tree
 is selected with ``PYTHONPATH=<tree>``. pytest runs with the tree root as working
 directory: vLLM's ``pyproject.toml`` there carries its pytest configuration (markers,
 asyncio mode), test ids are relative to it, and the sdist's in-tree
@@ -25,7 +25,7 @@ test_multi_connector.py): run on a scratch copy.
 Environment given to pytest (everything else is inherited): ``HF_HUB_OFFLINE=1``,
 ``TRANSFORMERS_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1`` (no hub look-ups, which otherwise
 hang until a timeout on a machine without the hub), ``HF_HOME`` (config-only snapshots,
-see :mod:`hybridpd.hfsnap`), ``VLLM_TARGET_DEVICE=cpu`` (otherwise vLLM fails to infer a
+see :mod:`hybridpd.proof.hfsnap`), ``VLLM_TARGET_DEVICE=cpu`` (otherwise vLLM fails to infer a
 device), usage stats off. ``CUDA_VISIBLE_DEVICES`` is left alone: setting it to ``""``
 makes Ray refuse tests that declare a GPU resource before they reach vLLM code.
 
@@ -249,7 +249,7 @@ def pytest_env(venv: Path, tree: Path, hf_home: Path,
                layers: Sequence[Path] = ()) -> dict[str, str]:
     """The environment pytest runs with (see the module docstring). ``layers`` come
     after the tree on ``PYTHONPATH`` (packages kept out of the venv, see
-    :data:`hybridpd.testenv.LAYERS`)."""
+    :data:`hybridpd.proof.testenv.LAYERS`)."""
     env = dict(os.environ if base is None else base)
     for var in ("PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV"):
         env.pop(var, None)

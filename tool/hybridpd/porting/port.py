@@ -62,15 +62,17 @@ from typing import Any, Literal
 
 from packaging.version import InvalidVersion, Version
 
-from hybridpd import apinames, cache, gitops, guard, seriesedit
-from hybridpd import apply as apply_mod
-from hybridpd import moves as moves_mod
-from hybridpd import checkout as checkout_mod
-from hybridpd.apply import TRAILER, patch_commits
+from hybridpd import cache, gitops, guard
 from hybridpd.errors import ApplyError, CheckoutError, HybridpdError, UsageError
-from hybridpd.export import export
+from hybridpd.porting import apinames
+from hybridpd.porting import moves as moves_mod
 from hybridpd.progress import Log, quiet
-from hybridpd.series import Pin, Series
+from hybridpd.series import apply as apply_mod
+from hybridpd.series import checkout as checkout_mod
+from hybridpd.series import edit as seriesedit
+from hybridpd.series.apply import TRAILER, patch_commits
+from hybridpd.series.export import export
+from hybridpd.series.model import Pin, Series
 
 STATE_FILE = guard.PORT_STATE
 #: Left in ``.git/`` by a port that finished or was aborted: ``start`` may replace
@@ -776,7 +778,7 @@ def _conflict(dest: Path, patch: Path, patch_id: str, v2: Pin) -> Conflict:
 
 def _missing_api(dest: Path, patch: Path, v2: Pin) -> tuple[str, ...]:
     """The methods the patch calls that V1's release defines and V2's does not
-    (:mod:`hybridpd.apinames`); nothing when the port has no V1 commits."""
+    (:mod:`hybridpd.porting.apinames`); nothing when the port has no V1 commits."""
     v1_release = _v1_release(dest)
     return () if v1_release is None else apinames.missing(dest, patch, v1_release, v2.tag)
 

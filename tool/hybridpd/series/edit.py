@@ -1,6 +1,6 @@
 """Edit ``series.toml`` in place, keeping its comments, order and layout.
 
-:mod:`hybridpd.series` reads the file with ``tomllib``, which forgets everything but
+:mod:`hybridpd.series.model` reads the file with ``tomllib``, which forgets everything but
 the values; maintainers, though, review series.toml as a text file with comments. So
 machine edits go through tomlkit, which round-trips a document: an edit changes only
 the lines it is about.
@@ -8,7 +8,7 @@ the lines it is about.
 Invariants:
 
 * A write never leaves an invalid or partial series behind: the new text is
-  validated with :func:`hybridpd.series.parse` before anything is written (a
+  validated with :func:`hybridpd.series.model.parse` before anything is written (a
   :class:`~hybridpd.errors.SeriesError` otherwise), then written to a temporary file
   beside the series and renamed over it.
 * Several edits that are only valid together (marking a pin ported *and* giving every
@@ -29,7 +29,7 @@ from tomlkit.toml_document import TOMLDocument
 
 from hybridpd import guard
 from hybridpd.errors import SeriesError
-from hybridpd.series import STATES, Series, load, parse
+from hybridpd.series.model import STATES, Series, load, parse
 
 
 class Editor:
@@ -57,7 +57,7 @@ class Editor:
         """Set the state of patch ``patch_id`` on pin ``version``.
 
         ``release`` is required for "upstream" and refused otherwise, the same
-        rule :mod:`hybridpd.series` enforces. An existing state table is updated in
+        rule :mod:`hybridpd.series.model` enforces. An existing state table is updated in
         place; a new one is appended after the patch's other pin states.
         """
         if state not in STATES:

@@ -13,10 +13,10 @@ import shutil
 from pathlib import Path
 
 from hybridpd import gitops, guard
-from hybridpd.apply import apply
-from hybridpd.checkout import checkout
 from hybridpd.progress import Log
-from hybridpd.series import Pin, Series
+from hybridpd.series.apply import apply
+from hybridpd.series.checkout import checkout
+from hybridpd.series.model import Pin, Series
 
 
 def prepare(
