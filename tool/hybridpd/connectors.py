@@ -1,44 +1,116 @@
-"""Named KV connector sets for ``explain --connector`` (vLLM's own
-``--kv-transfer-config`` JSON is taken as it is)."""
+"""The KV connector sets hybridpd knows, by name: one registry for ``e2e``, ``bench``,
+``explain`` and the series' risk records (vLLM's own ``--kv-transfer-config`` JSON is
+taken as it is).
+
+A set is the decode instance's connectors, in MultiConnector order (the first child that
+reports tokens serves a request); one name each, older spellings kept as aliases. Which
+commands offer a set is a property of the set: ``e2e`` runs real engines (a set must start
+on one), ``bench`` replays the scheduler with the connectors its builders construct,
+``explain`` asks vLLM whether the set starts and what it serves.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpd.errors import HybridpdError
-
 
 class ConnectorError(HybridpdError):
     """A connector set that is neither a known name nor vLLM's JSON."""
 
 
-def _one(name: str, role: str) -> dict:
-    return {"kv_connector": name, "kv_role": role}
+@dataclass(frozen=True)
+class ConnectorSet:
+    """A decode instance's KV connector set."""
+
+    name: str
+    #: vLLM connector class names, in MultiConnector order (one: no MultiConnector).
+    children: tuple[str, ...]
+    #: The commands that offer it (``e2e``, ``bench``, ``explain``).
+    commands: frozenset[str]
+    #: Whether vLLM starts it on a CPU engine (``e2e --device cpu``).
+    cpu: bool = True
+    aliases: tuple[str, ...] = ()
 
 
-def _multi(role: str, *children: dict) -> dict:
-    return {"kv_connector": "MultiConnector", "kv_role": role,
-            "kv_connector_extra_config": {"connectors": list(children)}}
-
-
-def _offloading(role: str) -> dict:
-    # The CPU tier's size is required; 10 GiB is vLLM's docs' example
-    # (docs/features/kv_offloading_usage.md).
-    return {**_one("OffloadingConnector", role),
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 10 << 30}}
-
-
-#: The decode instance's sets an operator of a hybrid model asks about, by name.
-SETS = {
-    "nixl": lambda role: _one("NixlConnector", role),
-    "nixl+lmcache": lambda role: _multi(
-        role, _one("NixlConnector", role), _one("LMCacheMPConnector", role)),
-    "lmcache+nixl": lambda role: _multi(
-        role, _one("LMCacheMPConnector", role), _one("NixlConnector", role)),
-    "nixl+offloading": lambda role: _multi(role, _one("NixlConnector", role), _offloading(role)),
-    "lmcache-v1": lambda role: _one("LMCacheConnectorV1", role),
+#: Each child class's ``kv_connector_extra_config`` beyond what a deployment adds itself
+#: (NIXL's buffer device, the LMCache server's address). The CPU tier's size is required by
+#: OffloadingConnector; 10 GiB is vLLM's docs' example (docs/features/kv_offloading_usage.md).
+CHILD_EXTRA: dict[str, dict] = {
+    "OffloadingConnector": {"cpu_bytes_to_use": 10 << 30},
 }
+
+_ALL = frozenset({"e2e", "bench", "explain"})
+
+#: The named sets, in the order commands list them.
+SETS: dict[str, ConnectorSet] = {s.name: s for s in (
+    ConnectorSet("nixl", ("NixlConnector",), _ALL),
+    # On CPU the stand-in for an offloading connector: it supports HMA but does not
+    # declare divergent local hybrid hits, so upstream's capability gate
+    # (``supports_divergent_local_hybrid_hits``) gives D no local hit.
+    ConnectorSet("nixl+decodebench", ("NixlConnector", "DecodeBenchConnector"),
+                 frozenset({"e2e", "bench"})),
+    # The production pairing; OffloadingConnector refuses to start on a CPU engine.
+    ConnectorSet("nixl+offloading", ("NixlConnector", "OffloadingConnector"),
+                 frozenset({"e2e", "explain"}), cpu=False, aliases=("nixl+offload",)),
+    # NIXL and LMCacheMPConnector in both child orders, the decode instance with its own
+    # `lmcache server`.
+    ConnectorSet("nixl+lmcache", ("NixlConnector", "LMCacheMPConnector"),
+                 frozenset({"e2e", "explain"})),
+    ConnectorSet("lmcache+nixl", ("LMCacheMPConnector", "NixlConnector"),
+                 frozenset({"e2e", "explain"})),
+    # vLLM refuses a hybrid Mamba model with it at start-up (see the dropped record of
+    # lmcache-connector-hma): explain says so, e2e cannot run it.
+    ConnectorSet("lmcache-v1", ("LMCacheConnectorV1",), frozenset({"explain"})),
+)}
+
+_ALIASES = {alias: s.name for s in SETS.values() for alias in s.aliases}
+
+
+def names(command: str) -> tuple[str, ...]:
+    """The sets ``command`` offers, by name."""
+    return tuple(name for name, s in SETS.items() if command in s.commands)
+
+
+def choices(command: str) -> tuple[str, ...]:
+    """What ``command``'s ``--connector`` accepts: its sets' names, then their aliases."""
+    offered = names(command)
+    return offered + tuple(a for a, name in _ALIASES.items() if name in offered)
+
+
+def get(name: str) -> ConnectorSet:
+    """The set named ``name`` (or one of its aliases)."""
+    found = SETS.get(_ALIASES.get(name, name))
+    if found is None:
+        raise ConnectorError(f"--connector {name}: not a known set "
+                             f"({', '.join(SETS)}); or pass --kv-transfer-config")
+    return found
+
+
+def uses(name: str, child: str) -> bool:
+    """Whether set ``name`` has a ``child`` connector class."""
+    return child in get(name).children
+
+
+def multi(role: str, children: list[dict]) -> dict:
+    """vLLM's MultiConnector over ``children``."""
+    return {"kv_connector": "MultiConnector", "kv_role": role,
+            "kv_connector_extra_config": {"connectors": children}}
+
+
+def child_config(child: str, role: str) -> dict:
+    """One child's config: its class, role and :data:`CHILD_EXTRA`."""
+    extra = CHILD_EXTRA.get(child)
+    return {"kv_connector": child, "kv_role": role,
+            **({"kv_connector_extra_config": dict(extra)} if extra is not None else {})}
+
+
+def set_config(name: str, role: str) -> dict:
+    """Set ``name`` as vLLM's ``--kv-transfer-config``, every child with ``role``."""
+    children = [child_config(c, role) for c in get(name).children]
+    return children[0] if len(children) == 1 else multi(role, children)
 
 
 def _classes(kv: dict) -> set[str]:
@@ -46,12 +118,10 @@ def _classes(kv: dict) -> set[str]:
     return {kv["kv_connector"]} | set().union(*map(_classes, children))
 
 
-#: The connector class names a ``--kv-transfer-config`` may configure that hybridpd
-#: knows: those of the named sets, and vLLM's DecodeBenchConnector (``hybridpd bench``
-#: and the e2e run it). A risk record's ``when.connectors`` must name one of these (or
-#: ``"*"``): a name no deployment configures would never match.
-KNOWN = frozenset(set().union(*(_classes(s("kv_both")) for s in SETS.values()))
-                  | {"DecodeBenchConnector"})
+#: The connector class names a named set configures (MultiConnector for those of several
+#: children). A risk record's ``when.connectors`` must name one of these (or ``"*"``): a
+#: name no deployment configures would never match.
+KNOWN = frozenset(set().union(*(_classes(set_config(name, "kv_both")) for name in SETS)))
 
 
 def kv_transfer_config(connector: str | None, config_json: str | None,
@@ -61,10 +131,7 @@ def kv_transfer_config(connector: str | None, config_json: str | None,
     if connector and config_json:
         raise ConnectorError("give --connector or --kv-transfer-config, not both")
     if connector:
-        if connector not in SETS:
-            raise ConnectorError(f"--connector {connector}: not a known set "
-                                 f"({', '.join(SETS)}); or pass --kv-transfer-config")
-        return SETS[connector](role)
+        return set_config(connector, role)
     if not config_json:
         return None
     text = config_json

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from hybridpd import connectors
 from hybridpd.bench import deployment
 from hybridpd.bench.env import BUILDS, BenchEnv, prepared, run_script
 from hybridpd.errors import UsageError
@@ -22,14 +23,15 @@ from hybridpd.series.model import Series
 
 DRIVER = Path(__file__).with_name("decode_replay.py")
 
-#: Connector sets a replay can run (the builders' names): NIXL alone, and NIXL beside
-#: a connector that does not deliver the Mamba state (upstream's gate is false).
+#: Connector sets a replay can run (the registry's ``bench`` sets, which the builders
+#: construct): NIXL alone, and NIXL beside a connector that does not deliver the Mamba
+#: state (upstream's gate is false).
 #: ``decodebench+nixl`` is left out on purpose: DecodeBench's
 #: ``get_num_new_matched_tokens`` claims every new request's uncomputed tokens but
 #: the last (it fills them with dummy KV), and a MultiConnector serves a request
 #: from the first child that reports tokens, so NIXL would never load anything:
 #: no P/D pull, no load target, nothing this replay measures.
-CONNECTORS = ("nixl", "nixl+decodebench")
+CONNECTORS = connectors.names("bench")
 
 #: Keys of a build's result in the report (the JSON contract), in order.
 RESULT_KEYS = (

@@ -15,6 +15,7 @@ from hybridpd import progress
 from hybridpd.bench import deployment, lookup, render
 from hybridpd.bench import replay as replay_mod
 from hybridpd.cli import jsonout
+from hybridpd.cli.options import connector_option
 from hybridpd.errors import CheckFailed
 
 _W, _H = deployment.Workload(), deployment.Hardware()
@@ -38,8 +39,9 @@ def _status_printer():
 
 @bench_group.command("replay")
 @click.option("--pin", "version", required=True, metavar="VERSION")
-@click.option("--connector", type=click.Choice(replay_mod.CONNECTORS), default="nixl", show_default=True,
-              help="The decode instance's connector set (nixl+decodebench: one upstream's gate refuses).")
+@connector_option("bench", default="nixl", show_default=True,
+                  help="The decode instance's connector set (nixl+decodebench: one upstream's "
+                       "gate refuses).")
 @click.option("--prefix-len", type=_POSITIVE, default=_W.prefix_len, show_default=True)
 @click.option("--suffix-len", type=_POSITIVE, default=_W.suffix_len, show_default=True)
 @click.option("--num-prefixes", type=_POSITIVE, default=_W.num_prefixes, show_default=True)
@@ -124,7 +126,7 @@ def _replay_options(version: str, connector: str, p: dict) -> replay_mod.ReplayO
 
 @bench_group.command("lookup")
 @click.option("--pin", "version", required=True, metavar="VERSION")
-@click.option("--connector", type=click.Choice(replay_mod.CONNECTORS), default="nixl", show_default=True)
+@connector_option("bench", default="nixl", show_default=True)
 @click.option("--prompt-len", type=_POSITIVE, default=17408, show_default=True)
 @click.option("--block-size", type=_POSITIVE, default=1152, show_default=True,
               help="The block vLLM uses for the default model (see bench replay).")

@@ -6,7 +6,7 @@ import click
 
 from hybridpd import connectors
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import State, json_flag, log
+from hybridpd.cli.options import State, connector_option, json_flag, log
 from hybridpd.explain import render, runner
 from hybridpd.progress import quiet
 
@@ -16,8 +16,7 @@ from hybridpd.progress import quiet
 @click.option("--model", required=True,
               help="The model's config directory, or its hub id in your HF cache "
                    "(never downloaded; no weights are read).")
-@click.option("--connector", type=click.Choice(sorted(connectors.SETS)),
-              help="A named KV connector set of the decode instance.")
+@connector_option("explain", help="A named KV connector set of the decode instance.")
 @click.option("--kv-transfer-config", "kv_json",
               help="vLLM's --kv-transfer-config JSON (or @FILE), instead of --connector.")
 @click.option("--kv-role", default="kv_both", show_default=True,

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from hybridpd import connectors
 from hybridpd.cli import jsonout
 from hybridpd.envs import install
 from hybridpd.series import model as series_mod
@@ -71,3 +72,18 @@ torch_option = click.option(
     metavar="SPEC",
     help="Requirement replacing the wheel's torch pin, e.g. torch==2.13.0+cpu.",
 )
+
+
+def connector_option(command: str, **kwargs: Any) -> Any:
+    """``--connector``: a named set of :mod:`hybridpd.connectors` that ``command`` offers,
+    an alias given as the set's name (several with ``multiple=True``)."""
+
+    def canonical(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, tuple):
+            return tuple(connectors.get(v).name for v in value)
+        return connectors.get(value).name
+
+    return click.option("--connector", type=click.Choice(connectors.choices(command)),
+                        callback=canonical, **kwargs)
