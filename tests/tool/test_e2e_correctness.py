@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 
 from hybridpd.e2e import report as report_mod
-from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e import client, correctness
+from hybridpd.e2e import pair as pair_mod
+from hybridpd.e2e.servers import E2EError, ProcessFailed
 from hybridpd.e2e.run import _failures
 
-OPTS = sc.CorrectnessOptions(block_size=128, prefix_blocks=4, max_tokens=16, concurrent=3)
+OPTS = correctness.CorrectnessOptions(block_size=128, prefix_blocks=4, max_tokens=16, concurrent=3)
 
 
 def test_cases_cover_each_fallback_on_an_exact_block_aligned_prefix() -> None:
-    cases = sc.correctness_cases(1000, OPTS)
+    cases = correctness.correctness_cases(1000, OPTS)
     prefix = 4 * 128
     a, b, c, d, *concurrent = cases
     assert [x["via"] for x in cases] == ["pd", "pd", "pd", "decode", "pd", "pd", "pd"]
@@ -22,7 +24,7 @@ def test_cases_cover_each_fallback_on_an_exact_block_aligned_prefix() -> None:
     assert d["prompt"][:prefix] == a["prompt"][:prefix]
     assert all(x["group"] == 1 and x["prompt"][:prefix] == a["prompt"][:prefix] for x in concurrent)
     assert min(t for x in cases for t in x["prompt"]) >= 2  # no special tokens
-    assert sc.correctness_cases(1000, OPTS) == cases  # seeded
+    assert correctness.correctness_cases(1000, OPTS) == cases  # seeded
 
 
 def _run(
@@ -102,28 +104,29 @@ def test_lmcache_loads_are_read_from_the_servers_log(tmp_path) -> None:
     assert lm.RetrievedTokens(tmp_path / "none.log").take() == 0
 
 
-def _c(ids, lps, tops=None) -> sc.Completion:
-    return sc.Completion(ids, "", 0.0, 0.0, 1, [f"t{i}" for i in ids], lps,
+def _c(ids, lps, tops=None) -> client.Completion:
+    return client.Completion(ids, "", 0.0, 0.0, 1, [f"t{i}" for i in ids], lps,
                          tops or [{f"t{i}": lp} for i, lp in zip(ids, lps)])
 
 
 def test_equal_outputs_within_tolerance_are_equal() -> None:
-    assert sc.compare_with_reference(_c([5, 6], [-1.0, -2.0]), _c([5, 6], [-1.05, -2.02])) == (True, "")
+    assert correctness.compare_with_reference(
+        _c([5, 6], [-1.0, -2.0]), _c([5, 6], [-1.05, -2.02])) == (True, "")
 
 
 def test_a_different_choice_is_accepted_only_as_a_near_tie_in_the_reference() -> None:
     ref = _c([5, 6], [-1.0, -2.0], [{"t5": -1.0}, {"t6": -2.0, "t7": -2.05}])
-    ok, note = sc.compare_with_reference(_c([5, 7], [-1.0, -2.04]), ref)
+    ok, note = correctness.compare_with_reference(_c([5, 7], [-1.0, -2.04]), ref)
     assert ok and note == "tie at token 1 (0.050 nats apart)"
     far = _c([5, 6], [-1.0, -2.0], [{"t5": -1.0}, {"t6": -2.0, "t7": -3.5}])
-    ok, note = sc.compare_with_reference(_c([5, 7], [-1.0, -2.0]), far)
+    ok, note = correctness.compare_with_reference(_c([5, 7], [-1.0, -2.0]), far)
     assert not ok and note == "token 1: 7 where the reference has 6 (1.500 nats below)"
-    ok, note = sc.compare_with_reference(_c([9, 9], [-0.1, -0.1]), ref)
+    ok, note = correctness.compare_with_reference(_c([9, 9], [-0.1, -0.1]), ref)
     assert not ok and note == "token 0: 9 where the reference has 5 (not in its top)"
 
 
 def test_drifting_logprobs_of_the_same_tokens_fail() -> None:
-    ok, note = sc.compare_with_reference(_c([5, 6], [-1.0, -2.5]), _c([5, 6], [-1.0, -2.0]))
+    ok, note = correctness.compare_with_reference(_c([5, 6], [-1.0, -2.5]), _c([5, 6], [-1.0, -2.0]))
     assert not ok and note == "token 1: logprob -2.500 vs reference -2.000"
 
 
@@ -136,7 +139,7 @@ def test_teacher_forced_accepts_a_recomputed_path_that_left_the_reference_at_a_t
     # went on greedily from its own tokens: every token is the model's choice given them.
     out = _c([5, 7, 8], [-1.0, -2.0, -0.5])
     scored = _scored(3, [{5: -1.02, 9: -3.0}, {6: -1.95, 7: -2.05}, {8: -0.52, 2: -1.5}])
-    ok, note = sc.compare_teacher_forced(out, 3, scored)
+    ok, note = correctness.compare_teacher_forced(out, 3, scored)
     assert ok and note == "every token agrees with the teacher-forced reference (within 0.100 nats)"
 
 
@@ -145,14 +148,14 @@ def test_teacher_forced_fails_a_token_the_model_would_not_choose() -> None:
     # distribution that is not the model's, although its first tokens agree.
     out = _c([5, 6, 4], [-1.0, -2.0, -0.3])
     scored = _scored(3, [{5: -1.0}, {6: -2.0}, {8: -0.4, 4: -2.9}])
-    ok, note = sc.compare_teacher_forced(out, 3, scored)
+    ok, note = correctness.compare_teacher_forced(out, 3, scored)
     assert not ok and note == "token 2: 4 is 2.500 nats below the teacher-forced reference's choice"
 
 
 def test_teacher_forced_fails_the_same_token_with_another_distribution() -> None:
     out = _c([5, 6], [-1.0, -0.2])
     scored = _scored(2, [{5: -1.0}, {6: -0.9}])
-    ok, note = sc.compare_teacher_forced(out, 2, scored)
+    ok, note = correctness.compare_teacher_forced(out, 2, scored)
     assert not ok and note == "token 1: logprob -0.200 vs teacher-forced -0.900"
 
 
@@ -165,19 +168,19 @@ def _flaky(monkeypatch, failures: list[Exception]) -> list[list[int]]:
             raise failures.pop(0)
         return _c([5, 6], [-1.0, -1.0])
 
-    monkeypatch.setattr(sc, "complete", complete)
-    monkeypatch.setattr(sc.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(client, "complete", complete)
+    monkeypatch.setattr(client.time, "sleep", lambda _s: None)
     return sent
 
 
-PAIR = sc.Pair("http://p", "http://d", "http://proxy")
+PAIR = pair_mod.Pair("http://p", "http://d", "http://proxy")
 
 
 def test_the_warm_up_is_sent_again_after_a_failed_handshake(monkeypatch) -> None:
-    aborted = sc.E2EError("http://proxy returned 0 tokens, expected 2")
+    aborted = E2EError("http://proxy returned 0 tokens, expected 2")
     sent = _flaky(monkeypatch, [aborted, aborted])
     lines: list[str] = []
-    assert sc.warm_up(PAIR, None, 1000, 64, lines.append) == 3
+    assert client.warm_up(PAIR, None, 1000, 64, lines.append) == 3
     assert len(sent) == 3 and all(p == sent[0] and len(p) == 64 for p in sent)
     assert lines == [
         "  warm-up request failed (http://proxy returned 0 tokens, expected 2); "
@@ -190,13 +193,13 @@ def test_the_warm_up_is_sent_again_after_a_failed_handshake(monkeypatch) -> None
 def test_the_warm_up_gives_up_after_its_attempts_and_never_retries_a_dead_server(
     monkeypatch,
 ) -> None:
-    aborted = sc.E2EError("http://proxy returned 0 tokens, expected 2")
+    aborted = E2EError("http://proxy returned 0 tokens, expected 2")
     _flaky(monkeypatch, [aborted, aborted, aborted])
-    with pytest.raises(sc.E2EError, match="the warm-up request failed 3 times"):
-        sc.warm_up(PAIR, None, 1000, 64, lambda _m: None)
-    sent = _flaky(monkeypatch, [sc.ProcessFailed("decode", "exited with 1", None)])
-    with pytest.raises(sc.ProcessFailed):
-        sc.warm_up(PAIR, None, 1000, 64, lambda _m: None)
+    with pytest.raises(E2EError, match="the warm-up request failed 3 times"):
+        client.warm_up(PAIR, None, 1000, 64, lambda _m: None)
+    sent = _flaky(monkeypatch, [ProcessFailed("decode", "exited with 1", None)])
+    with pytest.raises(ProcessFailed):
+        client.warm_up(PAIR, None, 1000, 64, lambda _m: None)
     assert len(sent) == 1
 
 

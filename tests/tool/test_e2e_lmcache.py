@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from hybridpd.e2e import lmcache as lm
 from hybridpd.e2e import run as run_mod
-from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e import client, correctness
+from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e.servers import E2EError
 
 
@@ -26,7 +27,7 @@ def _children(cfg: dict) -> list[str]:
      ("lmcache+nixl", ["LMCacheMPConnector", "NixlConnector"])],
 )
 def test_the_decode_instance_runs_both_children_in_the_named_order(connector, order) -> None:
-    d = sc.kv_transfer_config(connector, "D", "kv_producer/kv_consumer", "cpu", 6555)
+    d = pair_mod.kv_transfer_config(connector, "D", "kv_producer/kv_consumer", "cpu", 6555)
     assert d["kv_connector"] == "MultiConnector" and d["kv_role"] == "kv_consumer"
     assert _children(d) == order
     child = next(c for c in d["kv_connector_extra_config"]["connectors"]
@@ -37,13 +38,13 @@ def test_the_decode_instance_runs_both_children_in_the_named_order(connector, or
         "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 6555,
         "lmcache.mp.heartbeat_interval": 30.0}
     # The prefill instance stays on NIXL alone: its cold reference never hits LMCache.
-    p = sc.kv_transfer_config(connector, "P", "kv_producer/kv_consumer", "cpu")
+    p = pair_mod.kv_transfer_config(connector, "P", "kv_producer/kv_consumer", "cpu")
     assert p["kv_connector"] == "NixlConnector"
 
 
 def test_a_decode_config_without_its_server_is_refused() -> None:
     with pytest.raises(E2EError, match="lmcache server port"):
-        sc.kv_transfer_config("nixl+lmcache", "D", "kv_both", "cpu")
+        pair_mod.kv_transfer_config("nixl+lmcache", "D", "kv_both", "cpu")
 
 
 def test_the_server_command_is_lmcaches_own_on_loopback() -> None:
@@ -59,18 +60,18 @@ def test_the_server_command_is_lmcaches_own_on_loopback() -> None:
 
 def test_lmcache_cases_reset_the_decode_cache_before_each_load() -> None:
     rng = random.Random(0)
-    cases = sc.lmcache_cases(lambda n: [rng.randrange(2, 100) for _ in range(n)], 16)
+    cases = correctness.lmcache_cases(lambda n: [rng.randrange(2, 100) for _ in range(n)], 16)
     assert [c.get("reset_decode", False) for c in cases] == [False, True] * 4
     assert all(c["via"] == "decode" for c in cases)  # plain requests: LMCache serves them
     pairs = [cases[i:i + 2] for i in range(0, len(cases), 2)]
     assert [[c["lmcache"] for c in pair] for pair in pairs] == (
-        [["store", "hit"]] * sc.LMCACHE_HIT_ATTEMPTS + [["store", "null-slot"]])
+        [["store", "hit"]] * correctness.LMCACHE_HIT_ATTEMPTS + [["store", "null-slot"]])
     # Each L attempt is a new prompt whose second request shares its first chunk only.
     for store, hit in pairs[:-1]:
         assert hit["prompt"][:256] == store["prompt"][:256]
         assert hit["prompt"][256] != store["prompt"][256]
     firsts = {tuple(store["prompt"][:256]) for store, _ in pairs[:-1]}
-    assert len(firsts) == sc.LMCACHE_HIT_ATTEMPTS
+    assert len(firsts) == correctness.LMCACHE_HIT_ATTEMPTS
     assert [c["attempt"] for c in cases[:-2]] == [1, 1, 2, 2, 3, 3]
     assert len({c["label"] for c in cases}) == len(cases)  # rows are found by label
     n1, n2 = pairs[-1][0]["prompt"], pairs[-1][1]["prompt"]
@@ -78,11 +79,11 @@ def test_lmcache_cases_reset_the_decode_cache_before_each_load() -> None:
 
 
 def test_correctness_adds_the_lmcache_cases_only_for_lmcache_sets() -> None:
-    plain = sc.correctness_cases(1000, sc.CorrectnessOptions())
-    with_lm = sc.correctness_cases(1000, sc.CorrectnessOptions(lmcache=True))
+    plain = correctness.correctness_cases(1000, correctness.CorrectnessOptions())
+    with_lm = correctness.correctness_cases(1000, correctness.CorrectnessOptions(lmcache=True))
     assert not any("lmcache" in c for c in plain)
     assert [c["lmcache"] for c in with_lm if "lmcache" in c] == (
-        ["store", "hit"] * sc.LMCACHE_HIT_ATTEMPTS + ["store", "null-slot"])
+        ["store", "hit"] * correctness.LMCACHE_HIT_ATTEMPTS + ["store", "null-slot"])
 
 
 def test_the_adapters_trouble_is_read_from_both_logs(tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ class _FakePair:
                         "vllm:external_prefix_cache_hits": 0.0,
                         "vllm:num_preemptions": 0.0}
         self.decode_prompts: list[list[int]] = []
-        self.pair = sc.Pair("http://p", "http://d", "http://x")
+        self.pair = pair_mod.Pair("http://p", "http://d", "http://x")
         (log_dir / "lmcache.log").write_text("")
         (log_dir / "decode.log").write_text("")
 
@@ -135,20 +136,20 @@ class _FakePair:
             self.samples["vllm:prefix_cache_hits"] += 256  # B's local hit
             self.samples["vllm:num_preemptions"] += 1
         ids = [t % 7 for t in prompt[:max_tokens]]
-        return sc.Completion(ids, "", 0.0, 0.0, len(prompt), [str(i) for i in ids],
+        return client.Completion(ids, "", 0.0, 0.0, len(prompt), [str(i) for i in ids],
                              [0.0] * len(ids), [{str(i): 0.0} for i in ids])
 
     def install(self, monkeypatch) -> None:
         from hybridpd.e2e import metrics
 
-        monkeypatch.setattr(sc, "warm_up", lambda *a, **k: None)
-        monkeypatch.setattr(sc, "post", lambda *a, **k: None)
-        monkeypatch.setattr(sc, "complete", self.complete)
-        monkeypatch.setattr(sc, "settled_scrape",
+        monkeypatch.setattr(correctness, "warm_up", lambda *a, **k: None)
+        monkeypatch.setattr(correctness, "post", lambda *a, **k: None)
+        monkeypatch.setattr(correctness, "complete", self.complete)
+        monkeypatch.setattr(correctness, "settled_scrape",
                             lambda *a, **k: metrics.Snapshot(dict(self.samples)))
-        monkeypatch.setattr(sc, "prefill_for_remote_decode", lambda *a, **k: {"p": 1})
-        monkeypatch.setattr(sc, "score", lambda *a, **k: None)
-        monkeypatch.setattr(sc, "compare_teacher_forced", lambda *a, **k: (True, ""))
+        monkeypatch.setattr(correctness, "prefill_for_remote_decode", lambda *a, **k: {"p": 1})
+        monkeypatch.setattr(correctness, "score", lambda *a, **k: None)
+        monkeypatch.setattr(correctness, "compare_teacher_forced", lambda *a, **k: (True, ""))
 
 
 def test_an_l_pair_lmcache_did_not_serve_is_tried_again_and_reported(
@@ -168,8 +169,8 @@ def test_an_l_pair_lmcache_did_not_serve_is_tried_again_and_reported(
     fake = _FakePair(tmp_path, serve)
     fake.install(monkeypatch)
     procs = type("Procs", (), {"log_dir": tmp_path})()
-    opts = sc.CorrectnessOptions(lmcache=True, concurrent=1)
-    out = sc.run_correctness(fake.pair, procs, 1000, opts, lambda _: None)
+    opts = correctness.CorrectnessOptions(lmcache=True, concurrent=1)
+    out = correctness.run_correctness(fake.pair, procs, 1000, opts, lambda _: None)
     labels = [r["label"] for r in out["requests"]]
     assert [lb.split(" ")[0] for lb in labels if lb.startswith("L")] == ["L1", "L2", "L1", "L2"]
     assert "L2 (attempt 2) L1's first chunk from LMCache (D's prefix cache reset)" in labels
@@ -185,10 +186,10 @@ def test_no_l_pair_served_fails_the_run_naming_the_logs(tmp_path: Path, monkeypa
     fake = _FakePair(tmp_path, lambda n, prompt: 0 if len(prompt) == 456 else None)
     fake.install(monkeypatch)
     procs = type("Procs", (), {"log_dir": tmp_path})()
-    opts = sc.CorrectnessOptions(lmcache=True, concurrent=1)
-    out = sc.run_correctness(fake.pair, procs, 1000, opts, lambda _: None)
+    opts = correctness.CorrectnessOptions(lmcache=True, concurrent=1)
+    out = correctness.run_correctness(fake.pair, procs, 1000, opts, lambda _: None)
     assert not out["checks"]["lmcache_served_a_hit"]
-    assert len(out["lmcache_not_served"]) == sc.LMCACHE_HIT_ATTEMPTS
+    assert len(out["lmcache_not_served"]) == correctness.LMCACHE_HIT_ATTEMPTS
     from hybridpd.e2e import report as report_mod
 
     result = report_mod.RunResult(build="patched", connector="lmcache+nixl", logs="",
@@ -252,8 +253,8 @@ def test_the_server_starts_before_the_decode_instance_whose_record_names_its_shm
     class Env:
         python = Path("/v/bin/python")
 
-    sc._start_pair_once(Procs(), Env(), "m", "lmcache+nixl", "kv_both",
-                        sc.ServerOptions(), print)
+    pair_mod._start_pair_once(Procs(), Env(), "m", "lmcache+nixl", "kv_both",
+                              pair_mod.ServerOptions(), print)
     assert [n for n, _ in started] == ["lmcache", "prefill", "decode", "proxy"]
     assert dict(started)["decode"] == lm.SHM_GLOBS and dict(started)["prefill"] == ()
 

@@ -137,14 +137,14 @@ def test_prefill_request_rules() -> None:
 def test_the_harness_runs_the_proxys_two_steps_apart(setup) -> None:
     """The correctness scenario's concurrent requests: every prefill, then every decode
     (so that they reach the decode instance together), with the proxy's own rules."""
-    from hybridpd.e2e import scenarios
+    from hybridpd.e2e import client
 
     p, d, _ = setup
     p_url, d_url = (f"http://127.0.0.1:{s.server_port}" for s in (p, d))
-    params = scenarios.prefill_for_remote_decode(p_url, [1, 2, 3], "rid-1")
+    params = client.prefill_for_remote_decode(p_url, [1, 2, 3], "rid-1")
     assert params == PARAMS_FROM_P
-    out = scenarios.complete(d_url, [1, 2, 3], 3, extra={"kv_transfer_params": params},
-                             headers={"X-Request-Id": "rid-1"})
+    out = client.complete(d_url, [1, 2, 3], 3, extra={"kv_transfer_params": params},
+                          headers={"X-Request-Id": "rid-1"})
     assert out.token_ids == [0, 1, 2]
     (_, p_headers, p_body), = p.seen
     (_, d_headers, d_body), = d.seen
@@ -156,8 +156,9 @@ def test_the_harness_runs_the_proxys_two_steps_apart(setup) -> None:
 
 @pytest.mark.parametrize("setup", ["prefill"], indirect=True)
 def test_a_failed_remote_decode_prefill_is_one_error(setup) -> None:
-    from hybridpd.e2e import scenarios
+    from hybridpd.e2e import client
+    from hybridpd.e2e.servers import E2EError
 
     p, _, _ = setup
-    with pytest.raises(scenarios.E2EError, match="prefill request to .* failed"):
-        scenarios.prefill_for_remote_decode(f"http://127.0.0.1:{p.server_port}", [1], "rid")
+    with pytest.raises(E2EError, match="prefill request to .* failed"):
+        client.prefill_for_remote_decode(f"http://127.0.0.1:{p.server_port}", [1], "rid")

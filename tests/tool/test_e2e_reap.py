@@ -56,7 +56,7 @@ HYBRIDPD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from hybridpd.cli.main import main
-    from hybridpd.e2e import run as run_mod, scenarios as sc
+    from hybridpd.e2e import pair as pair_mod, run as run_mod, smoke
     from hybridpd.e2e.envs import Env
     from hybridpd.e2e.servers import Processes
 
@@ -78,15 +78,15 @@ HYBRIDPD = textwrap.dedent(
             mine = tag if name == "decode" else ""
             procs.start(name, [sys.executable, server, mine, stubborn],
                         shm=[f"/dev/shm/{tag}-{{pid}}-*"] if mine else [])
-        return sc.Pair("p", "d", "x")
+        return pair_mod.Pair("p", "d", "x")
 
     run_mod.preflight = lambda *a, **k: None
     run_mod.prepare = prepare
     run_mod.probe = lambda env, process_env, device: {
         "nixl": "ok", "qwen3_5": "ok", "kernels": {"module": "m", "status": "ok"}}
     run_mod.tiny_model = tiny_model
-    sc.start_pair = start_pair
-    sc.run_smoke = lambda *a, **k: time.sleep(600)
+    pair_mod.start_pair = start_pair
+    smoke.run_smoke = lambda *a, **k: time.sleep(600)
     main(sys.argv[4:])
     """
 )

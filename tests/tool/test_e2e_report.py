@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hybridpd.e2e import metrics, report, scenarios
+from hybridpd.e2e import client, metrics, report, smoke
+from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e.tinymodel import spec_id
 
 pytest.importorskip("prometheus_client")
@@ -113,32 +114,32 @@ def test_plot_is_drawn_where_matplotlib_is(tmp_path: Path) -> None:
 
 
 def test_kv_transfer_configs() -> None:
-    assert scenarios.kv_transfer_config("nixl", "D", "kv_both", "cpu") == {
+    assert pair_mod.kv_transfer_config("nixl", "D", "kv_both", "cpu") == {
         "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    d = scenarios.kv_transfer_config("nixl+decodebench", "D", "kv_producer/kv_consumer", "cpu")
+    d = pair_mod.kv_transfer_config("nixl+decodebench", "D", "kv_producer/kv_consumer", "cpu")
     assert d["kv_connector"] == "MultiConnector" and d["kv_role"] == "kv_consumer"
     children = d["kv_connector_extra_config"]["connectors"]
     assert [c["kv_connector"] for c in children] == ["NixlConnector", "DecodeBenchConnector"]
     assert {c["kv_role"] for c in children} == {"kv_consumer"}
     # P always runs NIXL alone, as the producer.
-    p = scenarios.kv_transfer_config("nixl+offload", "P", "kv_producer/kv_consumer", "cuda")
+    p = pair_mod.kv_transfer_config("nixl+offload", "P", "kv_producer/kv_consumer", "cuda")
     assert p == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
 
 
 def test_cpu_binding_splits_the_cores() -> None:
-    assert scenarios.cpu_binding("P", [0, 1]) == "0"
-    assert scenarios.cpu_binding("D", [0, 1]) == "1"
-    assert scenarios.cpu_binding("D", [0, 1, 2, 3, 4]) == "2,3,4"
-    assert scenarios.cpu_binding("P", [0]) == "auto"
+    assert pair_mod.cpu_binding("P", [0, 1]) == "0"
+    assert pair_mod.cpu_binding("D", [0, 1]) == "1"
+    assert pair_mod.cpu_binding("D", [0, 1, 2, 3, 4]) == "2,3,4"
+    assert pair_mod.cpu_binding("P", [0]) == "auto"
 
 
 def test_prompts_share_exactly_the_asked_prefix() -> None:
-    opts = scenarios.SmokeOptions(prompt_tokens=1400, shared_tokens=1300)
-    a, b = scenarios.make_prompts(2900, opts)
+    opts = smoke.SmokeOptions(prompt_tokens=1400, shared_tokens=1300)
+    a, b = smoke.make_prompts(2900, opts)
     assert len(a) == len(b) == 1400
-    assert scenarios.common_prefix(a, b) == 1300
+    assert client.common_prefix(a, b) == 1300
     assert min(a + b) >= 2 and max(a + b) < 2900
-    assert scenarios.make_prompts(2900, opts) == (a, b)  # seeded
+    assert smoke.make_prompts(2900, opts) == (a, b)  # seeded
 
 
 def test_tiny_model_cache_key_is_stable() -> None:

@@ -13,7 +13,8 @@ from builders import standard_project
 from hybridpd import proc
 from hybridpd.e2e import reap
 from hybridpd.e2e import run as run_mod
-from hybridpd.e2e import scenarios as sc
+from hybridpd.e2e import pair as pair_mod
+from hybridpd.e2e import smoke
 from hybridpd.e2e.envs import Env
 from hybridpd.e2e.servers import E2EError
 
@@ -46,7 +47,7 @@ def stood_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Calls:
         calls.append(("pair", env.build, connector, model, role))
         if calls.fail == (env.build, connector):
             raise E2EError("decode exited with code 1")
-        return sc.Pair("p", "d", "x", ready_s={"decode": 1.0}, commands={"decode": ["vllm"]})
+        return pair_mod.Pair("p", "d", "x", ready_s={"decode": 1.0}, commands={"decode": ["vllm"]})
 
     def run_smoke(pair, procs, vocab, opts, log):
         calls.append(("smoke", vocab, opts.prompt_tokens))
@@ -58,8 +59,8 @@ def stood_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Calls:
     monkeypatch.setattr(run_mod, "prepare", prepare)
     monkeypatch.setattr(run_mod, "probe", probe)
     monkeypatch.setattr(run_mod, "tiny_model", tiny_model)
-    monkeypatch.setattr(sc, "start_pair", start_pair)
-    monkeypatch.setattr(sc, "run_smoke", run_smoke)
+    monkeypatch.setattr(pair_mod, "start_pair", start_pair)
+    monkeypatch.setattr(smoke, "run_smoke", run_smoke)
     return calls
 
 

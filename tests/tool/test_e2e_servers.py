@@ -199,7 +199,7 @@ def test_a_server_that_hangs_after_its_port_was_taken_fails_fast(tmp_path: Path,
 
 
 def test_start_pair_starts_again_on_new_ports_when_a_port_was_taken(monkeypatch, tmp_path: Path) -> None:
-    from hybridpd.e2e import scenarios
+    from hybridpd.e2e import pair as pair_mod
 
     attempts, stopped = [], []
 
@@ -207,7 +207,7 @@ def test_start_pair_starts_again_on_new_ports_when_a_port_was_taken(monkeypatch,
         attempts.append(1)
         if len(attempts) < 3:
             raise StartupFailed("decode", "Address already in use (tcp://localhost:1)", None)
-        return scenarios.Pair("p", "d", "x")
+        return pair_mod.Pair("p", "d", "x")
 
     class Procs:
         procs = {"prefill": 1, "decode": 1, "proxy": 1}
@@ -215,25 +215,25 @@ def test_start_pair_starts_again_on_new_ports_when_a_port_was_taken(monkeypatch,
         def stop(self, name):
             stopped.append(name)
 
-    monkeypatch.setattr(scenarios, "_start_pair_once", once)
+    monkeypatch.setattr(pair_mod, "_start_pair_once", once)
     said = []
-    pair = scenarios.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
+    pair = pair_mod.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
     assert pair.decode == "d" and len(attempts) == 3
     assert stopped == ["proxy", "decode", "prefill"] * 2
     assert "starting the pair again on new ports (2/3)" in said[0]
 
     attempts.clear()
-    monkeypatch.setattr(scenarios, "START_ATTEMPTS", 2)
+    monkeypatch.setattr(pair_mod, "START_ATTEMPTS", 2)
     with pytest.raises(StartupFailed):
-        scenarios.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
+        pair_mod.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
 
 
 def test_start_pair_does_not_retry_other_startup_failures(monkeypatch) -> None:
-    from hybridpd.e2e import scenarios
+    from hybridpd.e2e import pair as pair_mod
 
     def once(*args):
         raise StartupFailed("decode", "something else", None)
 
-    monkeypatch.setattr(scenarios, "_start_pair_once", once)
+    monkeypatch.setattr(pair_mod, "_start_pair_once", once)
     with pytest.raises(StartupFailed, match="something else"):
-        scenarios.start_pair(None, None, "m", "nixl", "kv_both", None, print)
+        pair_mod.start_pair(None, None, "m", "nixl", "kv_both", None, print)

