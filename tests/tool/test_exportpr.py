@@ -19,7 +19,8 @@ import pytest
 from builders import FEATURE, FIX_ADD, PACKAGE, Project, commit_patch
 from click.testing import CliRunner
 from hybridpd import gitops
-from hybridpd.upstreaming import exportpr
+from hybridpd.upstreaming import commits, evidence, layout, render, verify
+from hybridpd.upstreaming.export import export_prs
 from hybridpd.proof import hfsnap, pytestrun, testenv, testrun
 from hybridpd.cli.main import main
 from hybridpd.series.export import export
@@ -126,7 +127,7 @@ def _export(project: Project, material: Path, ids: list[str], tmp_path: Path, pi
     series = load(project.series_path)
     stock = project.checkout(pin, f"stock-{pin}")
     logged: list[str] = []
-    exports = exportpr.export_prs(
+    exports = export_prs(
         series, series.pin(pin), ids, stock, tmp_path / "out", logged.append, material
     )
     return series, stock, exports, logged
@@ -138,14 +139,14 @@ def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
 
     target = tmp_path / "out" / "fix-add"
     assert sorted(p.name for p in target.iterdir()) == [
-        exportpr.MANIFEST, "0001-fix-add.patch", "PR.md"
+        layout.MANIFEST, "0001-fix-add.patch", "PR.md"
     ]
     patch = (target / "0001-fix-add.patch").read_text()
     assert "Hybridpd-Patch" not in patch
     assert "Subject: [Core] Keep the sum in a local" in patch
     assert "Signed-off-by" not in patch
     # The AI-attribution trailer placeholder ends the commit message.
-    assert "\n\n" + exportpr.ASSISTED_BY + "\n" in patch
+    assert "\n\n" + commits.ASSISTED_BY + "\n" in patch
     # The upstream-style test is in the same commit as the change.
     assert "diff --git a/tests/test_add.py b/tests/test_add.py" in patch
     assert "diff --git a/proj/core.py b/proj/core.py" in patch
@@ -156,7 +157,7 @@ def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
     assert gitops.am(stock, [target / "0001-fix-add.patch"], three_way=False).ok
     assert (stock / "tests" / "test_add.py").is_file()
     assert "total = a + b" in (stock / "proj" / "core.py").read_text()
-    assert gitops.message(stock).rstrip().endswith(exportpr.ASSISTED_BY)
+    assert gitops.message(stock).rstrip().endswith(commits.ASSISTED_BY)
 
 
 def test_dependency_is_included_first(tmp_path):
@@ -215,7 +216,7 @@ def test_pr_md_sections(tmp_path):
     for flag in ("--prefix-repetition-prefix-len 16384", "--prefix-repetition-suffix-len 1024",
                  "--num-prompts 512", "--max-concurrency 256"):
         assert flag in plan
-    assert exportpr.GPU_SERVE_FLAGS in plan
+    assert render.GPU_SERVE_FLAGS in plan
     assert '"NixlConnector"' in plan and '"OffloadingConnector"' in plan
     assert "LMCacheMPConnector" in plan
     # The sign-off stays the submitter's; AI assistance is disclosed and attributed.
@@ -225,7 +226,7 @@ def test_pr_md_sections(tmp_path):
     assert "AI assistance was used" in pr
     assert "a person must review every changed line, run the test plan" in pr
     # The trailer is the commit's, not the PR text's.
-    assert exportpr.ASSISTED_BY not in pr
+    assert commits.ASSISTED_BY not in pr
 
 
 def test_no_reports_is_said_explicitly(tmp_path):
@@ -269,7 +270,7 @@ def test_cpu_timing_report_is_not_cited(tmp_path):
 
 def test_overlap_paragraphs_move_to_related():
     body = "What it does.\n\nOverlap: vllm#1 (open)\nreconciles it too.\n\nMore."
-    assert exportpr._split_overlap(body) == (
+    assert render._split_overlap(body) == (
         "What it does.\n\nMore.",
         ["Overlap: vllm#1 (open) reconciles it too."],
     )
@@ -277,11 +278,11 @@ def test_overlap_paragraphs_move_to_related():
 
 def test_assisted_by_joins_an_existing_trailer_block_once():
     message = "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\n"
-    once = exportpr.with_assisted_by(message)
-    assert once == message + exportpr.ASSISTED_BY + "\n"
-    assert exportpr.with_assisted_by(once) == once
-    assert exportpr.with_assisted_by("Subject\n\nBody.\n") == (
-        "Subject\n\nBody.\n\n" + exportpr.ASSISTED_BY + "\n"
+    once = commits.with_assisted_by(message)
+    assert once == message + commits.ASSISTED_BY + "\n"
+    assert commits.with_assisted_by(once) == once
+    assert commits.with_assisted_by("Subject\n\nBody.\n") == (
+        "Subject\n\nBody.\n\n" + commits.ASSISTED_BY + "\n"
     )
 
 
@@ -324,7 +325,7 @@ def test_uncommitted_report_is_not_used(tmp_path):
 
 def test_patch_not_carried_is_refused(tmp_path):
     project, material = _project(tmp_path)
-    with pytest.raises(exportpr.ExportPrError, match="upstream since 2.0 on 2.0"):
+    with pytest.raises(layout.ExportPrError, match="upstream since 2.0 on 2.0"):
         _export(project, material, ["feature"], tmp_path, pin="2.0")
 
 
@@ -334,7 +335,7 @@ def test_a_directory_with_the_users_work_is_refused_unless_forced(tmp_path):
     stock = project.checkout("1.0", "stock")
 
     def export_pr(patch_id: str, force: bool = False):
-        return exportpr.export_prs(series, series.pin("1.0"), [patch_id], stock,
+        return export_prs(series, series.pin("1.0"), [patch_id], stock,
                                    tmp_path / "out", tests_root=material,
                                    **({"force": True} if force else {}))
 
@@ -342,7 +343,7 @@ def test_a_directory_with_the_users_work_is_refused_unless_forced(tmp_path):
     export_pr("fix-add")  # its own work: replaced
     (first.dir / "PR.md").write_text("my edited PR body\n")
     (first.dir / "notes.txt").write_text("mine\n")
-    with pytest.raises(exportpr.ExportPrError) as refused:
+    with pytest.raises(layout.ExportPrError) as refused:
         export_pr("fix-add")
     assert str(refused.value) == (
         f"{first.dir} is not empty and holds work export-pr did not write "
@@ -354,7 +355,7 @@ def test_a_directory_with_the_users_work_is_refused_unless_forced(tmp_path):
     other = tmp_path / "out" / "feature"
     other.mkdir()
     (other / "draft.md").write_text("draft\n")
-    with pytest.raises(exportpr.ExportPrError, match="it was not written by export-pr"):
+    with pytest.raises(layout.ExportPrError, match="it was not written by export-pr"):
         export_pr("feature")
     export_pr("fix-add", force=True)
     assert not (first.dir / "notes.txt").exists()
@@ -381,7 +382,7 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
     series, stock, (result,), _ = _export(project, material, ["follow-up"], tmp_path)
     calls: list = []
 
-    report = exportpr.verify(result, stock, _fake_runner(calls), series, series.pin("1.0"))
+    report = verify.verify(result, stock, _fake_runner(calls), series, series.pin("1.0"))
 
     assert report["ok"], report["problems"]
     assert [label for label, _ in calls] == ["stock", "without", "patched"]
@@ -395,7 +396,7 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
     assert "edited" not in saved  # the tests are new files
     assert (result.dir / "verify-logs" / "stock.log").is_file()
     assert not gitops.is_dirty(stock)
-    exportpr.write_pr(result, series, [], [])
+    render.write_pr(result, series, [], [])
     assert "verdict: ok" in (result.dir / "PR.md").read_text()
 
 
@@ -407,7 +408,7 @@ def test_verify_fails_when_nothing_is_red_on_stock(tmp_path):
     )
     series, stock, (result,), _ = _export(project, material, ["feature"], tmp_path)
 
-    report = exportpr.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
+    report = verify.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
 
     assert not report["ok"]
     assert "no added test fails on stock" in report["problems"]
@@ -499,12 +500,13 @@ def test_list_upstream_candidates_refuses_pin(tmp_path):
 
 def test_cli_export_pr_all_defaults_to_newest_pin(tmp_path, monkeypatch):
     project, material = _project(tmp_path)
-    monkeypatch.setattr(exportpr, "UPSTREAM_TESTS_DIR", material)
+    monkeypatch.setattr(layout, "UPSTREAM_TESTS_DIR", material)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "cli-out"
     calls: list = []
     monkeypatch.setattr(
-        exportpr, "pytest_runner", lambda series, pin, stock, work, log: _fake_runner(calls)
+        "hybridpd.upstreaming.export.pytest_runner",
+        lambda series, pin, stock, work, log: _fake_runner(calls),
     )
     result = CliRunner().invoke(
         main,
@@ -533,7 +535,7 @@ def test_cli_export_pr_usage(tmp_path):
 
 def test_strip_trailer_keeps_other_trailers():
     message = "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\nHybridpd-Patch: x\n"
-    assert exportpr.strip_trailer(message) == "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\n"
+    assert commits.strip_trailer(message) == "Subject\n\nBody.\n\nCo-authored-by: A <a@x>\n"
 
 
 # Another project's series (LMCache) ---------------------------------------------------
@@ -588,10 +590,10 @@ def test_a_test_file_the_tree_has_is_edited_in_the_commit(tmp_path):
     assert "Tests added: `tests/test_new.py`.\nTests edited: `tests/test_core.py`." in pr
     assert "Unit tests added or edited by this PR" in pr
 
-    report = exportpr.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
+    report = verify.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
     assert report["ok"], report["problems"]
     assert report["edited"] == ["tests/test_core.py"]
-    exportpr.write_pr(result, series, [], [])
+    render.write_pr(result, series, [], [])
     assert (
         "- the counts include the tests `tests/test_core.py` already had (this PR edits "
         "those files); red on stock: `tests/test_core.py::test_it`, "
@@ -625,8 +627,8 @@ def test_material_of_a_test_file_the_patch_edits_only_adds_to_it(tmp_path):
     assert f"-{stub}+{patched}+# one more test\n" in patch
 
     (material / "test_core.py").write_text(stub + "# one more test\n")
-    with pytest.raises(exportpr.ExportPrError, match="start it from the patched file"):
-        exportpr.export_prs(
+    with pytest.raises(layout.ExportPrError, match="start it from the patched file"):
+        export_prs(
             series, series.pin("1.0"), ["fix-add"], stock, tmp_path / "again",
             tests_root=tmp_path / "material",
         )
@@ -646,9 +648,9 @@ def test_lmcache_pr_body(tmp_path):
     lmcache = _as_lmcache(series)
     logged: list[str] = []
 
-    reports, stale = exportpr.pr_evidence(lmcache, lmcache.pin("1.0"), result, logged.append)
+    reports, stale = evidence.pr_evidence(lmcache, lmcache.pin("1.0"), result, logged.append)
     assert (reports, stale, logged) == ([], [], [])
-    pr = exportpr.render_pr(result, lmcache.patch("fix-add"), reports, stale, lmcache)
+    pr = render.render_pr(result, lmcache.patch("fix-add"), reports, stale, lmcache)
 
     assert "(patch `fix-add`, [LMCache](https://github.com/LMCache/LMCache) v1.0)" in pr
     assert "`hybridpd checkout 1.0 --dir lmcache-1.0 && cd lmcache-1.0 && git am" in pr
@@ -673,12 +675,12 @@ def test_lmcache_pr_body(tmp_path):
 def test_series_option_names_a_series_beside_the_default_one(tmp_path):
     project, _ = _project(tmp_path, with_git=False)
     series = load(project.series_path)
-    assert exportpr.series_option(series) == ""
+    assert render.series_option(series) == ""
     other = series.dir / "lmcache" / "series.toml"
     other.parent.mkdir()
     other.write_text(project.series_path.read_text())
-    assert exportpr.series_option(load(other)) == "--series patches/lmcache "
-    assert exportpr._checkout_hint("1.0", "x", _as_lmcache(load(other))) == (
+    assert render.series_option(load(other)) == "--series patches/lmcache "
+    assert render._checkout_hint("1.0", "x", _as_lmcache(load(other))) == (
         "hybridpd --series patches/lmcache checkout 1.0 --dir lmcache-1.0 && "
         "cd lmcache-1.0 && git am --keep-non-patch ../x/0*.patch"
     )
@@ -703,15 +705,15 @@ def test_link_compiled_takes_the_release_build_of_the_same_version(tmp_path):
     host.mkdir()
     native = f"lmcache_native{SUFFIX}"
 
-    made = exportpr.link_compiled(tree, "lmcache", "1.0", [host, layer])
+    made = verify.link_compiled(tree, "lmcache", "1.0", [host, layer])
 
     assert made == [tree / "lmcache" / native]
     assert (tree / "lmcache" / native).resolve() == layer / "lmcache" / native
-    assert exportpr.link_compiled(tree, "lmcache", "1.0", [host, layer]) == []
-    with pytest.raises(exportpr.ExportPrError, match="holds lmcache 1.0, not 2.0"):
-        exportpr.link_compiled(tree, "lmcache", "2.0", [layer])
-    with pytest.raises(exportpr.ExportPrError, match="no layer .* lmcache 1.0 build"):
-        exportpr.link_compiled(tree, "lmcache", "1.0", [host])
+    assert verify.link_compiled(tree, "lmcache", "1.0", [host, layer]) == []
+    with pytest.raises(layout.ExportPrError, match="holds lmcache 1.0, not 2.0"):
+        verify.link_compiled(tree, "lmcache", "2.0", [layer])
+    with pytest.raises(layout.ExportPrError, match="no layer .* lmcache 1.0 build"):
+        verify.link_compiled(tree, "lmcache", "1.0", [host])
 
 
 def _fake_environment(monkeypatch, tmp_path: Path):
@@ -749,7 +751,7 @@ def test_verify_runs_lmcache_in_its_host_pins_environment(tmp_path, monkeypatch)
     work, tree = tmp_path / "work", tmp_path / "verify" / "lmcache"
     (tree / "lmcache").mkdir(parents=True)
 
-    run = exportpr.pytest_runner(lmcache, lmcache.pin("1.0"), tmp_path / "stock", work)
+    run = verify.pytest_runner(lmcache, lmcache.pin("1.0"), tmp_path / "stock", work)
     run(tree, ["tests/v1/test_x.py"], "stock")
 
     host = work / "host-0.32.0"
@@ -767,7 +769,7 @@ def test_verify_runs_vllm_in_its_own_pins_environment(tmp_path, monkeypatch):
     stock, tree = tmp_path / "stock", tmp_path / "verify" / "vllm"
     tree.mkdir(parents=True)
 
-    run = exportpr.pytest_runner(series, series.pin("1.0"), stock, tmp_path / "work")
+    run = verify.pytest_runner(series, series.pin("1.0"), stock, tmp_path / "work")
     run(tree, ["tests/test_add.py"], "stock")
 
     assert seen["checkouts"] == []

@@ -90,6 +90,6 @@ def test_the_library_does_not_import_click() -> None:
     import sys
 
     code = ("import sys, hybridpd.envs.install, hybridpd.envs.installed, hybridpd.proof.testrun, "
-            "hybridpd.porting.port, hybridpd.upstreaming.exportpr, hybridpd.envs.doctor; print('click' in sys.modules)")
+            "hybridpd.porting.port, hybridpd.upstreaming.export, hybridpd.envs.doctor; print('click' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr

@@ -9,7 +9,8 @@ import click
 from hybridpd.cli import jsonout
 from hybridpd.cli.options import State, json_flag, log
 from hybridpd.errors import CheckFailed, UsageError
-from hybridpd.upstreaming import exportpr
+from hybridpd.upstreaming.export import ExportPrResult, run
+from hybridpd.upstreaming.verify import format_verification
 
 
 @click.command(name="export-pr")
@@ -60,7 +61,7 @@ def export_pr(
     """
     if bool(patch_id) == all_patches:
         raise UsageError("give exactly one of PATCH_ID and --all")
-    result = exportpr.run(state.series, version, patch_id, out_dir, verify, log=log, force=force)
+    result = run(state.series, version, patch_id, out_dir, verify, log=log, force=force)
     if as_json:
         jsonout.emit(result.to_json())
     else:
@@ -69,10 +70,10 @@ def export_pr(
         raise CheckFailed(f"verification failed for {', '.join(result.failed)}")
 
 
-def _echo_exports(result: exportpr.ExportPrResult) -> None:
+def _echo_exports(result: ExportPrResult) -> None:
     for export in result.exports:
         click.echo(f"{export.dir}: {', '.join(export.to_json()['files'])}")
         if export.prerequisites:
             click.echo(f"  depends on {', '.join(export.prerequisites)} (included first)")
         if export.verification:
-            click.echo("  " + exportpr.format_verification(export.verification))
+            click.echo("  " + format_verification(export.verification))

@@ -8,7 +8,7 @@ from hybridpd.cli import jsonout
 from hybridpd.cli.options import State, json_flag
 from hybridpd.errors import UsageError
 from hybridpd.series.model import Pin, Series
-from hybridpd.upstreaming import exportpr
+from hybridpd.upstreaming.candidates import format_candidates, upstream_candidates
 
 
 @click.command(name="list")
@@ -28,11 +28,11 @@ def list_(state: State, version: str | None, candidates: bool, as_json: bool) ->
     if candidates:
         if version:
             raise UsageError("--upstream-candidates looks at every pin; drop --pin")
-        found = exportpr.upstream_candidates(series)
+        found = upstream_candidates(series)
         if as_json:
             jsonout.emit({"patches": [c.to_json() for c in found]})
         else:
-            for line in exportpr.format_candidates(found):
+            for line in format_candidates(found):
                 click.echo(line)
         return
     pins = [series.pin(version)] if version else list(series.pins)

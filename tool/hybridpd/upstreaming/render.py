@@ -1,0 +1,266 @@
+"""Rendering the PR text: ``PR.md`` of a PR directory (what, why, design,
+alternatives, test plan, results, AI assistance), for the project it goes to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridpd.e2e import report as e2e_report
+from hybridpd.series.model import SERIES_FILE, Patch, Series
+from hybridpd.upstreaming.commits import strip_trailer
+from hybridpd.upstreaming.conventions import VLLM, Upstream, upstream_of
+from hybridpd.upstreaming.evidence import Report, e2e_command
+from hybridpd.upstreaming.layout import PrExport, material
+
+
+def series_option(series: Series) -> str:
+    """``--series <dir> `` for hybridpd commands on ``series``, relative to the
+    project that holds it; empty for the project's default series
+    (``patches/series.toml``)."""
+    for root in series.dir.parents:
+        if (root / "patches" / SERIES_FILE).is_file():
+            if series.path == root / "patches" / SERIES_FILE:
+                return ""
+            return f"--series {series.dir.relative_to(root).as_posix()} "
+    return ""
+
+
+def _checkout_hint(pin: str, patch_id: str, series: Series) -> str:
+    tree = f"{series.package}-{pin}"
+    return (
+        f"hybridpd {series_option(series)}checkout {pin} --dir {tree} && cd {tree} && "
+        f"git am --keep-non-patch ../{patch_id}/0*.patch"
+    )
+
+
+def render_pr(
+    export: PrExport,
+    patch: Patch,
+    reports: Sequence[Report],
+    stale: Sequence[str],
+    series: Series,
+) -> str:
+    """The PR body of ``export`` (Markdown), for ``series``' project."""
+    pin, own = export.pin, export.own
+    upstream, option = upstream_of(series), series_option(series)
+    out = [f"# {own.subject}", ""]
+    out += [
+        f"> Exported by `hybridpd export-pr` from the hybridpd series (patch `{export.patch_id}`, "
+        f"{upstream.link} v{pin}). Apply: `{_checkout_hint(pin, export.patch_id, series)}` "
+        f"(`--keep-non-patch` keeps the `{upstream.prefix}`-style subject prefixes). Re-check the "
+        f"directory: `hybridpd {option}export-pr {export.patch_id} --pin {pin} --to DIR "
+        "--verify`.",
+        "> **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
+        "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards). "
+        "The sign-off certifies the person who submits.",
+        *upstream.notes,
+    ]
+    if export.prerequisites:
+        deps = ", ".join(f"`{i}`" for i in export.prerequisites)
+        out.append(
+            f"> **Depends on** the PR of {deps}: its commit(s) come first in this directory "
+            f"({', '.join(c.filename for c in export.commits[:-1])}) so that it applies to "
+            f"stock v{pin}; open this PR on top of that one (or after it merges) and drop "
+            "them from this branch."
+        )
+    for line in stale:
+        out.append(f"> **Warning:** {line}")
+    body, overlap = _split_overlap(strip_trailer(own.body, "Assisted-by"))
+    out += ["", "## What", ""]
+    out += [body or patch.title + ".", ""]
+    changed = [f for f in own.files if f not in own.tests]
+    out += ["Changed: " + ", ".join(f"`{f}`" for f in changed) + "."]
+    added = [t for t in own.tests if t not in own.edited]
+    if added:
+        out += ["Tests added: " + ", ".join(f"`{t}`" for t in added) + "."]
+    if own.edited:
+        out += ["Tests edited: " + ", ".join(f"`{t}`" for t in own.edited) + "."]
+    out += ["", "## Why", "", _text(patch.why), "", "## Design", "", _text(patch.design), ""]
+    out += ["## Alternatives considered", ""]
+    kept = material(series.slug(series.pin(pin)), export.patch_id, export.material_root)
+    out += [kept.alternatives or "(none recorded for this patch yet)", ""]
+    out += ["## Related", "", f"- Upstream reference: {patch.upstream}"]
+    out += [f"- {paragraph}" for paragraph in overlap]
+    out += [f"- Carried downstream (hybridpd) until: {_text(patch.removal)}", ""]
+    out += _test_plan(export, upstream, kept.test_plan)
+    out += _results(export, reports, upstream)
+    out += ["## AI assistance", "", upstream.ai, ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _text(paragraph: str) -> str:
+    """A series.toml paragraph (hard-wrapped) as one Markdown paragraph."""
+    return " ".join(paragraph.split())
+
+
+def _split_overlap(body: str) -> tuple[str, list[str]]:
+    """``body`` without its ``Overlap:`` paragraphs, and those paragraphs (unwrapped):
+    the PR's statement of what it shares with other open PRs, shown under Related."""
+    kept, overlap = [], []
+    for paragraph in body.strip().split("\n\n"):
+        if paragraph.startswith("Overlap:"):
+            overlap.append(_text(paragraph))
+        else:
+            kept.append(paragraph)
+    return "\n\n".join(kept), overlap
+
+
+#: The served model, flags and workload of the GPU plan: seed 000's measurement.
+GPU_MODEL = "Qwen/Qwen3.5-35B-A3B"
+GPU_SERVE_FLAGS = (
+    "--enforce-eager --enable-prefix-caching --mamba-cache-mode align --block-size 128 "
+    "--no-disable-hybrid-kv-cache-manager --async-scheduling"
+)
+GPU_KV_CONFIG = (
+    '{"kv_connector":"MultiConnector","kv_role":"kv_both","kv_connector_extra_config":'
+    '{"connectors":[{"kv_connector":"NixlConnector","kv_role":"kv_both"},'
+    '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+    '"kv_connector_extra_config":{"cpu_bytes_to_use":100000000000}}]}}'
+)
+GPU_BENCH = (
+    f"vllm bench serve --model {GPU_MODEL} --port 8192 --dataset-name prefix_repetition \\\n"
+    "  --prefix-repetition-prefix-len 16384 --prefix-repetition-suffix-len 1024 \\\n"
+    "  --prefix-repetition-num-prefixes 2 --prefix-repetition-output-len 1024 \\\n"
+    "  --num-prompts 512 --max-concurrency 256"
+)
+
+
+def _gpu_plan() -> list[str]:
+    """Commands of vLLM's tree for the GPU half of the test plan."""
+    return [
+        "GPU (2 GPUs, 1 prefill + 1 decode), from the vLLM tree root. vLLM's own hybrid "
+        "PD prefix-cache test, and the NIXL + offloading gsm8k accuracy test on a small "
+        "Qwen3.5 model (one with an expected value in `test_accuracy.py`):",
+        "",
+        "```bash",
+        "bash tests/v1/kv_connector/nixl_integration/run_mamba_prefix_cache_test.sh",
+        "MODEL_NAMES=Qwen/Qwen3.5-0.8B BLOCK_SIZE=128 "
+        "VLLM_SERVE_EXTRA_ARGS=--enable-prefix-caching,--mamba-cache-mode,align \\",
+        "  bash tests/v1/kv_connector/nixl_integration/run_multi_connector_accuracy_test.sh",
+        "```",
+        "",
+        f"Performance, as the original report measured it ({GPU_MODEL}, prefix_repetition "
+        "prefix 16 384, suffix 1 024, 512 prompts, concurrency 256), with "
+        "MultiConnector[NixlConnector, OffloadingConnector] on both instances (for "
+        "NIXL + LMCache MP, use `LMCacheMPConnector` as the second child, with "
+        "lmcache installed and its server running). Run it on `main` and on this "
+        "branch; compare TTFT, output throughput and the decode instance's prefix-cache "
+        "hits (`vllm:prefix_cache_hits` on port 8200's `/metrics`):",
+        "",
+        "```bash",
+        f"KV='{GPU_KV_CONFIG}'",
+        f"CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_PORT=5559 vllm serve {GPU_MODEL} "
+        f"--port 8100 {GPU_SERVE_FLAGS} --kv-transfer-config \"$KV\" &",
+        f"CUDA_VISIBLE_DEVICES=1 VLLM_NIXL_SIDE_CHANNEL_PORT=5659 vllm serve {GPU_MODEL} "
+        f"--port 8200 {GPU_SERVE_FLAGS} --kv-transfer-config \"$KV\" &",
+        "python3 tests/v1/kv_connector/nixl_integration/toy_proxy_server.py --port 8192 "
+        "--prefiller-ports 8100 --decoder-ports 8200 &",
+        GPU_BENCH,
+        "```",
+        "",
+    ]
+
+
+def _test_plan(
+    export: PrExport, upstream: Upstream = VLLM, more: str | None = None
+) -> list[str]:
+    out = ["## Test plan", ""]
+    if export.own.tests:
+        files = " ".join(export.own.tests)
+        out += [
+            f"Unit tests {'added or edited' if export.own.edited else 'added'} by this PR "
+            f"(CPU only, from the {upstream.name} tree root):",
+            "",
+            "```bash",
+            f"pytest -v {files}",
+            "```",
+            "",
+        ]
+    else:
+        out += ["No upstream-style unit test is kept for this patch on this pin yet.", ""]
+    if more:
+        out += [more, ""]
+    if upstream.vllm_e2e:
+        out += _gpu_plan()
+    verification = export.verification
+    if verification:
+        out += [
+            f"The added tests on stock and with this PR ({verification.get('date', '')}):",
+            "",
+        ]
+        for label in ("stock", "without", "patched"):
+            run = verification.get(label)
+            if run:
+                out.append(
+                    f"- {run['tree']}: {run['passed']} passed, {run['failed']} failed, "
+                    f"{run['errors']} errors, {run['skipped']} skipped"
+                )
+        edited = verification.get("edited")
+        if edited and verification.get("stock"):
+            red = [
+                test for test, outcome in verification["stock"]["tests"].items()
+                if outcome in ("failed", "error")
+            ]
+            out.append(
+                "- the counts include the tests " + ", ".join(f"`{f}`" for f in edited)
+                + " already had (this PR edits those files); red on stock: "
+                + (", ".join(f"`{t}`" for t in red) or "none")
+            )
+        out += [f"- verdict: {'ok' if verification.get('ok') else 'FAILED'}", ""]
+    return out
+
+
+def _results(
+    export: PrExport, reports: Sequence[Report], upstream: Upstream = VLLM
+) -> list[str]:
+    out = ["## Results", ""]
+    if not reports:
+        return out + [upstream.no_results, ""]
+    for report in reports:
+        other = "" if report.pin == export.pin else f" (measured on v{report.pin})"
+        out += [
+            f"`{report.path}`: scenario {report.scenario}, device "
+            f"{report.e2e.device}, model `{report.e2e.model}`"
+            f"{other}, committed {report.date.date().isoformat()}. OFF = stock "
+            "(upstream's behaviour), ON = patched (the whole hybridpd series of that pin).",
+            "",
+            *_report_table(report),
+            "",
+            "Produced by:",
+            "",
+            "```bash",
+            e2e_command(report),
+            "```",
+            "",
+        ]
+    return out
+
+
+def _report_table(report: Report) -> list[str]:
+    try:
+        return e2e_report.table(report.e2e)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        # An older or partial report: show the request fields we know.
+        lines = [
+            "| build | connector | prompt tokens | decode local hit | KV bytes | TTFT (ms) |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for run in report.e2e.runs:
+            for r in run.requests:
+                lines.append(
+                    f"| {run.build} | {run.connector} | {r.get('prompt_tokens')} "
+                    f"| {r.get('decode_local_hit_tokens')} | {r.get('kv_bytes_transferred')} "
+                    f"| {r.get('ttft_ms')} |"
+                )
+        return lines
+
+
+def write_pr(
+    export: PrExport, series: Series, reports: Sequence[Report], stale: Sequence[str]
+) -> None:
+    """(Re)write ``PR.md`` of ``export``."""
+    patch = series.patch(export.patch_id)
+    assert patch is not None
+    (export.dir / "PR.md").write_text(
+        render_pr(export, patch, reports, stale, series), encoding="utf-8"
+    )
