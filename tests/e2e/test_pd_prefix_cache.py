@@ -89,10 +89,10 @@ def test_gpu_seed_model_with_offloading(tmp_path: Path) -> None:
     out = _out(tmp_path, "gpu")
     proc, report = run_e2e(
         out, "--device", "cuda", "--model", "Qwen/Qwen3.5-35B-A3B", "--scenario", "smoke",
-        "--connector", "nixl", "--connector", "nixl+offload", "--compare", "stock",
+        "--connector", "nixl", "--connector", "nixl+offloading", "--compare", "stock",
         "--expect-patched-hit", "--max-model-len", "24576",
         timeout=3600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    patched = _run(report, "patched", "nixl+offload")
+    patched = _run(report, "patched", "nixl+offloading")
     assert _shared_prefix_request(patched)["decode_local_hit_tokens"] > 0

@@ -221,7 +221,8 @@ class Project:
 
     def checkout(self, version: str, name: str | None = None) -> Path:
         dest = self.root / "work" / (name or version)
-        checkout(load(self.series_path), version, dest, source="sdist")
+        series = load(self.series_path)
+        checkout(series, series.pin(version), dest, source="sdist")
         return dest
 
 

@@ -30,7 +30,7 @@ def use_index(project: Project, monkeypatch: pytest.MonkeyPatch, hashes: bool = 
 
 def test_sdist_checkout_is_one_tagged_reproducible_commit(project: Project, tmp_path: Path) -> None:
     series = project.write()
-    result = checkout(series, "v1.0", tmp_path / "a", source="sdist")
+    result = checkout(series, series.pin("v1.0"), tmp_path / "a", source="sdist")
     repo = result.dest
     assert (result.source, result.pin.version) == ("sdist", "1.0")
     tracked = gitops.check(repo, "ls-files").split()
@@ -44,7 +44,7 @@ def test_sdist_checkout_is_one_tagged_reproducible_commit(project: Project, tmp_
     (repo / "proj" / "__pycache__").mkdir()
     (repo / "proj" / "__pycache__" / "core.cpython-311.pyc").write_bytes(b"")
     assert not gitops.is_dirty(repo)
-    assert checkout(series, "1.0", tmp_path / "b", source="sdist").head == result.head
+    assert checkout(series, series.pin("1.0"), tmp_path / "b", source="sdist").head == result.head
 
 
 def test_downloads_from_index_then_reuses_cache(
@@ -52,9 +52,9 @@ def test_downloads_from_index_then_reuses_cache(
 ) -> None:
     series = project.write()
     use_index(project, monkeypatch)
-    checkout(series, "1.0", tmp_path / "a", source="sdist")
+    checkout(series, series.pin("1.0"), tmp_path / "a", source="sdist")
     monkeypatch.setenv("PIP_INDEX_URL", (tmp_path / "gone").as_uri())
-    checkout(series, "1.0", tmp_path / "b", source="sdist")  # from the cache alone
+    checkout(series, series.pin("1.0"), tmp_path / "b", source="sdist")  # from the cache alone
 
 
 def test_corrupt_cache_is_downloaded_again(
@@ -67,7 +67,7 @@ def test_corrupt_cache_is_downloaded_again(
     monkeypatch.setenv("PIP_INDEX_URL", project.index())
     cached = cache.cache_dir() / "sdists" / project.releases["1.0"].filename
     cached.write_bytes(b"truncated")
-    checkout(series, "1.0", tmp_path / "a", source="sdist")
+    checkout(series, series.pin("1.0"), tmp_path / "a", source="sdist")
     assert "re-downloading" in capsys.readouterr().err
     assert cached.read_bytes() == project.releases["1.0"].path.read_bytes()
 
@@ -81,7 +81,7 @@ def test_hash_mismatch_leaves_nothing_behind(
     use_index(project, monkeypatch, hashes=index_has_hashes)
     dest = tmp_path / "new" / "src"
     with pytest.raises(ChecksumError, match=f"series.toml expects {'f' * 64}"):
-        checkout(series, "1.0", dest, source="sdist")
+        checkout(series, series.pin("1.0"), dest, source="sdist")
     assert not (tmp_path / "new").exists()
     assert list((cache.cache_dir() / "sdists").iterdir()) == []
 
@@ -95,18 +95,18 @@ def test_failure_empties_a_given_empty_directory(
     dest = tmp_path / "empty"
     dest.mkdir()
     with pytest.raises(ChecksumError):
-        checkout(series, "1.0", dest, source="sdist")
+        checkout(series, series.pin("1.0"), dest, source="sdist")
     assert dest.is_dir() and list(dest.iterdir()) == []
 
 
 def test_unknown_pin_and_busy_destination(project: Project, tmp_path: Path) -> None:
     series = project.write()
     with pytest.raises(UnknownPinError, match=r"9\.9 is not a pinned version \(pins: 1\.0; `hybridpd --series patches/series\.toml pin add 9\.9`"):
-        checkout(series, "9.9", tmp_path / "a")
+        checkout(series, series.pin("9.9"), tmp_path / "a")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("")
     with pytest.raises(CheckoutError, match="not an empty directory"):
-        checkout(series, "1.0", tmp_path / "busy", source="sdist")
+        checkout(series, series.pin("1.0"), tmp_path / "busy", source="sdist")
 
 
 def cache_archive(project: Project, members: dict[str, bytes]) -> Series:
@@ -135,7 +135,7 @@ def test_unsafe_or_odd_archives_are_refused(
 ) -> None:
     series = cache_archive(project, members)
     with pytest.raises(CheckoutError, match="proj-1.0.tar.gz"):
-        checkout(series, "1.0", tmp_path / "x" / "src", source="sdist")
+        checkout(series, series.pin("1.0"), tmp_path / "x" / "src", source="sdist")
     assert not (tmp_path / "x").exists()
     assert not (tmp_path / "escape.py").exists()
 
@@ -156,7 +156,7 @@ def make_upstream(tmp_path: Path) -> str:
 def test_git_source_clones_the_tag(project: Project, tmp_path: Path) -> None:
     series = project.write()
     url = make_upstream(tmp_path)
-    result = checkout(series, "1.0", tmp_path / "g", source="git", git_url=url)
+    result = checkout(series, series.pin("1.0"), tmp_path / "g", source="git", git_url=url)
     assert result.source == "git" and result.fallback is None
     assert (result.dest / "README.txt").read_text() == "from git\n"
     assert gitops.resolve(result.dest, "v1.0") == result.head
@@ -168,9 +168,9 @@ def test_git_failure_is_an_error_for_git_and_a_fallback_for_auto(
 ) -> None:
     series = project.write()  # upstream_git does not exist
     with pytest.raises(GitError, match="git clone failed"):
-        checkout(series, "1.0", tmp_path / "g", source="git")
+        checkout(series, series.pin("1.0"), tmp_path / "g", source="git")
     assert not (tmp_path / "g").exists()
-    result = checkout(series, "1.0", tmp_path / "a")
+    result = checkout(series, series.pin("1.0"), tmp_path / "a")
     assert result.source == "sdist"
     assert result.fallback and "git clone of v1.0" in result.fallback
     assert "using the sdist instead" in capsys.readouterr().err

@@ -122,7 +122,7 @@ def test_kv_transfer_configs() -> None:
     assert [c["kv_connector"] for c in children] == ["NixlConnector", "DecodeBenchConnector"]
     assert {c["kv_role"] for c in children} == {"kv_consumer"}
     # P always runs NIXL alone, as the producer.
-    p = pair_mod.kv_transfer_config("nixl+offload", "P", "kv_producer/kv_consumer", "cuda")
+    p = pair_mod.kv_transfer_config("nixl+offloading", "P", "kv_producer/kv_consumer", "cuda")
     assert p == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
 
 

@@ -720,8 +720,8 @@ def _fake_environment(monkeypatch, tmp_path: Path):
     """Stand-ins for the test environment: what was checked out, built, run."""
     seen: dict = {"checkouts": [], "runs": []}
 
-    def checkout(series, version, dest, source):
-        seen["checkouts"].append((series.package, version, dest, source))
+    def checkout(series, pin, dest, source):
+        seen["checkouts"].append((series.package, pin.version, dest, source))
         dest.mkdir(parents=True)
 
     def ensure_test_env(version, tree, cache_dir, torch_spec=None, log=None):

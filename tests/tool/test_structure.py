@@ -267,3 +267,4 @@ def test_the_layering_check_goes_red_on_a_planted_import(tmp_path: Path, planted
     with open(root / relative, "a", encoding="utf-8") as handle:
         handle.write(code)
     assert any(expected in problem for problem in _layering_problems(root))
+

@@ -213,7 +213,7 @@ def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) 
     results: list[str] = []
     with cache.lock(root, print):  # a first `hybridpd test --pin 1.0` is running
         second = threading.Thread(target=lambda: results.append(
-            testrun.run(series, "1.0", log=logs.append)))
+            testrun.run(series, series.pin("1.0"), log=logs.append)))
         second.start()
         for _ in range(200):  # until it says it waits (no fixed sleep: CI may be loaded)
             if logs:

@@ -40,6 +40,7 @@ class ConnectorSet:
 #: OffloadingConnector; 10 GiB is vLLM's docs' example (docs/features/kv_offloading_usage.md).
 CHILD_EXTRA: dict[str, dict] = {
     "OffloadingConnector": {"cpu_bytes_to_use": 10 << 30},
+    "DecodeBenchConnector": {},
 }
 
 _ALL = frozenset({"e2e", "bench", "explain"})

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import log
+from hybridpd.cli.options import connector_option, log
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
@@ -78,13 +78,9 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
     help="auto: qwen3_5 where the venv imports vLLM's Qwen3.5 module, else its text-decoder "
     "twin qwen3_next (see hybridpd.e2e.tinymodel.ARCHITECTURES).",
 )
-@click.option(
-    "--connector",
-    "connectors",
-    type=click.Choice(list(pair_mod.CONNECTORS)),
-    multiple=True,
-    help="Decode instance's connector set; repeat to run several. [default: nixl]",
-)
+@connector_option("e2e", "connectors", multiple=True,
+                  help="Decode instance's connector set; repeat to run several. "
+                       "[default: nixl]")
 @click.option("--role", type=click.Choice(pair_mod.ROLES), default=_D.role, show_default=True,
               help="kv_both on both instances, or P kv_producer / D kv_consumer.")
 @click.option("--scenario", type=click.Choice(run_mod.SCENARIOS), default=_D.scenario, show_default=True)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import click
 
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import State, json_flag
+from hybridpd.cli.options import State, json_flag, pin_option
 from hybridpd.errors import UsageError
 from hybridpd.series.model import Pin, Series
 from hybridpd.upstreaming.candidates import format_candidates, upstream_candidates
 
 
 @click.command(name="list")
-@click.option("--pin", "version", metavar="VERSION", help="Only this pin.")
+@pin_option("none", help="Only this pin.")
 @click.option(
     "--upstream-candidates",
     "candidates",
@@ -22,11 +22,11 @@ from hybridpd.upstreaming.candidates import format_candidates, upstream_candidat
 )
 @json_flag
 @click.pass_obj
-def list_(state: State, version: str | None, candidates: bool, as_json: bool) -> None:
+def list_(state: State, pin: Pin | None, candidates: bool, as_json: bool) -> None:
     """List the pins and each patch's state on them, in apply order."""
     series = state.series
     if candidates:
-        if version:
+        if pin:
             raise UsageError("--upstream-candidates looks at every pin; drop --pin")
         found = upstream_candidates(series)
         if as_json:
@@ -35,7 +35,7 @@ def list_(state: State, version: str | None, candidates: bool, as_json: bool) ->
             for line in format_candidates(found):
                 click.echo(line)
         return
-    pins = [series.pin(version)] if version else list(series.pins)
+    pins = [pin] if pin else list(series.pins)
     if as_json:
         jsonout.emit({"pins": [series.pin_json(pin) for pin in pins]})
         return

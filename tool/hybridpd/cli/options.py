@@ -13,7 +13,7 @@ from hybridpd import connectors
 from hybridpd.cli import jsonout
 from hybridpd.envs import install
 from hybridpd.series import model as series_mod
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 
 
 @dataclass
@@ -74,7 +74,7 @@ torch_option = click.option(
 )
 
 
-def connector_option(command: str, **kwargs: Any) -> Any:
+def connector_option(command: str, *names: str, **kwargs: Any) -> Any:
     """``--connector``: a named set of :mod:`hybridpd.connectors` that ``command`` offers,
     an alias given as the set's name (several with ``multiple=True``)."""
 
@@ -85,5 +85,38 @@ def connector_option(command: str, **kwargs: Any) -> Any:
             return tuple(connectors.get(v).name for v in value)
         return connectors.get(value).name
 
-    return click.option("--connector", type=click.Choice(connectors.choices(command)),
+    return click.option("--connector", *names, type=click.Choice(connectors.choices(command)),
                         callback=canonical, **kwargs)
+
+
+#: What a command's ``--pin`` is when it is not given: ``required`` (a usage error),
+#: ``default`` (the series' ``default_pin``), ``newest`` (the newest ported pin), or
+#: ``none`` (the command decides, e.g. from an existing checkout, or takes every pin).
+PIN_RULES = ("required", "default", "newest", "none")
+
+
+def _resolve_pin(rule: str) -> Any:
+    def resolve(ctx: click.Context, _param: click.Parameter, value: str | None) -> Pin | None:
+        if ctx.resilient_parsing:
+            return None
+        series = ctx.find_object(State).series
+        if value:
+            return series.pin(value)
+        return {"default": lambda: series.default, "newest": series.newest,
+                "none": lambda: None}[rule]()
+
+    return resolve
+
+
+def pin_option(rule: str, help: str, **kwargs: Any) -> Any:
+    """``--pin VERSION``, resolved once, here, to the series' :class:`Pin` (``pin``)
+    following ``rule`` (one of :data:`PIN_RULES`) when it is not given."""
+    if rule not in PIN_RULES:
+        raise ValueError(rule)
+    return click.option("--pin", "pin", metavar="VERSION", required=rule == "required",
+                        callback=_resolve_pin(rule), help=help, **kwargs)
+
+
+def pin_argument() -> Any:
+    """``VERSION``, an argument resolved to the series' :class:`Pin` (``pin``)."""
+    return click.argument("pin", metavar="VERSION", callback=_resolve_pin("required"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import click
 
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import State, json_flag, log
+from hybridpd.cli.options import State, json_flag, log, pin_option
 from hybridpd.errors import CheckFailed
 from hybridpd.proof import testrun
+from hybridpd.series.model import Pin
 
 
 @click.command()
-@click.option("--pin", "version", metavar="VERSION", help="Pin to test (default: the default pin).")
+@pin_option("default", help="Pin to test (default: the default pin).")
 @click.option(
     "--suite",
     type=click.Choice(testrun.SUITES),
@@ -36,7 +37,7 @@ from hybridpd.proof import testrun
 @click.pass_obj
 def test(
     state: State,
-    version: str | None,
+    pin: Pin,
     suite: str,
     full_upstream: bool,
     stock_baseline: bool,
@@ -54,7 +55,7 @@ def test(
     series = state.series
     report = testrun.run(
         series,
-        version or series.default_pin,
+        pin,
         suite,
         full_upstream=full_upstream,
         stock_baseline=stock_baseline,

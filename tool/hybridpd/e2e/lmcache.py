@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from hybridpd import cache, gitops, proc
+from hybridpd import cache, connectors, gitops, proc
 from hybridpd.e2e.servers import E2EError, Processes, new_lines
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log
@@ -37,8 +37,6 @@ from hybridpd.series.apply import patch_commits
 from hybridpd.series.model import Series
 from hybridpd.series.model import load as load_series
 
-#: Connector sets of the decode instance that use LMCache, and their child order.
-CONNECTORS = ("nixl+lmcache", "lmcache+nixl")
 #: LMCache's chunk: vLLM raises the tiny hybrid model's block size to 256 on CPU, and
 #: LMCache's chunk must be a multiple of it.
 CHUNK_SIZE = 256
@@ -63,7 +61,8 @@ BUILD_REQUIREMENTS = (
 
 
 def uses_lmcache(connector: str) -> bool:
-    return connector in CONNECTORS
+    """Whether the decode instance's set ``connector`` has an LMCacheMPConnector."""
+    return connectors.uses(connector, "LMCacheMPConnector")
 
 
 class RetrievedTokens:

@@ -2,8 +2,8 @@
 proxy between them.
 
 Their options (:class:`ServerOptions`), the connector sets the decode instance runs
-(:data:`CONNECTORS`, :func:`kv_transfer_config`), each server's command line and
-environment, and :func:`start_pair`, which starts P, D (and the decode instance's
+(:data:`CONNECTORS`, from the registry, and :func:`kv_transfer_config`), each server's
+command line and environment, and :func:`start_pair`, which starts P, D (and the decode instance's
 ``lmcache server`` where the set uses LMCache) and the proxy and waits until they answer.
 """
 
@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridpd import connectors
 from hybridpd.e2e import lmcache as lmcache_mod
 from hybridpd.e2e.envs import Env
 from hybridpd.e2e.servers import E2EError, Processes, StartupFailed, free_port
@@ -21,31 +22,16 @@ from hybridpd.progress import Log
 
 ROLES = ("kv_both", "kv_producer/kv_consumer")
 
-#: ``--connector`` values: the decode instance's connector set. The prefill instance
-#: always runs NixlConnector alone. The second child of a MultiConnector is the one
-#: upstream's capability gate (``supports_divergent_local_hybrid_hits``) looks at.
-CONNECTORS = {
-    "nixl": [],
-    # On CPU the stand-in for an offloading connector: it supports HMA but does not
-    # declare divergent local hybrid hits, so upstream gives D no local hit.
-    "nixl+decodebench": [
-        {"kv_connector": "DecodeBenchConnector", "kv_connector_extra_config": {}}
-    ],
-    # The production pairing (GPU only: it refuses to start on a CPU engine).
-    "nixl+offload": [
-        {
-            "kv_connector": "OffloadingConnector",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30},
-        }
-    ],
-    # MultiConnector over NIXL and LMCacheMPConnector, in both child orders, with the
-    # decode instance's own `lmcache server` (e2e/lmcache.py). Not LMCacheConnectorV1:
-    # vLLM refuses a hybrid Mamba model with it at start-up (see the dropped record of
-    # lmcache-connector-hma).
-    "nixl+lmcache": [],
-    "lmcache+nixl": [],
-}
-GPU_ONLY_CONNECTORS = ("nixl+offload",)
+#: ``--connector`` values: the decode instance's connector set (the registry's ``e2e``
+#: sets, :mod:`hybridpd.connectors`). The prefill instance always runs NixlConnector
+#: alone. The second child of a MultiConnector is the one upstream's capability gate
+#: (``supports_divergent_local_hybrid_hits``) looks at. LMCache sets run with the decode
+#: instance's own `lmcache server` (e2e/lmcache.py); not LMCacheConnectorV1, which vLLM
+#: refuses with a hybrid Mamba model at start-up (see the dropped record of
+#: lmcache-connector-hma).
+CONNECTORS = connectors.names("e2e")
+#: Sets that do not start on a CPU engine.
+GPU_ONLY_CONNECTORS = tuple(n for n in CONNECTORS if not connectors.SETS[n].cpu)
 
 
 @dataclass(frozen=True)
@@ -82,27 +68,22 @@ def kv_transfer_config(
     p_role, d_role = ("kv_both", "kv_both") if role == "kv_both" else ("kv_producer", "kv_consumer")
     own_role = p_role if side == "P" else d_role
     nixl = nixl_config(own_role, device)
-    others = CONNECTORS[connector]
-    if side == "D" and lmcache_mod.uses_lmcache(connector):
-        if lmcache_port is None:
-            raise E2EError(f"{connector} needs the decode instance's lmcache server port")
-        # kv_both: the decode instance stores what it computes into its LMCache (a
-        # consumer's LMCacheMPConnector would only load).
-        lm = lmcache_mod.connector_config(lmcache_port, "kv_both")
-        children = [nixl, lm] if connector.startswith("nixl+") else [lm, nixl]
-        return {
-            "kv_connector": "MultiConnector",
-            "kv_role": own_role,
-            "kv_connector_extra_config": {"connectors": children},
-        }
-    if side == "P" or not others:
+    children = connectors.SETS[connector].children
+    if side == "P" or len(children) == 1:
         return nixl
-    children = [nixl] + [{**c, "kv_role": own_role} for c in others]
-    return {
-        "kv_connector": "MultiConnector",
-        "kv_role": own_role,
-        "kv_connector_extra_config": {"connectors": children},
-    }
+    if "LMCacheMPConnector" in children and lmcache_port is None:
+        raise E2EError(f"{connector} needs the decode instance's lmcache server port")
+
+    def child(name: str) -> dict:
+        if name == "NixlConnector":
+            return nixl
+        if name == "LMCacheMPConnector":
+            # kv_both: the decode instance stores what it computes into its LMCache (a
+            # consumer's LMCacheMPConnector would only load).
+            return lmcache_mod.connector_config(lmcache_port, "kv_both")
+        return connectors.child_config(name, own_role)
+
+    return connectors.multi(own_role, [child(name) for name in children])
 
 
 def server_command(

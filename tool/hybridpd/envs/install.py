@@ -157,7 +157,7 @@ def install(
         log(f"reusing the checkout of {pin.version} in {dest}")
     else:
         log(f"checking out {pin.version} into {dest}")
-        checkout(series, pin.version, dest, source=source)
+        checkout(series, pin, dest, source=source)
     guard.fault("install:checked-out")
     applied = apply(series, dest)
     if applied.recovered:  # a killed apply (or export) on the checkout, undone first

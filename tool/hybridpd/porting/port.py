@@ -300,7 +300,7 @@ def start(
     with contextlib.ExitStack() as held:
         with cache.owned(dest, CheckoutError):
             log(f"checking out {v2.version} (sdist) into {dest}")
-            checkout_mod.checkout(series, v2.version, dest, source="sdist")
+            checkout_mod.checkout(series, v2, dest, source="sdist")
             # The port's lock from the moment the repository exists until the run
             # ends: a `port --continue` started meanwhile is refused, never let in
             # between the state file and the first patch.
@@ -859,7 +859,7 @@ def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
     under BASE_REF."""
     with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
         base = Path(tmp) / "src"
-        checkout_mod.checkout(series, v1.version, base, source="sdist")
+        checkout_mod.checkout(series, v1, base, source="sdist")
         try:
             apply_mod.apply(series, base)
         except ApplyError as exc:

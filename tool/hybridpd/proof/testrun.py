@@ -200,7 +200,7 @@ def prepare_trees(series: Series, pin: Pin, root: Path, log: Log) -> dict:
     root.mkdir(parents=True)
     stock = root / "stock"
     log(f"test: checking out {pin.version} (stock) in {stock}")
-    checkout(series, pin.version, stock, source="sdist")
+    checkout(series, pin, stock, source="sdist")
     patched = root / "patched"
     gitops.clone_local(stock, patched, "hybridpd")
     log(f"test: applying the {pin.version} series in {patched}")
@@ -414,7 +414,7 @@ def red_green(
 
 def run(
     series: Series,
-    version: str,
+    pin: Pin,
     suite: str = "all",
     *,
     full_upstream: bool = False,
@@ -422,13 +422,12 @@ def run(
     torch_spec: str | None = None,
     log: Log = quiet,
 ) -> TestReport:
-    """Prepare trees and the test environment of ``version`` and run ``suite``.
+    """Prepare trees and the test environment of ``pin`` and run ``suite``.
 
     ``full_upstream`` runs vLLM's whole selection instead of the reduced one;
     ``stock_baseline`` compares the patched upstream run with the committed stock
     baseline instead of running stock again (stock runs when the pin has none).
     """
-    pin = series.pin(version)
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite}")
     if series.tests.host_series is not None and suite == "upstream":
@@ -464,10 +463,11 @@ def pin_environment(
     env_pin, env_tree, host_tree = pin.version, stock, []
     if series.tests.host_series is not None:
         host = load_series(series.tests.host_series)
-        env_pin = host.pin(series.tests.host_pin).version
-        env_tree = root / f"host-{host.slug(host.pin(env_pin))}"
+        host_pin = host.pin(series.tests.host_pin)
+        env_pin = host_pin.version
+        env_tree = root / f"host-{host.slug(host_pin)}"
         log(f"test: checking out {host.project} {env_pin} (stock) in {env_tree}")
-        checkout(host, env_pin, env_tree, source="sdist")
+        checkout(host, host_pin, env_tree, source="sdist")
         host_tree = [env_tree]
     try:
         venv = testenv.ensure_test_env(env_pin, env_tree, cache.cache_dir(), torch_spec, log)

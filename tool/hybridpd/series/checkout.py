@@ -47,13 +47,12 @@ class CheckoutResult:
 
 def checkout(
     series: Series,
-    version: str,
+    pin: Pin,
     dest: Path,
     source: Source = "auto",
     git_url: str | None = None,
 ) -> CheckoutResult:
-    """Check out pinned ``version`` into ``dest`` (which must not exist, or be empty)."""
-    pin = series.pin(version)
+    """Check out ``pin`` into ``dest`` (which must not exist, or be empty)."""
     dest = dest.absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         if dest.is_dir() and _unfinished(dest, pin):

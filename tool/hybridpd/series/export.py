@@ -158,7 +158,7 @@ def check(
 
 
 def _sdist_checkout(series: Series, pin: Pin, dest: Path) -> None:
-    checkout_mod.checkout(series, pin.version, dest, source="sdist")
+    checkout_mod.checkout(series, pin, dest, source="sdist")
 
 
 def _stray_directories(series: Series) -> list[str]:

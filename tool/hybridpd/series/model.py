@@ -204,6 +204,18 @@ class Series:
             f"`hybridpd{option} pin add {wanted}` makes it one)"
         )
 
+    @property
+    def default(self) -> Pin:
+        """The pin a command takes when none is named: ``default_pin`` (always ported)."""
+        return self.pin(self.default_pin)
+
+    def newest(self) -> Pin:
+        """The ported pin with the highest release version; SeriesError if none."""
+        ported = [p for p in self.pins if p.ported]
+        if not ported:
+            raise SeriesError("no pin is ported yet")
+        return max(ported, key=lambda p: Version(p.version))
+
     def patch(self, patch_id: str) -> Patch | None:
         """The record with ``patch_id``, or None."""
         return next((p for p in self.patches if p.id == patch_id), None)

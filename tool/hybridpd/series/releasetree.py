@@ -38,7 +38,7 @@ def prepare(
     else:
         src.parent.mkdir(parents=True, exist_ok=True)
         log(f"checking out {pin.version} into {src}")
-        checkout(series, pin.version, src, source="sdist")
+        checkout(series, pin, src, source="sdist")
     if patched:
         result = apply(series, src)
         if result.applied:

@@ -131,7 +131,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
         stock = Path(tmp) / "stock"
         log(f"export-pr: checking out stock {pin.version}")
-        checkout(series, pin.version, stock, source="sdist")
+        checkout(series, pin, stock, source="sdist")
         exports = export_prs(series, pin, ids, stock, out_dir, log=log, force=force)
         if verify_them:
             runner = pytest_runner(series, pin, stock, Path(tmp), log=log)
