@@ -89,3 +89,44 @@ def test_an_unreadable_index_is_named_in_the_refusal(tmp_path: Path, monkeypatch
         "host; unreadable index http://127.0.0.1:9/simple"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("args", "refusal"), [
+    (["--scenario", "correctness", "--max-model-len", "4096"],
+     "Error: --max-model-len 4096 does not fit: a decode pool of 16 blocks of 128 tokens "
+     "holds one request of at most 1152 tokens; give at most 1152 (or leave it out), more "
+     "--decode-num-blocks or a larger --block-size"),
+    (["--scenario", "correctness", "--decode-num-blocks", "12"],
+     "Error: a decode pool of 12 blocks of 128 tokens holds one request of at most 640 "
+     "tokens, short of the correctness scenario's longest request (801 tokens): give more "
+     "--decode-num-blocks or a larger --block-size"),
+    (["--scenario", "smoke", "--max-model-len", "1024"],
+     "Error: --max-model-len 1024 is shorter than the smoke scenario's longest request "
+     "(1416 tokens, prompt and output): give at least 1416"),
+    (["--scenario", "prefix-repetition", "--max-model-len", "16384"],
+     "Error: --max-model-len 16384 is longer than the tiny model's 8192 positions"),
+    # The default --shared-tokens (1300) and a shorter prompt: make_prompts' refusal,
+    # which came only after the build and the servers' start.
+    (["--scenario", "smoke", "--prompt-tokens", "1000"],
+     "Error: --shared-tokens 1300 must be between 0 and --prompt-tokens 1000"),
+])
+def test_a_max_model_len_the_servers_cannot_take_is_refused_first(
+    tmp_path: Path, monkeypatch, args, refusal
+) -> None:
+    """vLLM would refuse it after the build and a server start (the decode pool), or
+    fail a request mid-run (the scenario's longest request)."""
+    from hybridpd.e2e import run as run_mod
+
+    _, series = standard_project(tmp_path)
+    reached = []
+    monkeypatch.setattr(run_mod, "preflight", lambda *a, **k: reached.append("preflight"))
+    monkeypatch.setattr(run_mod, "prepare", lambda *a, **k: reached.append("prepare"))
+    out = tmp_path / "out"
+    result = _e2e(series.path, out, "--device", "cpu", *args)
+    assert result.exit_code == 2
+    # click's usage error: the command's usage line, then the refusal in one line.
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "Usage: main e2e [OPTIONS]" and lines[-1] == refusal
+    assert [line for line in lines if line.startswith("Error")] == [refusal]
+    assert reached == [] and not out.exists()
+    assert not (cache.cache_dir() / "e2e").exists()  # no checkout, no build

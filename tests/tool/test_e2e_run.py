@@ -13,8 +13,8 @@ from builders import standard_project
 from hybridpd import proc
 from hybridpd.e2e import reap
 from hybridpd.e2e import run as run_mod
+from hybridpd.e2e import correctness, smoke
 from hybridpd.e2e import pair as pair_mod
-from hybridpd.e2e import smoke
 from hybridpd.e2e.envs import Env
 from hybridpd.e2e.servers import E2EError
 
@@ -77,7 +77,7 @@ def test_each_build_serves_each_connector_and_the_report_records_it(
 ) -> None:
     _, series = standard_project(tmp_path)
     options = _options(tmp_path, connectors=("nixl", "nixl+decodebench"), compare="stock",
-                       prompt_tokens=300, expect_patched_hit=True)
+                       prompt_tokens=300, shared_tokens=200, expect_patched_hit=True)
     result = run_mod.run(series, options, ["hybridpd", "e2e", "--pin", "1.0"], print)
 
     assert stood_in == [
@@ -154,3 +154,65 @@ def test_a_run_into_the_out_of_a_killed_run_ends_its_servers_first(
         assert stood_in.index(("pair", "patched", "nixl", str(tmp_path / "tiny"), "kv_both"))
     finally:
         left.kill()
+
+
+class _Recorder:
+    """Processes for the real ``_start_pair_once``: records each command, starts none."""
+
+    procs: dict = {}
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.started = log_dir, {}
+
+    def start(self, name, cmd, env=None, cwd=None, shm=()):
+        self.started[name] = cmd
+
+    def wait_ready(self, urls, timeout, progress):
+        return {n: 1.0 for n in urls}
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+@pytest.mark.parametrize(("scenario", "given", "max_model_len", "blocks"), [
+    # The correctness scenario's pool, 16 blocks of 128 tokens: 3 Mamba groups take 2
+    # blocks each, the null block 1, leaving 9 for attention.
+    ("correctness", {}, "1152", "16"),
+    ("correctness", {"max_model_len": 1024}, "1024", "16"),  # CI's, which fits
+    ("correctness", {"decode_num_blocks": 20}, "1664", "20"),
+    ("smoke", {}, "4096", None),  # a pool sized from memory
+])
+def test_the_servers_get_a_max_model_len_the_decode_pool_holds(
+    tmp_path: Path, stood_in: _Calls, monkeypatch: pytest.MonkeyPatch,
+    scenario, given, max_model_len, blocks,
+) -> None:
+    _, series = standard_project(tmp_path)
+    recorders = []
+
+    def start_pair(procs, env, model, connector, role, opts, progress):
+        recorders.append(_Recorder(tmp_path))
+        return pair_mod._start_pair_once(recorders[-1], env, model, connector, role, opts,
+                                         progress)
+
+    monkeypatch.setattr(pair_mod, "start_pair", start_pair)
+    monkeypatch.setattr(correctness, "run_correctness", lambda *a, **k: {
+        "requests": [], "outputs_match_baseline": True, "checks": {}})
+    result = run_mod.run(series, _options(tmp_path, scenario=scenario, **given), [], print)
+    [started] = [r.started for r in recorders]
+    assert [_flag(started[s], "--max-model-len") for s in ("prefill", "decode")] == [
+        max_model_len] * 2
+    assert _flag(started["decode"], "--num-gpu-blocks-override") == blocks
+    assert _flag(started["prefill"], "--num-gpu-blocks-override") is None
+    assert result.report.server_options["max_model_len"] == int(max_model_len)
+
+
+def test_the_pool_arithmetic() -> None:
+    qwen35 = ["linear_attention"] * 30 + ["full_attention"] * 10  # 40 layers, 1 in 4
+    assert pair_mod.kv_cache_groups(qwen35) == pair_mod.kv_cache_groups(
+        pair_mod.QWEN35_LAYER_TYPES) == (3, 1)
+    assert pair_mod.kv_cache_groups(["linear_attention", "full_attention"]) == (1, 1)
+    assert pair_mod.pool_max_model_len(16, 128, qwen35) == 1152
+    # vLLM's 256-token blocks (a CPU with AVX-512 BF16) hold more, never less.
+    assert pair_mod.pool_max_model_len(16, 256, qwen35) == 2304
+    assert pair_mod.pool_max_model_len(7, 128, qwen35) == 0

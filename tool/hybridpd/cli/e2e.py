@@ -94,7 +94,9 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--stock-only", is_flag=True, help="Run only the stock build (no patched run).")
 @click.option("--torch", "torch_spec", metavar="SPEC", help="torch requirement for builds.")
 @click.option("--block-size", type=int, default=_D.block_size, show_default=True)
-@click.option("--max-model-len", type=int, default=_D.max_model_len, show_default=True)
+@click.option("--max-model-len", type=int,
+              help="[default: 4096; with a shrunken decode pool (--decode-num-blocks, "
+              "correctness) the longest request the pool holds: 1152 for correctness]")
 @click.option("--decode-prefix-caching/--no-decode-prefix-caching",
               default=_D.decode_prefix_caching, show_default=True,
               help="The seed's D toggle (P always caches).")

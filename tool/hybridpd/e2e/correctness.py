@@ -175,6 +175,14 @@ def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
     return cases
 
 
+def longest_request(opts: CorrectnessOptions) -> int:
+    """Tokens of the longest request :func:`correctness_cases` sends, prompt and
+    output: what ``--max-model-len`` must hold (with the defaults a concurrent one:
+    the 512-token prefix + 225 tokens, then 64 generated, 801 in all)."""
+    # The lengths do not depend on the vocabulary: 3 is the smallest one cases take.
+    return max(len(c["prompt"]) + c["max_tokens"] for c in correctness_cases(3, opts))
+
+
 #: L pairs (see :func:`lmcache_cases`) tried before the correctness scenario gives up
 #: on an LMCache hit.
 LMCACHE_HIT_ATTEMPTS = 3

@@ -46,7 +46,8 @@ class ServerOptions:
     extra_args: tuple[str, ...] = ()
     ready_timeout: float = 900
     # The decode instance's KV pool in blocks (--num-gpu-blocks-override), to force
-    # preemption; None: sized from memory.
+    # preemption; None: sized from memory. A pool this small bounds max_model_len
+    # (see pool_max_model_len).
     decode_num_blocks: int | None = None
 
 
@@ -141,6 +142,66 @@ def cpu_binding(side: str, cores: list[int] | None = None) -> str:
     half = len(cores) // 2
     mine = cores[:half] if side == "P" else cores[half:]
     return ",".join(str(c) for c in mine)
+
+
+# --------------------------------------------------------------------------- the decode pool
+
+#: Blocks a request holds in each Mamba group in align mode (``--mamba-cache-mode
+#: align``): the state at the last block boundary and the running one (vLLM's
+#: ``MambaSpec.max_memory_usage_bytes``: 2 pages, no speculative decoding here).
+MAMBA_ALIGN_BLOCKS = 2
+#: Qwen3.5's layout, and the tiny model's (3 Gated-DeltaNet layers, then 1 full
+#: attention): what :func:`kv_cache_groups` assumes where the model's config is not at
+#: hand (a hub id).
+QWEN35_LAYER_TYPES = ("linear_attention",) * 3 + ("full_attention",)
+
+
+def kv_cache_groups(layer_types: list[str] | tuple[str, ...]) -> tuple[int, int]:
+    """(Mamba groups, attention groups) vLLM makes of a hybrid model's layers.
+
+    ``_get_kv_cache_groups_uniform_page_size``: every group holds as many layers as
+    the smaller type has (the "1" of an n:1 pattern; the larger count where it is under
+    1.5 times that), so 3 linear-attention layers per full-attention one make 3 Mamba
+    groups and 1 attention group. Each group takes its own blocks from the one pool.
+    """
+    linear = sum(t == "linear_attention" for t in layer_types)
+    full = len(layer_types) - linear
+    if not linear or not full:
+        return (1 if linear else 0), (1 if full else 0)
+    size = min(linear, full)
+    if max(linear, full) < 1.5 * size:
+        size = max(linear, full)
+    return -(-linear // size), -(-full // size)
+
+
+def pool_max_model_len(
+    num_blocks: int, block_size: int, layer_types: list[str] | tuple[str, ...]
+) -> int:
+    """The longest request (prompt + output, in tokens) a pool of ``num_blocks``
+    blocks holds: the largest ``--max-model-len`` vLLM starts with on that pool.
+
+    vLLM refuses to start when one request of ``--max-model-len`` tokens does not fit
+    (``_check_enough_kv_cache_memory``; with ``--num-gpu-blocks-override`` the pool
+    is that many blocks, one of them the null block BlockPool holds back: 0.32.0 and
+    0.33.0 count it, 0.20.2 does not and holds one block more). Every block is one
+    page in each layer of a group, Mamba pages padded to the attention page; one
+    request takes :data:`MAMBA_ALIGN_BLOCKS` blocks in each Mamba group and
+    ceil(len / block_size) in each attention group, so
+
+        len <= (num_blocks - 1 - 2 * mamba_groups) // attention_groups * block_size
+
+    The correctness scenario's pool, 16 blocks of 128 tokens for 3 Mamba groups and 1
+    attention group: (16 - 1 - 6) * 128 = 1152 tokens, the "estimated maximum model
+    length" vLLM names when it refuses the default 4096 there. vLLM may raise the block
+    size until an attention page holds a Mamba state: on a CPU with AVX-512 BF16 it
+    keeps the Gated-DeltaNet state in fp32 (the tiny model's: 4 x 64 x 64 x 4 bytes +
+    its conv state, over the 64 KiB of a 128-token attention page at 512 bytes a
+    token) and takes 256 tokens a block. It never lowers a ``--block-size`` given to
+    it, so the pool then holds more, and the value at ``block_size`` fits on every host.
+    """
+    mamba, attention = kv_cache_groups(layer_types)
+    usable = num_blocks - 1 - MAMBA_ALIGN_BLOCKS * mamba
+    return max(0, usable // max(attention, 1) * block_size)
 
 
 # --------------------------------------------------------------------------- a pair

@@ -23,7 +23,7 @@ from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e.envs import Env, given, preflight, prepare, probe
 from hybridpd.e2e.servers import E2EError, Processes
-from hybridpd.e2e.tinymodel import spec_id
+from hybridpd.e2e.tinymodel import SPEC, spec_id
 from hybridpd.errors import Interrupted, UsageError
 from hybridpd.progress import Log
 from hybridpd.series.model import Series
@@ -60,7 +60,8 @@ class E2EOptions:
     torch_spec: str | None = None
     # The scenarios' own defaults, so the two never drift apart.
     block_size: int = _SERVER.block_size
-    max_model_len: int = _SERVER.max_model_len
+    # None: 4096, or with a shrunken decode pool what it holds (_max_model_len).
+    max_model_len: int | None = None
     decode_prefix_caching: bool = _SERVER.decode_prefix_caching
     prompt_tokens: int = _SMOKE.prompt_tokens
     shared_tokens: int = _SMOKE.shared_tokens
@@ -131,7 +132,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
         )
         for b in plan.builds
     }
-    opts = _server_options(o, plan.gpus)
+    opts = _server_options(o, plan)
     first = envs[plan.builds[0]]
     process_env = pair_mod.server_env(opts, "P", 0)
     caps = _capabilities(envs, process_env, o.device, log)
@@ -142,7 +143,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
         environments={b: e.to_json() for b, e in envs.items()},
         capabilities=caps,
         server_options={
-            "block_size": o.block_size, "max_model_len": o.max_model_len,
+            "block_size": o.block_size, "max_model_len": plan.max_model_len,
             "decode_prefix_caching": o.decode_prefix_caching, "extra_args": list(o.server_args),
         },
         notes=notes,
@@ -167,6 +168,8 @@ class _Plan:
     gpus: tuple[str, ...]
     builds: tuple[str, ...]
     lmcache: bool = False  # the connector sets use LMCache: venvs with lmcache
+    decode_num_blocks: int | None = None  # the decode pool; None: sized from memory
+    max_model_len: int = _SERVER.max_model_len  # what the servers get
 
     @classmethod
     def of(cls, o: E2EOptions, log: Log) -> _Plan:
@@ -201,7 +204,16 @@ class _Plan:
                 "LMCache connector sets run on CPU only so far (the lmcache wheel hybridpd "
                 "builds has no GPU extension)"
             )
-        return cls(connectors, gpus, builds, bool(lmcache))
+        if o.scenario == "smoke" and not 0 < o.shared_tokens < o.prompt_tokens:
+            # make_prompts' own check, before the build and the servers' start.
+            raise E2EUsageError(f"--shared-tokens {o.shared_tokens} must be between 0 and "
+                                f"--prompt-tokens {o.prompt_tokens}")
+        blocks = (
+            o.decode_num_blocks if o.decode_num_blocks is not None
+            else (CORRECTNESS_DECODE_BLOCKS if o.scenario == "correctness" else None)
+        )
+        max_model_len = _max_model_len(o, blocks, bool(lmcache))
+        return cls(connectors, gpus, builds, bool(lmcache), blocks, max_model_len)
 
     @staticmethod
     def venv(o: E2EOptions, build: str) -> Path | None:
@@ -209,16 +221,76 @@ class _Plan:
         return o.patched_venv if build == "patched" else o.stock_venv
 
 
-def _server_options(o: E2EOptions, gpus: tuple[str, ...]) -> pair_mod.ServerOptions:
+#: The correctness scenario's decode pool in blocks (``--decode-num-blocks``' default
+#: there): small enough that its concurrent requests preempt (see CorrectnessOptions).
+CORRECTNESS_DECODE_BLOCKS = 16
+
+
+def _max_model_len(o: E2EOptions, blocks: int | None, lmcache: bool) -> int:
+    """``--max-model-len`` for both servers: the one given; left out, the longest
+    request a decode pool of ``blocks`` blocks holds, or 4096 where the pool is sized
+    from memory. E2EUsageError where the value, or the pool, cannot hold the scenario's
+    longest request, or the pool cannot hold the value given: vLLM would refuse it only
+    after the build and a server start (minutes), or fail a request mid-run."""
+    longest = _longest_request(o, lmcache)
+    value = o.max_model_len if o.max_model_len is not None else _SERVER.max_model_len
+    if blocks is not None:
+        # P's pool is sized from memory; D's is `blocks` blocks, and vLLM starts D only
+        # when one request of --max-model-len tokens fits it (pair.pool_max_model_len).
+        holds = pair_mod.pool_max_model_len(blocks, o.block_size, _layer_types(o))
+        pool = (f"a decode pool of {blocks} blocks of {o.block_size} tokens holds one "
+                f"request of at most {holds} tokens")
+        if holds < longest:
+            raise E2EUsageError(
+                f"{pool}, short of the {o.scenario} scenario's longest request ({longest} "
+                "tokens): give more --decode-num-blocks or a larger --block-size")
+        if o.max_model_len is None:
+            value = holds
+        elif o.max_model_len > holds:
+            raise E2EUsageError(
+                f"--max-model-len {o.max_model_len} does not fit: {pool}; give at most "
+                f"{holds} (or leave it out), more --decode-num-blocks or a larger --block-size")
+    if value < longest:
+        raise E2EUsageError(
+            f"--max-model-len {value} is shorter than the {o.scenario} scenario's longest "
+            f"request ({longest} tokens, prompt and output): give at least {longest}")
+    if o.tiny and value > SPEC["max_position_embeddings"]:
+        # vLLM refuses a --max-model-len over the model's positions.
+        raise E2EUsageError(f"--max-model-len {value} is longer than the tiny model's "
+                            f"{SPEC['max_position_embeddings']} positions")
+    return value
+
+
+def _longest_request(o: E2EOptions, lmcache: bool) -> int:
+    """Tokens of the scenario's longest request, prompt and output."""
+    if o.scenario == "smoke":
+        return o.prompt_tokens + o.max_tokens
+    if o.scenario == "correctness":
+        return correctness.longest_request(correctness.CorrectnessOptions(
+            block_size=o.block_size, max_tokens=o.max_tokens, seed=o.seed, lmcache=lmcache))
+    return o.prefix_len + o.suffix_len + o.output_len
+
+
+def _layer_types(o: E2EOptions) -> list[str] | tuple[str, ...]:
+    """The model's layer types before anything is built: the tiny model's spec, a
+    local model's config.json, else Qwen3.5's layout (a hub id)."""
+    if o.tiny:
+        return SPEC["layer_types"]
+    cfg = Path(o.model) / "config.json"
+    if cfg.exists():
+        data = json.loads(cfg.read_text())
+        types = data.get("text_config", data).get("layer_types")
+        if types:
+            return types
+    return pair_mod.QWEN35_LAYER_TYPES
+
+
+def _server_options(o: E2EOptions, plan: _Plan) -> pair_mod.ServerOptions:
     return pair_mod.ServerOptions(
-        device=o.device, block_size=o.block_size, max_model_len=o.max_model_len,
-        decode_prefix_caching=o.decode_prefix_caching, gpus=gpus,
+        device=o.device, block_size=o.block_size, max_model_len=plan.max_model_len,
+        decode_prefix_caching=o.decode_prefix_caching, gpus=plan.gpus,
         gpu_memory_utilization=o.gpu_memory_utilization, extra_args=tuple(o.server_args),
-        ready_timeout=o.ready_timeout,
-        decode_num_blocks=(
-            o.decode_num_blocks if o.decode_num_blocks is not None
-            else (16 if o.scenario == "correctness" else None)
-        ),
+        ready_timeout=o.ready_timeout, decode_num_blocks=plan.decode_num_blocks,
     )
 
 
