@@ -146,7 +146,7 @@ if [ "$e2e" = 1 ]; then
       installed_gate
     step "hybridpd e2e correctness (0.32.0, CPU, patched vs a single instance)" \
       "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
-      --role kv_producer/kv_consumer --connector nixl --max-model-len 1024 \
+      --role kv_producer/kv_consumer --connector nixl \
       --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
     gates=(bash ci/lmcache-gates.sh)
     red="red on a vLLM mutant"

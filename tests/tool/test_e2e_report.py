@@ -126,6 +126,19 @@ def test_kv_transfer_configs() -> None:
     assert p == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
 
 
+def test_cpu_servers_outlast_a_slow_first_step(monkeypatch) -> None:
+    """A CPU instance gets a longer step timeout than vLLM's 300 s, unless the operator
+    set one."""
+    monkeypatch.delenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    cpu = pair_mod.server_env(pair_mod.ServerOptions(device="cpu"), "D", 5600)
+    assert cpu["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "1800"
+    gpu = pair_mod.server_env(pair_mod.ServerOptions(device="cuda"), "D", 5600)
+    assert "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in gpu
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "60")
+    assert pair_mod.server_env(pair_mod.ServerOptions(device="cpu"), "P", 5600)[
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "60"
+
+
 def test_cpu_binding_splits_the_cores() -> None:
     assert pair_mod.cpu_binding("P", [0, 1]) == "0"
     assert pair_mod.cpu_binding("D", [0, 1]) == "1"

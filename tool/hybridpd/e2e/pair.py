@@ -112,6 +112,10 @@ def server_command(
     return cmd + list(opts.extra_args)
 
 
+#: ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` of a CPU instance (vLLM's default: 300).
+CPU_STEP_TIMEOUT_S = 1800
+
+
 def server_env(opts: ServerOptions, side: str, nixl_port: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PORT")}
     env.update(
@@ -124,6 +128,10 @@ def server_env(opts: ServerOptions, side: str, nixl_port: int) -> dict:
     )
     if opts.device == "cpu":
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(opts.cpu_kvcache_gib))
+        # vLLM gives a step 300 s before it kills the engine core; a CPU worker that is
+        # still compiling its kernels, or sharing a small host's cores with the other
+        # instance, can take longer for its first 512-token prefill.
+        env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(CPU_STEP_TIMEOUT_S))
         # Left to itself each engine binds its OpenMP threads to every core; two
         # engines then spin against each other and a 2-core machine takes ~30 s per
         # request hand-over. Give P the first half of the cores and D the rest.
