@@ -2,7 +2,7 @@
 # The LMCache gates of the CPU e2e (v0.32.0; the decode instance runs a MultiConnector of
 # NIXL and LMCacheMP, in both child orders, with its own tool-started `lmcache server`):
 #   1. the correctness scenario with the patched vLLM and the patched lmcache, in both
-#      orders ([LMCacheMP, NIXL] and the seed's [NIXL, LMCacheMP]): every output equals
+#      orders ([LMCacheMP, NIXL] and vllm#42524's [NIXL, LMCacheMP]): every output equals
 #      the single instance's, the decode instance takes its local prefix hit and
 #      LMCache serves it a hit (request L2);
 #   2. the correctness gate on a mutant of the patched vLLM build that resumes without

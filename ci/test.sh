@@ -125,7 +125,7 @@ if [[ " $pins " == *" 0.32.0 "* && " $pins " == *" 0.33.0 "* ]]; then
     -q -p no:cacheprovider
 fi
 
-# The seed's workload, scaled down (64 prompts, output 128, concurrency 32) on the
+# vllm#42524's workload, scaled down (64 prompts, output 128, concurrency 32) on the
 # default H20-sized pool; docs/benchmarks.md has the full-scale runs. Both pins run
 # whatever --pins says: the gate is about the bench, not the pin list.
 bench_gate() {

@@ -3,6 +3,8 @@ parser: no stale option, subcommand or choice, no missing argument. Nothing is r
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 import shlex
 from dataclasses import dataclass
@@ -12,6 +14,9 @@ import click
 import pytest
 
 from hybridpd.cli.main import main
+from hybridpd.cli.options import State
+from hybridpd.errors import HybridpdError
+from hybridpd.series.model import Pin, Series
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -113,6 +118,25 @@ def _rest(ctx: click.Context) -> list[str]:
     return [*protected, *ctx.args]
 
 
+#: Releases the docs add with ``hybridpd pin add V`` (and then port): the examples that
+#: follow name them as pins.
+ADDED_PINS = sorted({m.group(1) for path in DOCS
+                     for m in re.finditer(r"hybridpd (?:--series \S+ )?pin add v?([\d.]+)",
+                                          path.read_text(encoding="utf-8"))})
+
+
+class _DocsState(State):
+    """The CLI's state, its series holding the pins the docs add as well."""
+
+    @functools.cached_property
+    def series(self) -> Series:
+        series = super().series
+        known = {pin.version for pin in series.pins}
+        added = tuple(Pin(v, f"v{v}", f"vllm-{v}.tar.gz", "0" * 64)
+                      for v in ADDED_PINS if v not in known)
+        return dataclasses.replace(series, pins=series.pins + added)
+
+
 def check(args: list[str]) -> None:
     """Parse ``hybridpd ARGS`` as click would, down to the leaf command's own parameters,
     without invoking anything. Raises click's error for a stale example. A command named
@@ -129,8 +153,14 @@ def check(args: list[str]) -> None:
         except click.exceptions.Exit as done:  # --help, --version
             assert done.exit_code == 0
             return
+        except HybridpdError as exc:  # a --pin that is no pin of the series
+            raise click.UsageError(exc.message) from None
         if not isinstance(command, click.Group):
             return
+        if parent is None:
+            # What the group's callback does before a command runs: the series the
+            # command's --pin is resolved in (the repository's, or --series).
+            ctx.obj = _DocsState(ctx.params.get("series_path"))
         rest = _rest(ctx)
         if not rest:
             return  # `hybridpd` alone, or with global options only

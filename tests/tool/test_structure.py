@@ -1,5 +1,5 @@
 """The tool's layering, checked on its source: one runner, a click-free library, thin
-commands (see README's "Layout")."""
+commands, and the floors of the wings (see docs/layout.md)."""
 
 from __future__ import annotations
 

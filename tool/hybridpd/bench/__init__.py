@@ -1,4 +1,4 @@
-"""``hybridpd bench``: the decode-side effect of the series at the seed's scale, without
+"""``hybridpd bench``: the decode-side effect of the series at vllm#42524's scale, without
 a GPU.
 
 Modules: :mod:`.deployment` (the model's shape, the KV pool and the cost model, derived

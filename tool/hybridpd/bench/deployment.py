@@ -56,7 +56,7 @@ H20_BF16_TFLOPS = 148.0
 
 @dataclass(frozen=True)
 class Workload:
-    """vLLM's ``prefix_repetition`` dataset at the seed's settings by default."""
+    """vLLM's ``prefix_repetition`` dataset at vllm#42524's settings by default."""
 
     prefix_len: int = 16384
     suffix_len: int = 1024
@@ -66,7 +66,7 @@ class Workload:
     concurrency: int = 256
     seed: int = 0
     #: Prompts that are an earlier prompt's first k blocks + 1 token (the len-1
-    #: corner); 0 is the seed's workload.
+    #: corner); 0 is vllm#42524's workload.
     exact_repeat_fraction: float = 0.0
 
 

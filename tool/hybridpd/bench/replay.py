@@ -1,4 +1,4 @@
-"""``hybridpd bench replay``: the seed's workload through a pin's real decode-side
+"""``hybridpd bench replay``: vllm#42524's workload through a pin's real decode-side
 scheduler, stock and patched side by side.
 
 :func:`run` plans the deployment (:mod:`.deployment`), runs

@@ -1,4 +1,4 @@
-"""``hybridpd bench``: the decode-side effect of the series at the seed's scale, on CPU.
+"""``hybridpd bench``: the decode-side effect of the series at vllm#42524's scale, on CPU.
 
 ``replay`` drives a pin's real scheduler as a decode instance (:mod:`.replay`);
 ``lookup`` times the hit computation (:mod:`.lookup`). Exit codes: 0 ok, 1 a run
@@ -84,7 +84,7 @@ def _status_printer():
 @jsonout.flag()
 @click.pass_obj
 def replay_command(state, version, connector, png, expect_hit, expect_gap, as_json, **p) -> None:
-    """Replay the seed's prefix-repetition workload through the pin's real decode-side
+    """Replay vllm#42524's prefix-repetition workload through the pin's real decode-side
     Scheduler (KV cache manager, coordinator, connector), stock then patched.
 
     Hits, pulls, blocks, running and waiting requests, preemptions and steps are

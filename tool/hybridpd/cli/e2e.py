@@ -99,7 +99,7 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
               "correctness) the longest request the pool holds: 1152 for correctness]")
 @click.option("--decode-prefix-caching/--no-decode-prefix-caching",
               default=_D.decode_prefix_caching, show_default=True,
-              help="The seed's D toggle (P always caches).")
+              help="vllm#42524's D toggle (P always caches).")
 @click.option("--prompt-tokens", type=int, default=_D.prompt_tokens, show_default=True, help="smoke: prompt A length.")
 @click.option("--shared-tokens", type=int, default=_D.shared_tokens, show_default=True,
               help="smoke: tokens prompt B shares with A.")

@@ -1,5 +1,5 @@
 """The ``prefix-repetition`` scenario: ``vllm bench serve --dataset-name
-prefix_repetition`` through the proxy (the seed's workload), its TTFT and throughput
+prefix_repetition`` through the proxy (vllm#42524's workload), its TTFT and throughput
 recorded beside D's metric deltas.
 """
 

@@ -11,7 +11,7 @@ In the library a report is an :class:`E2EReport` of :class:`RunResult` runs (a f
 run and a failed one have the same type); ``to_json``/``from_json`` are the file's
 shape, and ``from_json`` reads reports older than a field.
 
-``report.md`` uses the seed's ON/OFF table layout with stock (upstream's behaviour)
+``report.md`` uses vllm#42524's ON/OFF table layout with stock (upstream's behaviour)
 as OFF and patched as ON. The plot is drawn by ``plot.py`` under the e2e venv's
 Python, which has matplotlib; hybridpd itself does not need it.
 """
@@ -180,7 +180,7 @@ def smoke_table(report: E2EReport) -> list[str]:
 
 
 def bench_table(report: E2EReport) -> list[str]:
-    """The seed's table: workload | OFF/ON TTFT | ΔTTFT | OFF/ON output TPS | ΔTPS."""
+    """vllm#42524's table: workload | OFF/ON TTFT | ΔTTFT | OFF/ON output TPS | ΔTPS."""
     stock, patched = report.runs_by("stock"), report.runs_by("patched")
     lines = [
         "| connector | prefix_len | suffix_len | num_prefix | num_prompts | concurrency "

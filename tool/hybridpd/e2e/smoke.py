@@ -1,11 +1,11 @@
-"""The ``smoke`` scenario (upstream's test_mamba_prefix_cache.py, plus the seed's key
+"""The ``smoke`` scenario (upstream's test_mamba_prefix_cache.py, plus vllm#42524's key
 case), with prompts given as token ids so that their lengths and shared prefixes are
 exact:
 
 ====  ===================================  =========================================
  r1   prompt A (``prompt_tokens`` long)    cold: everything is pulled from P
  r2   prompt A again                        upstream's case: fewer bytes, same output
- r3   prompt B = A[:shared] + new suffix    the seed's case: D's local prefix hit
+ r3   prompt B = A[:shared] + new suffix    vllm#42524's case: D's local prefix hit
  r4   B after D's prefix cache is reset     cold decode instance: r3's output must
                                             equal r4's token for token
  r5   B on P alone, no KV transfer          single instance: r3's first tokens must

@@ -105,7 +105,7 @@ def _split_overlap(body: str) -> tuple[str, list[str]]:
     return "\n\n".join(kept), overlap
 
 
-#: The served model, flags and workload of the GPU plan: seed 000's measurement.
+#: The served model, flags and workload of the GPU plan: vllm#42524's measurement.
 GPU_MODEL = "Qwen/Qwen3.5-35B-A3B"
 GPU_SERVE_FLAGS = (
     "--enforce-eager --enable-prefix-caching --mamba-cache-mode align --block-size 128 "
