@@ -21,7 +21,7 @@ from hybridpd.envs import wheel_overlay as wo
 from hybridpd.series.apply import TRAILER
 from hybridpd.series.checkout import checkout
 from hybridpd.series.export import export
-from hybridpd.series.model import Series, load
+from hybridpd.series.model import Pin, Series, load
 
 PACKAGE = "proj"
 
@@ -56,6 +56,12 @@ FEATURE = {
     "proj/feature.py": "def double(x):\n    return 2 * x\n",
     "README.txt": "proj: a tiny fixture project\nNow with doubling.\n",
 }
+
+
+def stub_pin(version: str) -> Pin:
+    """A :class:`Pin` of ``version`` outside any series (tag ``v<version>``), for the
+    functions that take a pin where a test has no series."""
+    return Pin(version, f"v{version}", f"{PACKAGE}-{version}.tar.gz", "0" * 64)
 
 
 @dataclass(frozen=True)

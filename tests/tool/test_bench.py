@@ -22,6 +22,14 @@ from hybridpd.cli import main as cli_main
 from hybridpd.cli.options import State
 from hybridpd.bench import decode_replay, deployment, env, lookup, render, replay
 from hybridpd.errors import UsageError
+from hybridpd.series.model import load
+
+from builders import stub_pin
+
+
+def _repo_series():
+    """The repository's vLLM series, which the commands resolve ``--pin`` in."""
+    return load(Path(__file__).resolve().parents[2] / "patches" / "series.toml")
 
 
 # -- deployment ---------------------------------------------------------------------
@@ -174,7 +182,7 @@ def test_corner_counts_are_in_the_json_and_the_table_stock_beside_patched(monkey
         return report
 
     monkeypatch.setattr(replay, "run", run)
-    monkeypatch.setattr(State, "series", None)
+    monkeypatch.setattr(State, "series", _repo_series())
     out = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.33.0", "--json",
                                         "--exact-repeat-fraction", "0.25"])
     assert out.exit_code == 0, out.output
@@ -227,7 +235,7 @@ def test_png_is_written(tmp_path: Path) -> None:
 
 def test_expect_hit_fails_the_command_below_the_fraction(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(replay, "run", lambda series, options, log, status: _report(98))
-    monkeypatch.setattr(State, "series", None)
+    monkeypatch.setattr(State, "series", _repo_series())
     runner = CliRunner()
     ok = runner.invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2", "--expect-hit", "0.98"])
     assert ok.exit_code == 0, ok.output
@@ -241,7 +249,7 @@ def test_expect_hit_fails_the_command_below_the_fraction(monkeypatch, tmp_path) 
 
 
 def test_library_usage_errors_show_the_subcommands_usage_line(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(State, "series", None)
+    monkeypatch.setattr(State, "series", _repo_series())
     bad_config = tmp_path / "config.json"
     bad_config.write_text("not json")
     runner = CliRunner()
@@ -255,7 +263,7 @@ def test_library_usage_errors_show_the_subcommands_usage_line(monkeypatch, tmp_p
 @pytest.mark.parametrize("text", ["[1, 2]", '{"text_config": 3}', '{"hidden_size": 8}',
                                   '{"num_hidden_layers": "40"}'])
 def test_a_model_config_of_the_wrong_shape_is_one_usage_line(monkeypatch, tmp_path, text) -> None:
-    monkeypatch.setattr(State, "series", None)
+    monkeypatch.setattr(State, "series", _repo_series())
     config = tmp_path / "config.json"
     config.write_text(text)
     result = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2",
@@ -278,7 +286,8 @@ class _Env(env.BenchEnv):
 
 
 def _env(tmp_path: Path) -> _Env:
-    return _Env("0.0.0", tmp_path, tmp_path, {"stock": tmp_path, "patched": tmp_path}, tmp_path,
+    return _Env(stub_pin("0.0.0"), tmp_path, tmp_path, {"stock": tmp_path, "patched": tmp_path},
+                tmp_path,
                 ("scheduler-mamba-external-kv",))
 
 
@@ -315,7 +324,7 @@ def _fake_lookup_env(tmp_path: Path, monkeypatch, worker: Path) -> None:
 
     fake = _env(tmp_path)
     monkeypatch.setattr(lookup, "prepared",
-                        lambda series, version, log: contextlib.nullcontext(fake))
+                        lambda series, pin, log: contextlib.nullcontext(fake))
     monkeypatch.setattr(lookup, "WORKER", worker)
 
 
@@ -334,7 +343,7 @@ def test_lookup_alternates_builds_and_reports_the_ratio_spread(tmp_path, monkeyp
             print(json.dumps({"sample": {"decode": 100 * slow * n, "plain": 50 * slow * n}}), flush=True)
     """)
     _fake_lookup_env(tmp_path, monkeypatch, worker)
-    report = lookup.run(None, lookup.LookupOptions("0.0.0", repeats=4, calls=1))
+    report = lookup.run(None, lookup.LookupOptions(stub_pin("0.0.0"), repeats=4, calls=1))
     ratio = report.ratio_patched_over_stock
     assert ratio["decode"]["median"] == pytest.approx(1.02)
     assert ratio["plain"]["min"] == pytest.approx(1.02)
@@ -354,4 +363,4 @@ def test_lookup_worker_that_dies_is_one_error(tmp_path, monkeypatch) -> None:
     worker = _script(tmp_path, "raise SystemExit('import failed')\n")
     _fake_lookup_env(tmp_path, monkeypatch, worker)
     with pytest.raises(env.BenchError, match=r"lookup worker \(stock\) stopped answering; log "):
-        lookup.run(None, lookup.LookupOptions("0.0.0", repeats=1, calls=1))
+        lookup.run(None, lookup.LookupOptions(stub_pin("0.0.0"), repeats=1, calls=1))

@@ -13,7 +13,7 @@ import git
 import pytest
 
 from hybridpd.envs import build as b
-from builders import killed_apply, make_wheel
+from builders import killed_apply, make_wheel, stub_pin
 from hybridpd.envs import wheel_overlay as wo
 
 STOCK = {
@@ -206,12 +206,12 @@ def test_find_cached_wheel_matches_distribution_and_version(tmp_path):
 
 def test_build_rejects_unknown_variant(tmp_path):
     with pytest.raises(b.BuildError, match="variant"):
-        b.build(tmp_path, tmp_path / "venv", "1.0", "v1.0", variant="rocm")
+        b.build(tmp_path, tmp_path / "venv", stub_pin("1.0"), variant="rocm")
 
 
 def test_build_needs_the_stock_ref(checkout, tmp_path):
     with pytest.raises(b.BuildError, match="v9.9"):
-        b.build(Path(checkout.working_tree_dir), tmp_path / "venv", "9.9", "v9.9", variant="cpu")
+        b.build(Path(checkout.working_tree_dir), tmp_path / "venv", stub_pin("9.9"), variant="cpu")
 
 
 def test_cpu_plugin_wheel_registers_a_platform_plugin(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from builders import Project
+from builders import Project, stub_pin
 from click.testing import CliRunner
 from hybridpd import pkgindex, proc
 from hybridpd.envs import doctor, kernels
@@ -268,8 +268,8 @@ def test_the_cpu_torch_of_a_pin_comes_from_its_cached_sdist(tmp_path: Path) -> N
         info = tarfile.TarInfo("vllm-9.9/requirements/cpu.txt")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-    assert str(doctor.cpu_torch_pin(root, "9.9")) == "2.20.0+cpu"
-    assert doctor.cpu_torch_pin(root, "9.8") is None
+    assert str(doctor.cpu_torch_pin(root, stub_pin("9.9"))) == "2.20.0+cpu"
+    assert doctor.cpu_torch_pin(root, stub_pin("9.8")) is None
 
 
 def test_disk_and_cache_lines(series, tmp_path, monkeypatch) -> None:

@@ -17,6 +17,8 @@ from hybridpd.explain import model, render, runner
 from hybridpd import connectors
 from hybridpd.series.model import Series
 
+from builders import stub_pin
+
 
 def test_named_sets_are_vllms_kv_transfer_configs() -> None:
     nixl = connectors.kv_transfer_config("nixl", None)
@@ -96,7 +98,7 @@ REFUSED = {"error": "ValueError: Failed to promote local KV cache specs to one u
 
 
 def _result(stock: dict, patched: dict) -> runner.Explained:
-    return runner.Explained("0.32.0", "Org/Name", {"kv_connector": "NixlConnector"}, None,
+    return runner.Explained(stub_pin("0.32.0"), "Org/Name", {"kv_connector": "NixlConnector"}, None,
                             {"stock": stock, "patched": patched}, 12.34)
 
 
@@ -307,9 +309,9 @@ def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypa
 
     seen = []
 
-    def fake(series, version, cases, log):
-        seen.append((version, cases))
-        return [runner.Explained(version, cases[0].model, cases[0].kv_transfer_config, None,
+    def fake(series, pin, cases, log):
+        seen.append((pin.version, cases))
+        return [runner.Explained(pin, cases[0].model, cases[0].kv_transfer_config, None,
                                  {"stock": {"failed": "x"}, "patched": {"failed": "y"}},
                                  1.0, {"stock": "s.log", "patched": "p.log"})]
 
@@ -560,7 +562,7 @@ def test_risks_apply_from_the_records_and_the_fix_state_from_the_fixing_patch(tm
     series = _series(tmp_path)
     assert [s.project for s in risks.hosted_series(series)] == ["vLLM", "LMCache"]
     lm = connectors.kv_transfer_config("nixl+lmcache", None)
-    found = {r["id"]: r for r in risks.assess(series, "2.0", lm, 0, _answers())}
+    found = {r["id"]: r for r in risks.assess(series, series.pin("2.0"), lm, 0, _answers())}
     assert set(found) == {"failed-load", "null-slot"}  # no speculative decoding
     assert found["null-slot"]["applies"] == {"stock": True, "patched": True}
     assert found["null-slot"]["fixed"] == {
@@ -572,18 +574,19 @@ def test_risks_apply_from_the_records_and_the_fix_state_from_the_fixing_patch(tm
                                              "patched": "fixed upstream in vLLM 1.5"}
     # Below 2 blocks per step the null slot is never stored; the block size unanswered
     # (the driver stopped at its limit), it may apply.
-    assert "null-slot" not in {r["id"] for r in risks.assess(series, "2.0", lm, 0,
+    assert "null-slot" not in {r["id"] for r in risks.assess(series, series.pin("2.0"), lm, 0,
                                                              _answers(batched=2048))}
-    maybe = {r["id"]: r for r in risks.assess(series, "2.0", lm, 0, _answers(block=None))}
+    maybe = {r["id"]: r
+             for r in risks.assess(series, series.pin("2.0"), lm, 0, _answers(block=None))}
     assert maybe["null-slot"]["applies"] == {"stock": None, "patched": None}
     # On the older pin the load fix is carried, the crash fix dropped (the record's why).
     offload = connectors.kv_transfer_config("nixl+offloading", None)
-    old = {r["id"]: r for r in risks.assess(series, "1.0", offload, 2, _answers())}
+    old = {r["id"]: r for r in risks.assess(series, series.pin("1.0"), offload, 2, _answers())}
     assert old["failed-load"]["fixed"] == {"stock": None, "patched": "fixed by load-fix"}
     assert old["crash"]["fixed"] == {"stock": None, "patched": None}
     assert old["crash"]["fix_dropped"] == "Not needed there."
     assert old["spec"]["fixed"] == {"stock": None, "patched": None}
-    assert risks.assess(series, "2.0", None, 0, _answers()) == []
+    assert risks.assess(series, series.pin("2.0"), None, 0, _answers()) == []
 
 
 def test_the_lmcache_series_fix_state_is_that_of_the_lmcache_release_deployed(tmp_path) -> None:
@@ -595,7 +598,7 @@ def test_the_lmcache_series_fix_state_is_that_of_the_lmcache_release_deployed(tm
     lm = connectors.kv_transfer_config("nixl+lmcache", None)
 
     def fixed(version: str | None) -> dict:
-        found = risks.assess(series, "2.0", lm, 0, _answers(),
+        found = risks.assess(series, series.pin("2.0"), lm, 0, _answers(),
                              {"lmcache": version} if version else None)
         return next(r["fixed"] for r in found if r["id"] == "null-slot")
 
@@ -614,7 +617,7 @@ def test_risk_lines_put_the_open_ones_first(tmp_path) -> None:
     series = _series(tmp_path)
     lm = connectors.kv_transfer_config("nixl+lmcache", None)
     result = _result({"steps": {"start": START}}, {"steps": {"start": START}})
-    result.risks = risks.assess(series, "2.0", lm, 1, _answers())
+    result.risks = risks.assess(series, series.pin("2.0"), lm, 1, _answers())
     lines = render.lines(result)
     at = lines.index("5. known correctness risks (the series' records):")
     assert lines[at + 1:at + 6] == [
@@ -636,17 +639,19 @@ def test_no_risk_applies_where_vllm_refuses_the_deployment(tmp_path) -> None:
     series = _series(tmp_path)
     nixl = connectors.kv_transfer_config("nixl", None)
     refused = {side: {"steps": {"start": START, "groups": REFUSED}} for side in runner.SIDES}
-    assert risks.assess(series, "2.0", nixl, 0, refused) == []
+    assert risks.assess(series, series.pin("2.0"), nixl, 0, refused) == []
     result = _result(*refused.values())
     assert render.lines(result)[-2] == (
         "5. known correctness risks (the series' records): none: vLLM refuses the deployment")
     # What explain cannot answer is no refusal: the risk may still apply.
     unknown = {side: {"steps": {"start": START, "groups": {**REFUSED, "unknown": "cpu"}}}
                for side in runner.SIDES}
-    assert [r["id"] for r in risks.assess(series, "2.0", nixl, 0, unknown)] == ["failed-load"]
+    assert [r["id"] for r in risks.assess(series, series.pin("2.0"), nixl, 0, unknown)] == [
+        "failed-load"]
     # A decode-side step explain could not run is not vLLM refusing the deployment.
     started = {side: {"steps": {"start": START, "decode_hit": REFUSED}} for side in runner.SIDES}
-    assert [r["id"] for r in risks.assess(series, "2.0", nixl, 0, started)] == ["failed-load"]
+    assert [r["id"] for r in risks.assess(series, series.pin("2.0"), nixl, 0, started)] == [
+        "failed-load"]
 
 
 def test_a_risk_that_applies_on_one_side_only_says_so(tmp_path) -> None:
@@ -657,7 +662,8 @@ def test_a_risk_that_applies_on_one_side_only_says_so(tmp_path) -> None:
     nixl = connectors.kv_transfer_config("nixl", None)
     started = {"steps": {"start": START}}
     refused = {"steps": {"start": START, "groups": REFUSED}}
-    (risk,) = risks.assess(series, "1.0", nixl, 0, {"stock": refused, "patched": started})
+    (risk,) = risks.assess(series, series.pin("1.0"), nixl, 0,
+                           {"stock": refused, "patched": started})
     assert risk["applies"] == {"stock": False, "patched": True}
     result = _result(refused, started)
     result.risks = [risk]

@@ -48,7 +48,7 @@ def answers(request) -> dict[str, runner.Explained]:
                                   kv_transfer_config=connectors.kv_transfer_config(c, None),
                                   timeout=600.0, **extra)
             for c, extra in CASES.values()]
-    return dict(zip(CASES, runner.explain_cases(series, request.param, opts)))
+    return dict(zip(CASES, runner.explain_cases(series, series.pin(request.param), opts)))
 
 
 def _both(result: runner.Explained, key: str) -> str:

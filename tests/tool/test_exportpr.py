@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from builders import FEATURE, FIX_ADD, PACKAGE, Project, commit_patch
+from builders import FEATURE, FIX_ADD, PACKAGE, Project, commit_patch, stub_pin
 from click.testing import CliRunner
 from hybridpd import gitops
 from hybridpd.upstreaming import commits, evidence, layout, render, verify
@@ -680,7 +680,8 @@ def test_series_option_names_a_series_beside_the_default_one(tmp_path):
     other.parent.mkdir()
     other.write_text(project.series_path.read_text())
     assert render.series_option(load(other)) == "--series patches/lmcache "
-    assert render._checkout_hint("1.0", "x", _as_lmcache(load(other))) == (
+    lmcache = _as_lmcache(load(other))
+    assert render._checkout_hint(lmcache.pin("1.0"), "x", lmcache) == (
         "hybridpd --series patches/lmcache checkout 1.0 --dir lmcache-1.0 && "
         "cd lmcache-1.0 && git am --keep-non-patch ../x/0*.patch"
     )
@@ -705,15 +706,15 @@ def test_link_compiled_takes_the_release_build_of_the_same_version(tmp_path):
     host.mkdir()
     native = f"lmcache_native{SUFFIX}"
 
-    made = verify.link_compiled(tree, "lmcache", "1.0", [host, layer])
+    made = verify.link_compiled(tree, "lmcache", stub_pin("1.0"), [host, layer])
 
     assert made == [tree / "lmcache" / native]
     assert (tree / "lmcache" / native).resolve() == layer / "lmcache" / native
-    assert verify.link_compiled(tree, "lmcache", "1.0", [host, layer]) == []
+    assert verify.link_compiled(tree, "lmcache", stub_pin("1.0"), [host, layer]) == []
     with pytest.raises(layout.ExportPrError, match="holds lmcache 1.0, not 2.0"):
-        verify.link_compiled(tree, "lmcache", "2.0", [layer])
+        verify.link_compiled(tree, "lmcache", stub_pin("2.0"), [layer])
     with pytest.raises(layout.ExportPrError, match="no layer .* lmcache 1.0 build"):
-        verify.link_compiled(tree, "lmcache", "1.0", [host])
+        verify.link_compiled(tree, "lmcache", stub_pin("1.0"), [host])
 
 
 def _fake_environment(monkeypatch, tmp_path: Path):
@@ -724,8 +725,8 @@ def _fake_environment(monkeypatch, tmp_path: Path):
         seen["checkouts"].append((series.package, pin.version, dest, source))
         dest.mkdir(parents=True)
 
-    def ensure_test_env(version, tree, cache_dir, torch_spec=None, log=None):
-        seen["env"] = (version, tree)
+    def ensure_test_env(pin, tree, cache_dir, torch_spec=None, log=None):
+        seen["env"] = (pin.version, tree)
         return tmp_path / "venv"
 
     def run_pytest(venv, tree, files, out, **kw):
@@ -734,7 +735,7 @@ def _fake_environment(monkeypatch, tmp_path: Path):
 
     monkeypatch.setattr(testrun, "checkout", checkout)
     monkeypatch.setattr(testenv, "ensure_test_env", ensure_test_env)
-    monkeypatch.setattr(testenv, "ensure_layers", lambda venv, version, log: [
+    monkeypatch.setattr(testenv, "ensure_layers", lambda venv, pin, log: [
         _layer(tmp_path / "layers" / "lmcache")
     ])
     monkeypatch.setattr(hfsnap, "write_snapshots", lambda home: None)

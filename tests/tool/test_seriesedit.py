@@ -121,10 +121,11 @@ def path(tmp_path: Path) -> Path:
 
 
 def port(path: Path) -> None:
+    pin = load(path).pin("2.0")
     with seriesedit.edit(path) as editor:
-        editor.set_pin_ported("2.0", True)
-        editor.set_patch_state("one", "2.0", "carried")
-        editor.set_patch_state("two", "2.0", "upstream", "0.9")
+        editor.set_pin_ported(pin, True)
+        editor.set_patch_state("one", pin, "carried")
+        editor.set_patch_state("two", pin, "upstream", "0.9")
 
 
 def test_porting_a_pin_changes_only_its_lines(path: Path) -> None:
@@ -137,9 +138,9 @@ def test_porting_a_pin_changes_only_its_lines(path: Path) -> None:
 
 def test_state_is_updated_in_place(path: Path) -> None:
     port(path)
-    series = seriesedit.set_patch_state(path, "one", "2.0", "upstream", "2.0")
+    series = seriesedit.set_patch_state(path, "one", load(path).pin("2.0"), "upstream", "2.0")
     assert series.state(series.pin("2.0"), "one") == PinState("upstream", "2.0")
-    series = seriesedit.set_patch_state(path, "one", "2.0", "carried")
+    series = seriesedit.set_patch_state(path, "one", load(path).pin("2.0"), "carried")
     assert series.state(series.pin("2.0"), "one") == PinState("carried")
     assert path.read_text() == PORTED.format(sha="0" * 64)
 
@@ -147,18 +148,19 @@ def test_state_is_updated_in_place(path: Path) -> None:
 def test_invalid_result_restores_the_file(path: Path) -> None:
     # Ported, but no patch has a state on 2.0 yet: series.load refuses it.
     with pytest.raises(SeriesError, match=r'pins."2.0" is missing'):
-        seriesedit.set_pin_ported(path, "2.0", True)
+        seriesedit.set_pin_ported(path, load(path).pin("2.0"), True)
     assert path.read_text() == COMMENTED.format(sha="0" * 64)
 
 
 def test_unporting_and_bad_arguments(path: Path) -> None:
     port(path)
     with pytest.raises(SeriesError, match="not ported to 2.0"):
-        seriesedit.set_pin_ported(path, "2.0", False)  # the states on 2.0 are still there
+        # the states on 2.0 are still there
+        seriesedit.set_pin_ported(path, load(path).pin("2.0"), False)
     with pytest.raises(SeriesError, match="needs a release"):
-        seriesedit.set_patch_state(path, "one", "2.0", "upstream")
+        seriesedit.set_patch_state(path, "one", load(path).pin("2.0"), "upstream")
     with pytest.raises(SeriesError, match="no single \\[\\[patches\\]\\] entry with id = 'nope'"):
-        seriesedit.set_patch_state(path, "nope", "2.0", "carried")
+        seriesedit.set_patch_state(path, "nope", load(path).pin("2.0"), "carried")
     assert path.read_text() == PORTED.format(sha="0" * 64)
 
 
@@ -170,8 +172,8 @@ def test_edits_the_builders_layout(tmp_path: Path) -> None:
     project.record("fix-add", {"1.0": "carried"})
     series = project.write()
     with seriesedit.edit(series.path) as editor:
-        editor.set_pin_ported("2.0", True)
-        editor.set_patch_state("fix-add", "2.0", "carried")
+        editor.set_pin_ported(series.pin("2.0"), True)
+        editor.set_patch_state("fix-add", series.pin("2.0"), "carried")
     assert load(series.path).carried(series.pin("2.0"))[0].id == "fix-add"
 
 
@@ -209,7 +211,7 @@ def test_a_write_killed_half_way_leaves_the_old_file(path: Path, monkeypatch) ->
     monkeypatch.setattr(io, "open", dying_open)
     monkeypatch.setattr(builtins, "open", dying_open)
     with pytest.raises(KeyboardInterrupt):
-        seriesedit.set_patch_state(path, "one", "1.0", "upstream", "1.0")
+        seriesedit.set_patch_state(path, "one", load(path).pin("1.0"), "upstream", "1.0")
     monkeypatch.undo()
     assert path.read_text() == before
     assert sorted(p.name for p in path.parent.iterdir()) == others  # no temporary file left

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from builders import Project
+from builders import Project, stub_pin
 from hybridpd.proof.testrun import PatchRow, _case_outcomes, patch_properties, red_green
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -187,14 +187,14 @@ def test_a_baseline_is_used_only_when_it_covers_the_files(monkeypatch, tmp_path:
 
     baseline = tmp_path / "9.9.9-stock.json"
     baseline.write_text('{"files": ["a.py", "b.py"], "outcomes": {}}')
-    monkeypatch.setattr(upstream, "baseline_path", lambda version: baseline)
+    monkeypatch.setattr(upstream, "baseline_path", lambda pin: baseline)
     monkeypatch.setattr(
-        upstream, "load_baseline", lambda version, path: json.loads(path.read_text())
+        upstream, "load_baseline", lambda pin, path: json.loads(path.read_text())
     )
-    assert testrun._baseline_covers("9.9.9", ["a.py"])
-    assert not testrun._baseline_covers("9.9.9", ["a.py", "c.py"])
+    assert testrun._baseline_covers(stub_pin("9.9.9"), ["a.py"])
+    assert not testrun._baseline_covers(stub_pin("9.9.9"), ["a.py", "c.py"])
     baseline.unlink()
-    assert not testrun._baseline_covers("9.9.9", ["a.py"])
+    assert not testrun._baseline_covers(stub_pin("9.9.9"), ["a.py"])
 
 
 def test_a_second_run_of_a_pin_waits_for_the_first(tmp_path: Path, monkeypatch) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from builders import stub_pin
 from hybridpd.proof import testenv, upstream
 from hybridpd.proof.pytestrun import SuiteResult
 
@@ -31,7 +32,7 @@ def test_selected_files_exist_in_the_release(version: str) -> None:
     tree = SDISTS / f"vllm-{version}"
     if not tree.is_dir():
         pytest.skip(f"{tree} not here")
-    assert [f for f in upstream.selection(version) if not (tree / f).is_file()] == []
+    assert [f for f in upstream.selection(stub_pin(version)) if not (tree / f).is_file()] == []
 
 
 # --- comparison -----------------------------------------------------------------------
@@ -96,10 +97,10 @@ def _result(outcomes: dict[str, str], status: str = "failures") -> SuiteResult:
 
 
 def test_baseline_round_trip_and_compare(tmp_path: Path) -> None:
-    path = upstream.write_baseline(_result(STOCK), "9.9.9", ["t.py", "u.py"],
+    path = upstream.write_baseline(_result(STOCK), stub_pin("9.9.9"), ["t.py", "u.py"],
                                    tree="vllm-9.9.9.tar.gz sha256 x",
                                    env={"torch": "2.13.0+cpu"}, path=tmp_path / "b.json")
-    doc = upstream.load_baseline("9.9.9", path)
+    doc = upstream.load_baseline(stub_pin("9.9.9"), path)
     assert doc["outcomes"] == STOCK
     assert doc["counts"] == {"passed": 4, "failed": 1, "skipped": 1, "errors": 1}
     assert doc["per_file"]["u.py"] == {"passed": 1, "failed": 0, "skipped": 0,
@@ -117,7 +118,7 @@ def test_baseline_records_causes(tmp_path: Path) -> None:
         "t.py::b": "RuntimeError: Cannot access accelerator device when none is available.",
         "t.py::c": "AssertionError: something new",
     }
-    doc = upstream.baseline_dict(r, "9.9.9", ["t.py"], tree="x")
+    doc = upstream.baseline_dict(r, stub_pin("9.9.9"), ["t.py"], tree="x")
     assert doc["causes"]["t.py::b"].startswith("GPU-only test")
     assert doc["causes"]["t.py::c"] == "AssertionError: something new"
     assert "t.py::a" not in doc["causes"]
@@ -125,14 +126,14 @@ def test_baseline_records_causes(tmp_path: Path) -> None:
 
 def test_crashed_run_is_not_recorded(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="crashed"):
-        upstream.write_baseline(_result({}, status="crashed"), "9.9.9", [], tree="x",
+        upstream.write_baseline(_result({}, status="crashed"), stub_pin("9.9.9"), [], tree="x",
                                 path=tmp_path / "b.json")
 
 
 def test_committed_baselines_are_well_formed() -> None:
     for path in sorted(upstream.BASELINE_DIR.glob("*-stock.json")):
         version = path.name[: -len("-stock.json")]
-        doc = upstream.load_baseline(version)
+        doc = upstream.load_baseline(stub_pin(version))
         counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
         for o in doc["outcomes"].values():
             counts[{"error": "errors", "xfailed": "skipped"}.get(o, o)] += 1
@@ -140,8 +141,8 @@ def test_committed_baselines_are_well_formed() -> None:
         # A baseline records the full selection, or at least the reduced one
         # that ci/test.sh compares with (hybridpd test runs stock for the rest).
         assert doc["files"] in (
-            list(upstream.selection(version)),
-            list(upstream.selection(version, reduced=True)),
+            list(upstream.selection(stub_pin(version))),
+            list(upstream.selection(stub_pin(version), reduced=True)),
         ), path
 
 
@@ -178,17 +179,18 @@ def test_env_inputs_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     (tmp_path / "requirements").mkdir()
     (tmp_path / "requirements" / "common.txt").write_text("numpy\n")
     monkeypatch.delenv(testenv.TORCH_ENV_VAR, raising=False)
-    a = testenv.env_inputs("1.0", tmp_path)
+    a = testenv.env_inputs(stub_pin("1.0"), tmp_path)
     assert a["torch_spec"] == testenv.DEFAULT_TORCH_SPEC
-    assert a["hash"] == testenv.env_inputs("1.0", tmp_path)["hash"]
+    assert a["hash"] == testenv.env_inputs(stub_pin("1.0"), tmp_path)["hash"]
     monkeypatch.setenv(testenv.TORCH_ENV_VAR, "torch==2.13.0+cpu")
-    b = testenv.env_inputs("1.0", tmp_path)
+    b = testenv.env_inputs(stub_pin("1.0"), tmp_path)
     assert b["torch_spec"] == "torch==2.13.0+cpu" and b["hash"] != a["hash"]
-    assert testenv.env_inputs("1.0", tmp_path, torch_spec="torch")["torch_spec"] == "torch"
+    assert testenv.env_inputs(stub_pin("1.0"), tmp_path,
+                              torch_spec="torch")["torch_spec"] == "torch"
 
 
 def test_half_built_env_is_not_reused(tmp_path: Path) -> None:
-    venv = testenv.env_dir(tmp_path, "1.0")
+    venv = testenv.env_dir(tmp_path, stub_pin("1.0"))
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
     assert testenv.read_marker(venv) is None
@@ -222,33 +224,33 @@ def test_layers_are_built_once_beside_the_env_and_only_for_their_releases(
     _wheel(wheels, "demolayer", "2.0")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    venv = testenv.env_dir(tmp_path / "cache", "1.0")
+    venv = testenv.env_dir(tmp_path / "cache", stub_pin("1.0"))
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
     layer = testenv.Layer("demo", ("demolayer==1.0",), ">=0.5", "a test")
     monkeypatch.setattr(testenv, "LAYERS", (layer,))
     said: list[str] = []
 
-    (path,) = testenv.ensure_layers(venv, "1.0", said.append)
+    (path,) = testenv.ensure_layers(venv, stub_pin("1.0"), said.append)
     assert path == venv.parent / "1.0-cpu.layers" / "demo"
     assert (path / "demolayer" / "__init__.py").read_text() == "VERSION = '1.0'\n"
     assert any("install layer demo" in line for line in said)
     said.clear()
-    assert testenv.ensure_layers(venv, "1.0", said.append) == [path]
+    assert testenv.ensure_layers(venv, stub_pin("1.0"), said.append) == [path]
     assert said == []  # reused
-    assert testenv.ensure_layers(venv, "0.4", said.append) == []  # not for that release
+    assert testenv.ensure_layers(venv, stub_pin("0.4"), said.append) == []  # not for that release
     # A changed requirement rebuilds; a build that died half-way is not reused.
     monkeypatch.setattr(testenv, "LAYERS", (testenv.Layer("demo", ("demolayer==2.0",),
                                                           ">=0.5", "a test"),))
     (path.with_name("demo.tmp")).mkdir()
     (path.with_name("demo.tmp") / "junk").write_text("")
-    testenv.ensure_layers(venv, "1.0", said.append)
+    testenv.ensure_layers(venv, stub_pin("1.0"), said.append)
     assert (path / "demolayer" / "__init__.py").read_text() == "VERSION = '2.0'\n"
     assert not path.with_name("demo.tmp").exists()
     monkeypatch.setattr(testenv, "LAYERS", (testenv.Layer("demo", ("demolayer==3.0",),
                                                           ">=0.5", "a test"),))
     with pytest.raises(testenv.TestEnvError, match="install layer demo"):
-        testenv.ensure_layers(venv, "1.0")
+        testenv.ensure_layers(venv, stub_pin("1.0"))
     assert (path / "demolayer" / "__init__.py").read_text() == "VERSION = '2.0'\n"
 
 
@@ -295,7 +297,7 @@ def test_run_upstream_live_stock(tmp_path: Path) -> None:
     report = upstream.run_upstream(
         _fake_venv(tmp_path), _tree(tmp_path, "stock", _junit(PASS_BOTH)),
         _tree(tmp_path, "patched", _junit(FAIL_B)), ["tests/test_x.py"], tmp_path / "out",
-        version="9.9.9")
+        pin=stub_pin("9.9.9"))
     assert report.stock.counts()["passed"] == 2
     assert report.comparison.regressions == {"tests/test_x.py::test_b": ("passed", "failed")}
     assert not report.ok
@@ -306,12 +308,12 @@ def test_run_upstream_against_baseline(tmp_path: Path) -> None:
     venv = _fake_venv(tmp_path)
     stock = upstream.run_upstream(
         venv, _tree(tmp_path, "stock", _junit(FAIL_B)), _tree(tmp_path, "p1", _junit(FAIL_B)),
-        ["tests/test_x.py"], tmp_path / "o1", version="9.9.9")
-    path = upstream.write_baseline(stock.stock, "9.9.9", ["tests/test_x.py"], tree="x",
+        ["tests/test_x.py"], tmp_path / "o1", pin=stub_pin("9.9.9"))
+    path = upstream.write_baseline(stock.stock, stub_pin("9.9.9"), ["tests/test_x.py"], tree="x",
                                    path=tmp_path / "b.json")
     report = upstream.run_upstream(
         venv, None, _tree(tmp_path, "p2", _junit(PASS_BOTH)), ["tests/test_x.py"],
-        tmp_path / "o2", version="9.9.9", baseline=path)
+        tmp_path / "o2", pin=stub_pin("9.9.9"), baseline=path)
     assert report.ok and report.stock is None and report.baseline == path
     assert report.comparison.fixes == {"tests/test_x.py::test_b": ("failed", "passed")}
 
@@ -326,9 +328,9 @@ def test_a_torch_other_than_the_releases_is_a_warning(tmp_path: Path) -> None:
     (req / "cpu.txt").write_text(
         "# comment\ntorch==2.11.0+cpu; platform_machine == \"x86_64\"\ntorch==2.11.0; x\n")
     assert testenv.release_torch(tmp_path) == "2.11.0"
-    assert testenv.torch_substitution("0.20.2", "2.11.0", "2.13.0+cpu") == (
+    assert testenv.torch_substitution(stub_pin("0.20.2"), "2.11.0", "2.13.0+cpu") == (
         "testenv: warning: vLLM 0.20.2 pins torch==2.11.0; this environment uses torch "
         "2.13.0+cpu ($HYBRIDPD_TORCH chooses another)")
-    assert testenv.torch_substitution("0.32.0", "2.13.0", "2.13.0+cpu") is None
-    assert testenv.torch_substitution("x", None, "2.13.0") is None
+    assert testenv.torch_substitution(stub_pin("0.32.0"), "2.13.0", "2.13.0+cpu") is None
+    assert testenv.torch_substitution(stub_pin("x"), None, "2.13.0") is None
     assert testenv.release_torch(tmp_path / "nothing") is None

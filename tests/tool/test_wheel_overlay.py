@@ -35,7 +35,7 @@ def verify(tmp_path, wheel_files, allow=(), dist="pkg", version="1.0", stock=STO
     with zipfile.ZipFile(wheel) as zf:
         return wo.verify_wheel(
             zf, blobs(stock), lambda p: stock[p], package="pkg",
-            distribution=dist, version=version, allow=allow,
+            distribution=dist, release=version, allow=allow,
         )
 
 

@@ -27,7 +27,7 @@ from hybridpd.progress import Log, quiet
 from hybridpd.proof import pytestrun, testenv
 from hybridpd.series import releasetree
 from hybridpd.series.apply import patch_commits
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 
 BUILDS = ("stock", "patched")
 
@@ -42,7 +42,7 @@ class BenchError(HybridpdError):
 
 @dataclass
 class BenchEnv:
-    version: str
+    pin: Pin
     root: Path
     venv: Path
     trees: dict[str, Path]
@@ -59,9 +59,8 @@ class BenchEnv:
 
 
 @contextlib.contextmanager
-def prepared(series: Series, version: str, log: Log) -> Iterator[BenchEnv]:
-    """The bench environment of ``version``, held (one bench per pin at a time)."""
-    pin = series.pin(version)
+def prepared(series: Series, pin: Pin, log: Log) -> Iterator[BenchEnv]:
+    """The bench environment of ``pin``, held (one bench per pin at a time)."""
     root = cache.cache_dir() / "bench" / pin.version
     root.mkdir(parents=True, exist_ok=True)
     with cache.lock(root, log):
@@ -70,7 +69,7 @@ def prepared(series: Series, version: str, log: Log) -> Iterator[BenchEnv]:
             trees[build] = root / build
             releasetree.prepare(series, pin, trees[build], patched=build == "patched", log=log)
         try:
-            venv = testenv.ensure_test_env(pin.version, trees["stock"], cache.cache_dir(), None, log)
+            venv = testenv.ensure_test_env(pin, trees["stock"], cache.cache_dir(), None, log)
         except testenv.TestEnvError as exc:
             raise BenchError(f"test environment for {pin.version}: {exc}") from exc
         builders = series.dir.parent / "tests" / "patches"
@@ -79,7 +78,7 @@ def prepared(series: Series, version: str, log: Log) -> Iterator[BenchEnv]:
         commits = patch_commits(trees["patched"], pin)
         baseline = tuple(i for i, _ in commits if i in BASELINE_PATCHES)
         if not baseline:
-            yield BenchEnv(pin.version, root, venv, trees, builders)
+            yield BenchEnv(pin, root, venv, trees, builders)
             return
         if [i for i, _ in commits[: len(baseline)]] != list(baseline):
             raise BenchError(f"{', '.join(baseline)} must come first in {pin.version}'s series")
@@ -88,7 +87,7 @@ def prepared(series: Series, version: str, log: Log) -> Iterator[BenchEnv]:
             shutil.rmtree(path)
             gitops.prune_worktrees(trees["patched"])
         with gitops.worktree(trees["patched"], commits[len(baseline) - 1][1].sha, path):
-            yield BenchEnv(pin.version, root, venv, {**trees, "stock": path}, builders, baseline)
+            yield BenchEnv(pin, root, venv, {**trees, "stock": path}, builders, baseline)
 
 
 def run_script(
@@ -120,7 +119,7 @@ def run_script(
         raise
     if code != 0 or not out_path.is_file():
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise BenchError(f"{name} on {env.version} {build} failed (exit {code}): {tail[0]}; log {log_path}")
+        raise BenchError(f"{name} on {env.pin.version} {build} failed (exit {code}): {tail[0]}; log {log_path}")
     return json.loads(out_path.read_text())
 
 

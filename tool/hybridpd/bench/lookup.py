@@ -21,7 +21,7 @@ from hybridpd.bench.env import BUILDS, BenchEnv, BenchError, prepared
 from hybridpd.bench.replay import CONNECTORS
 from hybridpd.errors import UsageError
 from hybridpd.progress import Log, quiet
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 
 WORKER = Path(__file__).with_name("lookup_worker.py")
 PATHS = ("decode", "plain")
@@ -31,7 +31,7 @@ READY_TIMEOUT = 600.0
 
 @dataclass
 class LookupOptions:
-    version: str
+    pin: Pin
     connector: str = "nixl"
     prompt_len: int = 17408
     block_size: int = 1152
@@ -122,8 +122,8 @@ def run(series: Series, options: LookupOptions, log: Log = quiet) -> LookupRepor
         raise UsageError(f"unknown connector set {options.connector}")
     if options.repeats < 1 or options.calls < 1:
         raise UsageError("--repeats and --calls must be at least 1")
-    with prepared(series, options.version, log) as env:
-        stock_build = f"v{options.version}" + "".join(f" + {p}" for p in env.baseline)
+    with prepared(series, options.pin, log) as env:
+        stock_build = f"v{options.pin.version}" + "".join(f" + {p}" for p in env.baseline)
         spec = {"builders_dir": str(env.builders_dir), "connector": options.connector,
                 "prompt_len": options.prompt_len, "block_size": options.block_size,
                 "calls": options.calls}
@@ -132,7 +132,7 @@ def run(series: Series, options: LookupOptions, log: Log = quiet) -> LookupRepor
         try:
             for build in BUILDS:
                 workers[build] = _Worker(env, build, spec)
-            log(f"lookup: starting both builds of {options.version}")
+            log(f"lookup: starting both builds of {options.pin.version}")
             ready = {b: w.next_line("ready", READY_TIMEOUT) for b, w in workers.items()}
             samples: dict[str, list[dict[str, float]]] = {b: [] for b in BUILDS}
             for i in range(options.repeats):
@@ -153,7 +153,7 @@ def run(series: Series, options: LookupOptions, log: Log = quiet) -> LookupRepor
         for path in PATHS
     }
     return LookupReport(
-        pin=options.version,
+        pin=options.pin.version,
         connector=options.connector,
         stock_build=stock_build,
         prompt_len=options.prompt_len,

@@ -19,7 +19,7 @@ from hybridpd.bench import deployment
 from hybridpd.bench.env import BUILDS, BenchEnv, prepared, run_script
 from hybridpd.errors import UsageError
 from hybridpd.progress import Log, quiet
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 
 DRIVER = Path(__file__).with_name("decode_replay.py")
 
@@ -48,7 +48,7 @@ RATIO_KEYS = ("blocks_allocated", "peak_running", "mean_running", "steps", "ttft
 
 @dataclass
 class ReplayOptions:
-    version: str
+    pin: Pin
     workload: deployment.Workload = field(default_factory=deployment.Workload)
     hardware: deployment.Hardware = field(default_factory=deployment.Hardware)
     connector: str = "nixl"
@@ -134,13 +134,13 @@ def run(
     for line in plan.derivation:
         log(line)
     results, traces = {}, {}
-    with prepared(series, options.version, log) as env:
-        stock_build = f"v{options.version}" + "".join(f" + {p}" for p in env.baseline)
+    with prepared(series, options.pin, log) as env:
+        stock_build = f"v{options.pin.version}" + "".join(f" + {p}" for p in env.baseline)
         if env.baseline:
             log(f"stock build: {stock_build} (the release cannot run a remote prefill "
                 "of a hybrid model without it)")
         for build in BUILDS:
-            log(f"replaying {w.num_prompts} prompts on {options.version} {build} ({options.connector})")
+            log(f"replaying {w.num_prompts} prompts on {options.pin.version} {build} ({options.connector})")
             result = run_script(env, build, DRIVER, spec(options, plan, env, build), status)
             traces[build] = result.pop("trace")
             results[build] = {k: result[k] for k in RESULT_KEYS}
@@ -152,5 +152,5 @@ def run(
         "per_step_and_pull": plan.cost,
         "derivation": plan.derivation,
     }
-    return ReplayReport(options.version, options.connector, stock_build, asdict(w), cost_model,
+    return ReplayReport(options.pin.version, options.connector, stock_build, asdict(w), cost_model,
                         results, traces)

@@ -15,8 +15,9 @@ from hybridpd import progress
 from hybridpd.bench import deployment, lookup, render
 from hybridpd.bench import replay as replay_mod
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import connector_option
+from hybridpd.cli.options import connector_option, pin_option
 from hybridpd.errors import CheckFailed
+from hybridpd.series.model import Pin
 
 _W, _H = deployment.Workload(), deployment.Hardware()
 _POSITIVE = click.IntRange(min=1)
@@ -38,7 +39,7 @@ def _status_printer():
 
 
 @bench_group.command("replay")
-@click.option("--pin", "version", required=True, metavar="VERSION")
+@pin_option("required", help="Pin whose decode side is replayed.")
 @connector_option("bench", default="nixl", show_default=True,
                   help="The decode instance's connector set (nixl+decodebench: one upstream's "
                        "gate refuses).")
@@ -83,14 +84,14 @@ def _status_printer():
               help="Exit 1 unless stock's hit is below patched's (a connector set upstream refuses).")
 @jsonout.flag()
 @click.pass_obj
-def replay_command(state, version, connector, png, expect_hit, expect_gap, as_json, **p) -> None:
+def replay_command(state, pin, connector, png, expect_hit, expect_gap, as_json, **p) -> None:
     """Replay vllm#42524's prefix-repetition workload through the pin's real decode-side
     Scheduler (KV cache manager, coordinator, connector), stock then patched.
 
     Hits, pulls, blocks, running and waiting requests, preemptions and steps are
     counted from vLLM's objects; TTFT and throughput come from the printed cost model.
     """
-    options = _replay_options(version, connector, p)
+    options = _replay_options(pin, connector, p)
     if png:
         render.require_matplotlib()
     status, done = _status_printer()
@@ -111,7 +112,7 @@ def replay_command(state, version, connector, png, expect_hit, expect_gap, as_js
         raise CheckFailed("; ".join(problems))
 
 
-def _replay_options(version: str, connector: str, p: dict) -> replay_mod.ReplayOptions:
+def _replay_options(pin: Pin, connector: str, p: dict) -> replay_mod.ReplayOptions:
     """The options of ``bench replay``: its workload, its hardware, the rest."""
     workload = deployment.Workload(**{k: p.pop(k) for k in (
         "prefix_len", "suffix_len", "num_prefixes", "num_prompts", "output_len",
@@ -121,11 +122,11 @@ def _replay_options(version: str, connector: str, p: dict) -> replay_mod.ReplayO
         activation_reserve_gib=p.pop("activation_gib"), hbm_tbps=p.pop("hbm_tbps"),
         bandwidth_efficiency=p.pop("bandwidth_efficiency"), bf16_tflops=p.pop("tflops"),
         mfu=p.pop("mfu"), step_overhead_ms=p.pop("step_overhead_ms"), pull_gbps=p.pop("pull_gbps"))
-    return replay_mod.ReplayOptions(version, workload, hardware, connector, **p)
+    return replay_mod.ReplayOptions(pin, workload, hardware, connector, **p)
 
 
 @bench_group.command("lookup")
-@click.option("--pin", "version", required=True, metavar="VERSION")
+@pin_option("required", help="Pin whose lookup is timed.")
 @connector_option("bench", default="nixl", show_default=True)
 @click.option("--prompt-len", type=_POSITIVE, default=17408, show_default=True)
 @click.option("--block-size", type=_POSITIVE, default=1152, show_default=True,
@@ -134,14 +135,14 @@ def _replay_options(version: str, connector: str, p: dict) -> replay_mod.ReplayO
 @click.option("--repeats", type=_POSITIVE, default=15, show_default=True, help="Samples per build.")
 @jsonout.flag()
 @click.pass_obj
-def lookup_command(state, version, connector, prompt_len, block_size, calls, repeats, as_json) -> None:
+def lookup_command(state, pin, connector, prompt_len, block_size, calls, repeats, as_json) -> None:
     """Time KVCacheManager.get_computed_blocks, stock against patched, on the same
     block hashes: a remote-prefill request (the decode path) and a plain request.
 
     Both builds stay loaded in their own process; samples alternate between them so
     drift hits both alike. Reports the patched/stock ratio's median and spread.
     """
-    options = lookup.LookupOptions(version, connector, prompt_len, block_size, calls, repeats)
+    options = lookup.LookupOptions(pin, connector, prompt_len, block_size, calls, repeats)
     report = lookup.run(state.series, options, log=progress.say)
     if as_json:
         jsonout.emit(report.to_json())

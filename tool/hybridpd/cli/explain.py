@@ -6,13 +6,14 @@ import click
 
 from hybridpd import connectors
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import State, connector_option, json_flag, log
+from hybridpd.cli.options import State, connector_option, json_flag, log, pin_option
 from hybridpd.explain import render, runner
 from hybridpd.progress import quiet
+from hybridpd.series.model import Pin
 
 
 @click.command("explain")
-@click.option("--pin", "version", required=True, help="The pinned vLLM release (e.g. 0.32.0).")
+@pin_option("required", help="The pinned vLLM release (e.g. 0.32.0).")
 @click.option("--model", required=True,
               help="The model's config directory, or its hub id in your HF cache "
                    "(never downloaded; no weights are read).")
@@ -49,7 +50,7 @@ from hybridpd.progress import quiet
               help="Seconds each side may take.")
 @json_flag
 @click.pass_obj
-def explain(state: State, version: str, model: str, connector: str | None,
+def explain(state: State, pin: Pin, model: str, connector: str | None,
             kv_json: str | None, kv_role: str, as_json: bool, **flags) -> None:
     """Whether MODEL with a KV connector set starts on vLLM PIN, and how vLLM lays out
     its hybrid KV cache: answered by vLLM's own code (config checks, the model's
@@ -71,7 +72,7 @@ def explain(state: State, version: str, model: str, connector: str | None,
         num_speculative_tokens=flags["num_speculative_tokens"],
         lmcache_version=flags["lmcache_version"],
         timeout=flags["timeout"])
-    result = runner.explain(state.series, version, opts, log=quiet if as_json else log)
+    result = runner.explain(state.series, pin, opts, log=quiet if as_json else log)
     if as_json:
         jsonout.emit(result.to_json())
         return

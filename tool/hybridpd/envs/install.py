@@ -22,7 +22,7 @@ from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
 from hybridpd.series.apply import ApplyResult, apply, checkout_pin
 from hybridpd.series.checkout import Source, checkout
-from hybridpd.series.model import Pin, Series
+from hybridpd.series.model import Pin, Series, release_key
 
 VARIANTS = ("auto", *sorted(build_mod.DISTRIBUTIONS))
 
@@ -37,7 +37,7 @@ def resolve_variant(variant: str) -> str:
 
 def choose_pin(
     series: Series, variant: str, log: Log = quiet
-) -> str:
+) -> Pin:
     """The pin ``install`` builds when none is given.
 
     A CUDA build: the default pin. A CPU build: the newest ported pin whose CPU build
@@ -47,7 +47,7 @@ def choose_pin(
     pin has one, HybridpdError before anything is checked out.
     """
     if resolve_variant(variant) != "cpu":
-        return series.default_pin
+        return series.default
     offer = serving.read_offer()
     if offer.errors and not offer.cpu_wheels:
         raise HybridpdError(
@@ -57,7 +57,7 @@ def choose_pin(
     avx2 = serving.cpu_kernels_run_here()
     reasons: list[str] = []
     fallback = None
-    for pin in sorted((p for p in series.pins if p.ported), key=lambda p: Version(p.version),
+    for pin in sorted((p for p in series.pins if p.ported), key=lambda p: release_key(p.version),
                       reverse=True):
         has_wheel = Version(pin.version) in offer.cpu_wheels
         needs = _cpu_torch(series, pin) if has_wheel else None
@@ -66,16 +66,16 @@ def choose_pin(
             if reasons or offer.errors:
                 log(f"install: no GPU here: {pin.version} is the newest pin whose CPU build "
                     f"serves ({_why(reasons, offer)}); --pin V installs another")
-            return pin.version
+            return pin
         reasons.append(f"{pin.version}: {problem}")
-        fallback = fallback or (pin.version if has_wheel else None)
+        fallback = fallback or (pin if has_wheel else None)
     if fallback is None:
         raise HybridpdError(
             f"no pin has a {serving.DISTRIBUTION} wheel pip can install here "
             f"({_why(reasons, offer)}): use a host with a GPU (--variant cuda), or give --pin V"
         )
     log(f"install: no pin's CPU build serves here ({_why(reasons, offer)}); installing "
-        f"{fallback}, whose Python code runs tests but whose compiled ops will not load")
+        f"{fallback.version}, whose Python code runs tests but whose compiled ops will not load")
     return fallback
 
 
@@ -86,7 +86,7 @@ def _why(reasons: list[str], offer: serving.Offer) -> str:
 def _cpu_torch(series: Series, pin: Pin) -> Version | None:
     """The CPU torch ``pin``'s wheel is built against, from the cache or the pin's sdist
     (which its checkout needs anyway); None when the sdist cannot be had."""
-    needs = serving.cpu_torch_pin(cache.cache_dir(), pin.version)
+    needs = serving.cpu_torch_pin(cache.cache_dir(), pin)
     if needs is not None:
         return needs
     try:
@@ -97,17 +97,17 @@ def _cpu_torch(series: Series, pin: Pin) -> Version | None:
 
 def pick_pin(
     series: Series,
-    version: str | None,
+    pin: Pin | None,
     dest: Path | None,
     variant: str,
     log: Log = quiet,
-) -> str:
-    """``--pin`` when given; else the pin of an existing checkout at ``dest`` (it is
-    reused); else :func:`choose_pin`."""
-    if version:
-        return series.pin(version).version
+) -> Pin:
+    """``pin`` (``--pin``) when given; else the pin of an existing checkout at ``dest``
+    (it is reused); else :func:`choose_pin`."""
+    if pin is not None:
+        return pin
     if dest is not None and dest.is_dir() and any(dest.iterdir()):
-        return checkout_pin(series, dest).version
+        return checkout_pin(series, dest)
     return choose_pin(series, variant, log)
 
 
@@ -133,7 +133,7 @@ class InstallResult:
 
 def install(
     series: Series,
-    version: str | None,
+    pin: Pin | None,
     dest: Path | None,
     venv: Path | None,
     *,
@@ -142,12 +142,12 @@ def install(
     torch: str | None = None,
     log: Log = quiet,
 ) -> InstallResult:
-    """Check out ``version`` into ``dest`` (or reuse a checkout of it there), apply
-    its series and build ``venv``. Raises HybridpdError with one line on failure.
+    """Check out ``pin`` into ``dest`` (or reuse a checkout of it there), apply its
+    series and build ``venv``. Raises HybridpdError with one line on failure.
 
     Defaults: the pin of :func:`pick_pin`, ``vllm-<pin>`` and ``venv-<pin>``.
     """
-    pin = series.pin(pick_pin(series, version, dest, variant, log))
+    pin = pick_pin(series, pin, dest, variant, log)
     dest = dest or Path(f"vllm-{pin.version}")
     venv = venv or Path(f"venv-{pin.version}")
     if dest.exists() and any(dest.iterdir()):
@@ -187,7 +187,7 @@ def environment(
     """
     variant = resolve_variant(variant)
     log(f"building {venv} ({variant})")
-    built = build_mod.build(tree, venv, pin.version, pin.tag, variant, log=log, torch=torch)
+    built = build_mod.build(tree, venv, pin, variant, log=log, torch=torch)
     # NixlConnector, the PD instances' transfer. Without it the venv still runs the
     # tests, so a failure here is a warning, not a failed install.
     try:

@@ -502,7 +502,7 @@ def _verify(target: Target, repo: Path, tag: str, package: str) -> wo.VerifyResu
     blobs = build_mod.stock_blobs(repo, tag, package)
     return wo.verify_files(
         files, blobs, lambda p: gitops.read_blob(repo, tag, p), package=package,
-        distribution=target.distribution, version=target.release,
+        distribution=target.distribution, release=target.release,
         name=f"{target.distribution} {target.version} in {target.site}",
     )
 

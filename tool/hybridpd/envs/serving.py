@@ -29,6 +29,7 @@ from packaging.version import InvalidVersion, Version
 from hybridpd import pkgindex
 from hybridpd.envs import build, kernels
 from hybridpd.errors import PackageIndexError
+from hybridpd.series.model import Pin
 
 DISTRIBUTION = build.DISTRIBUTIONS["cpu"]
 
@@ -112,17 +113,17 @@ def read_offer(
     )
 
 
-def cpu_torch_pin(root: Path, version: str) -> Version | None:
-    """The CPU torch vLLM ``version``'s CPU build is compiled against (``torch==X+cpu`` in
+def cpu_torch_pin(root: Path, pin: Pin) -> Version | None:
+    """The CPU torch vLLM ``pin``'s CPU build is compiled against (``torch==X+cpu`` in
     its ``requirements/cpu.txt``), from a checkout or the sdist in the cache; None when
     neither is there."""
-    tree = next(iter(sorted((root / "trees" / version).glob("*/requirements/cpu.txt"))), None)
+    tree = next(iter(sorted((root / "trees" / pin.version).glob("*/requirements/cpu.txt"))), None)
     if tree:
         try:
             return _cpu_torch(tree.read_text())
         except (OSError, UnicodeDecodeError):
             return None
-    return sdist_cpu_torch_pin(root / "sdists" / f"vllm-{version}.tar.gz")
+    return sdist_cpu_torch_pin(root / "sdists" / f"vllm-{pin.version}.tar.gz")
 
 
 def sdist_cpu_torch_pin(sdist: Path) -> Version | None:
@@ -145,18 +146,18 @@ def _cpu_torch(requirements: str) -> Version | None:
     return Version(found.group(1)) if found else None
 
 
-def cpu_problem(version: str, offer: Offer, needs: Version | None, avx2: bool) -> str | None:
-    """None when the CPU build of ``version`` can serve here (as far as can be told
-    before building it), else why not, in a few words. ``needs``: the CPU torch its
-    wheel is built against (None: unknown, not checked); ``avx2``: the host has AVX2 or
-    is not x86."""
-    if Version(version) not in offer.cpu_wheels:
-        return f"pip can get no {DISTRIBUTION} {version} wheel for this host"
+def cpu_problem(release: str, offer: Offer, needs: Version | None, avx2: bool) -> str | None:
+    """None when the CPU build of vLLM ``release`` can serve here (as far as can be told
+    before building it: what the index offers), else why not, in a few words. ``needs``:
+    the CPU torch its wheel is built against (None: unknown, not checked); ``avx2``: the
+    host has AVX2 or is not x86."""
+    if Version(release) not in offer.cpu_wheels:
+        return f"pip can get no {DISTRIBUTION} {release} wheel for this host"
     if not avx2:
         return f"{DISTRIBUTION} needs AVX2"
     if needs is not None and needs not in offer.torch:
         return (
-            f"{DISTRIBUTION} {version} is built against torch {needs}, which neither the "
+            f"{DISTRIBUTION} {release} is built against torch {needs}, which neither the "
             "indexes nor find-links offer: its compiled ops would not load"
         )
     return None

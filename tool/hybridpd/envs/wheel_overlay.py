@@ -76,10 +76,10 @@ class Allowed:
     versions: frozenset[str] | None = None  # None: every version
     lines: str | None = None
 
-    def matches(self, path: str, kind: str, distribution: str, version: str) -> bool:
+    def matches(self, path: str, kind: str, distribution: str, release: str) -> bool:
         if kind != self.kind or _norm(distribution) not in self.distributions:
             return False
-        if self.versions is not None and version not in self.versions:
+        if self.versions is not None and release not in self.versions:
             return False
         if self.path.endswith("/"):
             return path.startswith(self.path)
@@ -151,11 +151,11 @@ def find_allowance(
     path: str,
     kind: str,
     distribution: str,
-    version: str,
+    release: str,
     allow: Iterable[Allowed] = ALLOWED_DIFFERENCES,
 ) -> Allowed | None:
     for rule in allow:
-        if rule.matches(path, kind, distribution, version):
+        if rule.matches(path, kind, distribution, release):
             return rule
     return None
 
@@ -240,7 +240,7 @@ def verify_wheel(
     *,
     package: str = "vllm",
     distribution: str,
-    version: str,
+    release: str,
     allow: Iterable[Allowed] = ALLOWED_DIFFERENCES,
     wheel_name: str | None = None,
 ) -> VerifyResult:
@@ -257,7 +257,7 @@ def verify_wheel(
     )
     return verify_files(
         files, stock_blobs, read_stock, package=package, distribution=distribution,
-        version=version, allow=allow, name=wheel_name or Path(str(wheel.filename)).name,
+        release=release, allow=allow, name=wheel_name or Path(str(wheel.filename)).name,
     )
 
 
@@ -268,7 +268,7 @@ def verify_files(
     *,
     package: str = "vllm",
     distribution: str,
-    version: str,
+    release: str,
     allow: Iterable[Allowed] = ALLOWED_DIFFERENCES,
     name: str,
 ) -> VerifyResult:
@@ -276,7 +276,7 @@ def verify_files(
     files an installed distribution's RECORD lists (``name`` says which in the result).
     """
     allow = tuple(allow)
-    res = VerifyResult(wheel=name, distribution=distribution, version=version)
+    res = VerifyResult(wheel=name, distribution=distribution, version=release)
     prefix = package.rstrip("/") + "/"
     stock = {p: b for p, b in stock_blobs.items() if p.startswith(prefix) and p.endswith(".py")}
     seen: set[str] = set()
@@ -287,7 +287,7 @@ def verify_files(
         res.checked += 1
         data = read()
         if path not in stock:
-            rule = find_allowance(path, "wheel-only", distribution, version, allow)
+            rule = find_allowance(path, "wheel-only", distribution, release, allow)
             if rule:
                 res.allowed.append((path, "wheel-only", rule.reason))
             else:
@@ -296,7 +296,7 @@ def verify_files(
         if git_blob_id(data) == stock[path]:
             res.identical += 1
             continue
-        rule = find_allowance(path, "differs", distribution, version, allow)
+        rule = find_allowance(path, "differs", distribution, release, allow)
         if rule and rule.lines is not None:
             if read_stock is None:
                 rule = None

@@ -135,7 +135,7 @@ def verdict(answer: dict, key: str) -> str:
 
 def lines(result: Explained) -> list[str]:
     kv = json.dumps(result.kv_transfer_config) if result.kv_transfer_config else "none"
-    out = [f"explain: vLLM {result.version}, model {result.model}, "
+    out = [f"explain: vLLM {result.pin.version}, model {result.model}, "
            f"kv_transfer_config {kv}"]
     if result.note:
         out.append(f"  note: {result.note}")

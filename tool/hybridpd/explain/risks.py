@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridpd.series.model import Risk, Series, load
+from hybridpd.series.model import Pin, Risk, Series, load
 
 SIDES = ("stock", "patched")
 
@@ -103,37 +103,37 @@ class Facts:
         return False if False in said else (None if None in said else True)
 
 
-def _fixed(series: Series, risk: Risk, version: str, hosted: bool) -> dict[str, str | None]:
+def _fixed(series: Series, risk: Risk, release: str, hosted: bool) -> dict[str, str | None]:
     """Per side, how the risk is fixed (None: open), from its fix's state on the
-    deployment's ``version`` of ``series``'s project (a version the series does not pin
+    deployment's ``release`` of ``series``'s project (a release the series does not pin
     has no fix of it: open)."""
     if risk.fixed_by is None:
         return {side: None for side in SIDES}
     patch = series.patch(risk.fixed_by)
     assert patch is not None  # the series parser checks fixed_by
-    state = patch.pins.get(version)
+    state = patch.pins.get(release)
     if state is None:
         return {side: None for side in SIDES}
     if state.state == "upstream":
         said = f"fixed upstream in {series.project} {state.release}"
         return {"stock": said, "patched": said}
     if state.state == "carried":
-        on = f" (hybridpd's {series.project} series, on {series.project} {version})"
+        on = f" (hybridpd's {series.project} series, on {series.project} {release})"
         return {"stock": None, "patched": f"fixed by {patch.id}" + (on if hosted else "")}
     return {side: None for side in SIDES}  # dropped: the record says why
 
 
-def assess(vllm: Series, version: str, kv: dict | None, num_speculative_tokens: int,
+def assess(vllm: Series, pin: Pin, kv: dict | None, num_speculative_tokens: int,
            answers: dict[str, dict], hosted_versions: dict[str, str] | None = None) -> list[dict]:
     """The records' risks that apply (or may: a fact vLLM did not answer) to the
     deployment on either tree, each with its links and its fix state per side: on
-    vLLM ``version``, and on the version of each hosted series' project the deployment
+    vLLM ``pin``, and on the version of each hosted series' project the deployment
     runs (``hosted_versions``, by package; the series' default pin unless given)."""
     facts = {side: Facts.of(kv, num_speculative_tokens, answers.get(side, {}))
              for side in SIDES}
     out = []
     for series in hosted_series(vllm):
-        on = version if series is vllm else (hosted_versions or {}).get(
+        on = pin.version if series is vllm else (hosted_versions or {}).get(
             series.package, series.default_pin)
         for risk in series.risks:
             applies = {side: facts[side].matches(risk) for side in SIDES}

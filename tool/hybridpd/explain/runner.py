@@ -18,7 +18,7 @@ from hybridpd.progress import Log, quiet
 from hybridpd.proof import testrun
 from hybridpd.proof.pytestrun import cpu_metadata_overlay, pytest_env
 from hybridpd.series import releasetree
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 
 #: The trees the driver runs on, in the order they are reported.
 SIDES = ("stock", "patched")
@@ -72,7 +72,7 @@ class ExplainOptions:
 
 @dataclass
 class Explained:
-    version: str
+    pin: Pin
     model: str
     kv_transfer_config: dict | None
     note: str | None
@@ -83,22 +83,21 @@ class Explained:
     risks: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"version": self.version, "model": self.model,
+        return {"version": self.pin.version, "model": self.model,
                 "kv_transfer_config": self.kv_transfer_config, "note": self.note,
                 "answers": self.answers, "risks": self.risks,
                 "seconds": round(self.seconds, 1), "logs": self.logs}
 
 
-def explain(series: Series, version: str, opts: ExplainOptions, log: Log = quiet) -> Explained:
-    """One deployment on ``version``, stock and with the series."""
-    return explain_cases(series, version, [opts], log)[0]
+def explain(series: Series, pin: Pin, opts: ExplainOptions, log: Log = quiet) -> Explained:
+    """One deployment on ``pin``, stock and with the series."""
+    return explain_cases(series, pin, [opts], log)[0]
 
 
-def explain_cases(series: Series, version: str, cases: list[ExplainOptions],
+def explain_cases(series: Series, pin: Pin, cases: list[ExplainOptions],
                   log: Log = quiet) -> list[Explained]:
-    """Several deployments on ``version``, answered in one driver per tree (one vLLM
+    """Several deployments on ``pin``, answered in one driver per tree (one vLLM
     import each), the two trees side by side; ``cases[0].timeout`` bounds each driver."""
-    pin = series.pin(version)
     if not pin.ported:
         raise ExplainError(f"{pin.version} is pinned but not ported yet: nothing to compare "
                            f"stock with (hybridpd port --to {pin.version} first)")
@@ -124,8 +123,8 @@ def explain_cases(series: Series, version: str, cases: list[ExplainOptions],
     for n, (opts, note) in enumerate(zip(cases, notes)):
         said = {side: answers[side][n] for side in SIDES}
         out.append(Explained(
-            pin.version, opts.model, opts.kv_transfer_config, note, said, seconds, logs,
-            risks_mod.assess(series, pin.version, opts.kv_transfer_config,
+            pin, opts.model, opts.kv_transfer_config, note, said, seconds, logs,
+            risks_mod.assess(series, pin, opts.kv_transfer_config,
                              opts.num_speculative_tokens, said,
                              {"lmcache": opts.lmcache_version} if opts.lmcache_version
                              else None)))

@@ -35,7 +35,7 @@ from hybridpd import cache, pkgindex
 from hybridpd.errors import HybridpdError, UsageError
 from hybridpd.progress import Log, quiet
 from hybridpd.series import edit as seriesedit
-from hybridpd.series.model import Pin, Series
+from hybridpd.series.model import Pin, Series, release_key
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,13 @@ class PinAdded:
 
 
 def add_pin(
-    series: Series, version: str, allow_yanked: bool = False, log: Log = quiet
+    series: Series, release: str, allow_yanked: bool = False, log: Log = quiet
 ) -> PinAdded:
-    """Make ``version`` a pin of ``series`` (see the module docstring). A yanked sdist
-    (PEP 592: the project withdrew the release) is refused unless ``allow_yanked``."""
-    version = _version(series, version)
-    pin = _new_pin(series, version)
+    """Make ``release`` (not a pin yet) a pin of ``series`` (see the module docstring). A
+    yanked sdist (PEP 592: the project withdrew the release) is refused unless
+    ``allow_yanked``."""
+    release = _release(series, release)
+    pin = _new_pin(series, release)
     settings = pkgindex.pip_settings()
     found = pkgindex.find_file(series.package, pin.sdist, settings)
     if found.yanked is not None and not allow_yanked:
@@ -117,57 +118,58 @@ def add_pin(
     archive, sha256 = cache.sdist_listed(series.package, found, settings)
     if found.sha256 is None:
         log(f"the index lists no hash for {pin.sdist}: recording the downloaded file's")
-    pin = Pin(version, pin.tag, pin.sdist, sha256, ported=False)
-    candidates = propose_source(series, archive, version)
+    pin = Pin(release, pin.tag, pin.sdist, sha256, ported=False)
+    candidates = propose_source(series, archive, release)
     with seriesedit.edit(series.path) as editor:
-        editor.add_pin(pin.version, pin.tag, pin.sdist, pin.sha256)
-    log(f"wrote pin {version} to {series.relative(series.path)} (ported = false)")
+        editor.add_pin(pin)
+    log(f"wrote pin {release} to {series.relative(series.path)} (ported = false)")
     return PinAdded(pin, found.url, candidates, found.yanked)
 
 
-def _version(series: Series, version: str) -> str:
-    wanted = version.removeprefix("v")
+def _release(series: Series, release: str) -> str:
+    """``release`` as the index names it (a leading v dropped), checked not to be a pin."""
+    wanted = release.removeprefix("v")
     try:
-        parsed = Version(wanted)
+        parsed = release_key(wanted)
     except InvalidVersion:
-        raise UsageError(f"{version!r} is not a release version") from None
+        raise UsageError(f"{release!r} is not a release version") from None
     if str(parsed) != wanted:
-        raise UsageError(f"{version!r} is not a release version as the index names it "
+        raise UsageError(f"{release!r} is not a release version as the index names it "
                          f"(did you mean {parsed}?)")
     if any(p.version == wanted for p in series.pins):
         raise HybridpdError(f"{wanted} is already a pin of {series.relative(series.path)}")
     return wanted
 
 
-def _new_pin(series: Series, version: str) -> Pin:
-    """The pin's tag and sdist name, formed as the existing pins' are."""
+def _new_pin(series: Series, release: str) -> Pin:
+    """The pin of ``release``: its tag and sdist name formed as the existing pins' are."""
     model = series.pins[-1]  # a series has at least one pin (series.parse)
     return Pin(
-        version,
-        model.tag.replace(model.version, version),
-        model.sdist.replace(model.version, version),
+        release,
+        model.tag.replace(model.version, release),
+        model.sdist.replace(model.version, release),
         "",
     )
 
 
 def propose_source(
-    series: Series, archive: Path, version: str
+    series: Series, archive: Path, release: str
 ) -> tuple[SourceCandidate, ...]:
-    """The ported pins, best source for ``version`` (whose sdist is ``archive``) first
+    """The ported pins, best source for ``release`` (whose sdist is ``archive``) first
     (see the module docstring)."""
-    target = Version(version)
+    target = release_key(release)
     hunks = {pin.version: _hunks(series, pin) for pin in series.pins if pin.ported}
     texts = _archive_texts(archive, {path for found in hunks.values() for path, _ in found})
     candidates = []
     for pin_version, found in hunks.items():
-        lose = tuple(series.fixes_lost_on(pin_version, version))
+        lose = tuple(series.fixes_lost_on(pin_version, release))
         applying = sum(("\n" + pre) in ("\n" + texts.get(path, "")) for path, pre in found)
         candidates.append(SourceCandidate(pin_version, applying, len(found), lose))
 
     def rank(c: SourceCandidate) -> tuple:
         share = c.applying / c.hunks if c.hunks else 0.0
-        return (bool(c.would_lose), -share, _distance(Version(c.version), target),
-                Version(c.version) > target)
+        return (bool(c.would_lose), -share, _distance(release_key(c.version), target),
+                release_key(c.version) > target)
 
     return tuple(sorted(candidates, key=rank))
 

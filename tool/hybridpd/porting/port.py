@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import InvalidVersion
 
 from hybridpd import cache, gitops, guard
 from hybridpd.errors import ApplyError, CheckoutError, HybridpdError, UsageError
@@ -72,7 +72,7 @@ from hybridpd.series import checkout as checkout_mod
 from hybridpd.series import edit as seriesedit
 from hybridpd.series.apply import TRAILER, patch_commits
 from hybridpd.series.export import export
-from hybridpd.series.model import Pin, Series
+from hybridpd.series.model import Pin, Series, release_key
 
 STATE_FILE = guard.PORT_STATE
 #: Left in ``.git/`` by a port that finished or was aborted: ``start`` may replace
@@ -237,9 +237,10 @@ class PortState:
         self.current = self.before = None
 
 
-def default_dir(version: str) -> Path:
-    """Where a port to ``version`` happens unless told otherwise."""
-    return cache.cache_dir() / "port" / version
+def default_dir(release: str) -> Path:
+    """Where a port to ``release`` happens unless told otherwise (``--to`` as given, a
+    leading v dropped: the request is parsed before the series is read)."""
+    return cache.cache_dir() / "port" / release
 
 
 # Entry points -----------------------------------------------------------------
@@ -517,8 +518,8 @@ def _recorded_release(series: Series, patch_id: str, target: str) -> str | None:
         if state.state != "upstream" or not state.release:
             continue
         try:
-            if Version(state.release) <= Version(target):
-                releases.append(Version(state.release))
+            if release_key(state.release) <= release_key(target):
+                releases.append(release_key(state.release))
         except InvalidVersion:
             continue
     return str(min(releases)) if releases else None
@@ -671,10 +672,10 @@ def _continue_current(series: Series, dest: Path, state: PortState) -> None:
     state.save(dest)
 
 
-def _nothing_resolved(patch_id: str, version: str, what: str) -> str:
+def _nothing_resolved(patch_id: str, release: str, what: str) -> str:
     return (
         f"{what} for {patch_id}: resolve the conflicts, `git add` the files, then "
-        f"--continue; or, if {version} already has the change, --skip --upstream RELEASE"
+        f"--continue; or, if {release} already has the change, --skip --upstream RELEASE"
     )
 
 
@@ -703,8 +704,8 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
                     else "dropped" if r.result == "dropped"
                     else "upstream"
                 )
-                editor.set_patch_state(r.id, v2.version, state_name, r.release)
-            editor.set_pin_ported(v2.version, True)
+                editor.set_patch_state(r.id, v2, state_name, r.release)
+            editor.set_pin_ported(v2, True)
         guard.fault("port:series-written")
         patch_dir = series.patch_dir(v2)
         patch_dir.mkdir(parents=True, exist_ok=True)
@@ -842,12 +843,12 @@ def _reset_to(dest: Path, rev: str | None) -> None:
         gitops.reset_hard(dest, rev)
 
 
-def _newer(version: str, than: str) -> bool:
-    """Whether release ``version`` comes after ``than`` (PEP 440; a leading v ignored)."""
+def _newer(release: str, than: str) -> bool:
+    """Whether ``release`` comes after ``than`` (:func:`release_key`)."""
     try:
-        return Version(version.removeprefix("v")) > Version(than.removeprefix("v"))
+        return release_key(release) > release_key(than)
     except InvalidVersion:
-        raise PortError(f"{version!r} is not a release version (such as {than})") from None
+        raise PortError(f"{release!r} is not a release version (such as {than})") from None
 
 
 def _tree(dest: Path, rev: str) -> str:

@@ -43,6 +43,7 @@ from packaging.version import InvalidVersion, Version
 from hybridpd import cache, proc, progress
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
+from hybridpd.series.model import Pin
 
 #: Bump when the way an environment is built changes, so old environments are rebuilt.
 ENV_SCHEMA = 1
@@ -224,9 +225,9 @@ def resolve_torch_spec(torch_spec: str | None = None) -> str:
     return torch_spec or os.environ.get(TORCH_ENV_VAR) or DEFAULT_TORCH_SPEC
 
 
-def env_dir(cache_dir: Path, version: str) -> Path:
-    """Where the environment for ``version`` lives."""
-    return cache_dir / "envs" / f"{version}-cpu"
+def env_dir(cache_dir: Path, pin: Pin) -> Path:
+    """Where the environment for ``pin`` lives."""
+    return cache_dir / "envs" / f"{pin.version}-cpu"
 
 
 def venv_python(venv: Path) -> Path:
@@ -235,7 +236,7 @@ def venv_python(venv: Path) -> Path:
 
 
 def env_inputs(
-    version: str,
+    pin: Pin,
     source_tree: Path,
     torch_spec: str | None = None,
     extra_requirements: Sequence[str] = (),
@@ -253,7 +254,7 @@ def env_inputs(
     ).stdout.strip()
     inputs = {
         "schema": ENV_SCHEMA,
-        "version": version,
+        "version": pin.version,
         "python": py_version,
         "torch_spec": resolve_torch_spec(torch_spec),
         "common_txt": relaxed,
@@ -280,7 +281,7 @@ def _run(cmd: Sequence[str], log_file: Path, log: Log, what: str) -> None:
 
 
 def ensure_test_env(
-    version: str,
+    pin: Pin,
     source_tree: Path,
     cache_dir: Path,
     torch_spec: str | None = None,
@@ -289,7 +290,7 @@ def ensure_test_env(
     extra_requirements: Sequence[str] = (),
     python: str | None = None,
 ) -> Path:
-    """Return a complete CPU test environment for ``version``, building it if needed.
+    """Return a complete CPU test environment for ``pin``, building it if needed.
 
     ``source_tree`` is a vLLM source tree of that release (stock or patched: only its
     ``requirements/`` files are read). ``torch_spec`` overrides ``$HYBRIDPD_TORCH`` and
@@ -302,8 +303,8 @@ def ensure_test_env(
     """
     source_tree = Path(source_tree)
     cache_dir = Path(cache_dir)
-    inputs = env_inputs(version, source_tree, torch_spec, extra_requirements, python)
-    venv = env_dir(cache_dir, version)
+    inputs = env_inputs(pin, source_tree, torch_spec, extra_requirements, python)
+    venv = env_dir(cache_dir, pin)
     venv.parent.mkdir(parents=True, exist_ok=True)
     with cache.lock(venv, log):
         marker = read_marker(venv)
@@ -317,7 +318,7 @@ def ensure_test_env(
             _build(venv, inputs, python or sys.executable, log)
             marker = read_marker(venv)
         used = (marker.get("torch") or {}).get("version")
-        if warning := torch_substitution(version, release_torch(source_tree), used):
+        if warning := torch_substitution(pin, release_torch(source_tree), used):
             log(warning)
         return venv
 
@@ -334,7 +335,7 @@ def release_torch(source_tree: Path) -> str | None:
     return None
 
 
-def torch_substitution(version: str, pinned: str | None, used: str | None) -> str | None:
+def torch_substitution(pin: Pin, pinned: str | None, used: str | None) -> str | None:
     """The warning line for an environment whose torch is not the release's (a CPU
     torch of the release's version may not be on the index; DEFAULT_TORCH_SPEC)."""
     if not pinned or not used:
@@ -345,7 +346,7 @@ def torch_substitution(version: str, pinned: str | None, used: str | None) -> st
         same = False
     if same:
         return None
-    return (f"testenv: warning: vLLM {version} pins torch=={pinned}; this environment uses "
+    return (f"testenv: warning: vLLM {pin.version} pins torch=={pinned}; this environment uses "
             f"torch {used} (${TORCH_ENV_VAR} chooses another)")
 
 
@@ -413,9 +414,9 @@ def layer_dir(venv: Path, layer: Layer) -> Path:
 
 
 def ensure_layers(
-    venv: Path, version: str, log: Log = quiet
+    venv: Path, pin: Pin, log: Log = quiet
 ) -> list[Path]:
-    """The layers of ``version``'s patch tests, built beside ``venv`` if needed.
+    """The layers of ``pin``'s patch tests, built beside ``venv`` if needed.
 
     Under the environment's lock; a layer is reused only when its marker records the
     same requirements and Python, and it is built in a temporary directory that is
@@ -426,7 +427,7 @@ def ensure_layers(
     with cache.lock(venv, log):
         python = (read_marker(venv) or {}).get("python")
         for layer in LAYERS:
-            if not SpecifierSet(layer.releases).contains(version, prereleases=True):
+            if not SpecifierSet(layer.releases).contains(pin.version, prereleases=True):
                 continue
             target = layer_dir(venv, layer)
             want = {"requirements": list(layer.requirements), "python": python}

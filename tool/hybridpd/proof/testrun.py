@@ -35,8 +35,6 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-from packaging.version import Version
-
 from hybridpd import cache, gitops
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log, quiet
@@ -44,7 +42,7 @@ from hybridpd.proof import hfsnap, testenv, upstream
 from hybridpd.proof.pytestrun import Counts, SuiteResult, parse_junit, run_pytest
 from hybridpd.series.apply import apply, patch_commits
 from hybridpd.series.checkout import checkout
-from hybridpd.series.model import Pin, Series
+from hybridpd.series.model import Pin, Series, release_key
 from hybridpd.series.model import load as load_series
 
 SUITES = ("patches", "upstream", "all")
@@ -141,7 +139,7 @@ def upstream_json(report: upstream.UpstreamReport) -> dict:
     if report.stock is not None:
         stock = counts(report.stock)
     else:
-        stock = dict(upstream.load_baseline(report.version, report.baseline)["counts"])
+        stock = dict(upstream.read_baseline(report.baseline)["counts"])
         stock["failed"] = stock.get("failed", 0) + stock.pop("errors", 0)
     return {
         "stock": stock,
@@ -315,7 +313,7 @@ def _release_proves(tests: list[str], stock: dict[str, str], patched: dict[str, 
 
 
 def _upstream_claim_problems(
-    patch_id: str, version: str, release: str | None, tests: list[str],
+    patch_id: str, pin: Pin, release: str | None, tests: list[str],
     stock: dict[str, str], release_proves: bool, carriers: Sequence[str] = (),
 ) -> list[str]:
     """A patch recorded upstream on a pin is proven there only by its own tests passing
@@ -325,21 +323,22 @@ def _upstream_claim_problems(
     counts where it passes patched).
     ``carriers``: the ported pins that carry the patch, for the port that carries it
     again where the release has it only partly."""
-    claim = f"{patch_id}: recorded upstream in {version} (since {release})"
+    claim = f"{patch_id}: recorded upstream in {pin.version} (since {release})"
     if not tests:
         return [f"{claim}, but no test names it"]
     # A test a release does not cover is skipped (vllm_versions): neither proof nor failure.
     failing = [t for t in tests if stock.get(t) not in ("passed", "skipped")]
     if failing:
         # A port onto a ported pin goes forward only (port.start refuses the other way).
-        older = sorted((c for c in carriers if Version(c) < Version(version)), key=Version)
-        again = (f"; if {version} has the fix only in part, carry the patch again: "
-                 f"`hybridpd port --from {older[-1]} --to {version} --replace`, resolving "
+        older = sorted((c for c in carriers if release_key(c) < release_key(pin.version)),
+                       key=release_key)
+        again = (f"; if {pin.version} has the fix only in part, carry the patch again: "
+                 f"`hybridpd port --from {older[-1]} --to {pin.version} --replace`, resolving "
                  "it instead of skipping it" if older else "")
         return [f"{claim}, but {len(failing)} of its tests do not pass on stock "
-                f"{version}: {', '.join(failing)}{again}"]
+                f"{pin.version}: {', '.join(failing)}{again}"]
     if not release_proves:
-        return [f"{claim}, but none of its tests runs on {version}"]
+        return [f"{claim}, but none of its tests runs on {pin.version}"]
     return []
 
 
@@ -389,7 +388,7 @@ def red_green(
             carriers = [p.version for p in series.pins
                         if p.ported and patch.pins.get(p.version) is not None
                         and patch.pins[p.version].state == "carried"]
-            problems += _upstream_claim_problems(patch.id, pin.version, state.release,
+            problems += _upstream_claim_problems(patch.id, pin, state.release,
                                                  tests, stock, row.release_proves,
                                                  carriers)
     unknown = sorted(set(mapping.values()) - {p.id for p in series.patches})
@@ -460,20 +459,19 @@ def pin_environment(
     ``root``) first after its own tree; ``with_layers`` adds the environment's
     :data:`~hybridpd.proof.testenv.LAYERS` after it.
     """
-    env_pin, env_tree, host_tree = pin.version, stock, []
+    env_pin, env_tree, host_tree = pin, stock, []
     if series.tests.host_series is not None:
         host = load_series(series.tests.host_series)
-        host_pin = host.pin(series.tests.host_pin)
-        env_pin = host_pin.version
-        env_tree = root / f"host-{host.slug(host_pin)}"
-        log(f"test: checking out {host.project} {env_pin} (stock) in {env_tree}")
-        checkout(host, host_pin, env_tree, source="sdist")
+        env_pin = host.pin(series.tests.host_pin)
+        env_tree = root / f"host-{host.slug(env_pin)}"
+        log(f"test: checking out {host.project} {env_pin.version} (stock) in {env_tree}")
+        checkout(host, env_pin, env_tree, source="sdist")
         host_tree = [env_tree]
     try:
         venv = testenv.ensure_test_env(env_pin, env_tree, cache.cache_dir(), torch_spec, log)
         layers = testenv.ensure_layers(venv, env_pin, log) if with_layers else []
     except testenv.TestEnvError as exc:
-        raise TestRunError(f"test environment for {env_pin}: {exc}") from exc
+        raise TestRunError(f"test environment for {env_pin.version}: {exc}") from exc
     return venv, host_tree + layers
 
 
@@ -501,8 +499,8 @@ def _run_locked(
         )
         report.problems += problems
     if suite in ("upstream", "all"):
-        files = upstream.selection(pin.version, reduced=not full_upstream)
-        use_baseline = stock_baseline and _baseline_covers(pin.version, files)
+        files = upstream.selection(pin, reduced=not full_upstream)
+        use_baseline = stock_baseline and _baseline_covers(pin, files)
         if stock_baseline and not use_baseline:
             log(
                 f"test: no committed stock baseline of {pin.version} covers these "
@@ -514,7 +512,7 @@ def _run_locked(
             trees["patched"],
             files,
             out_dir / "upstream",
-            version=pin.version,
+            pin=pin,
             hf_home=hf_home,
             log=log,
         )
@@ -527,13 +525,13 @@ def _run_locked(
     return report
 
 
-def _baseline_covers(version: str, files: Sequence[str]) -> bool:
-    """Whether the committed stock baseline of ``version`` ran every file in
+def _baseline_covers(pin: Pin, files: Sequence[str]) -> bool:
+    """Whether the committed stock baseline of ``pin`` ran every file in
     ``files`` (a test missing from the stock side would go unjudged)."""
-    path = upstream.baseline_path(version)
+    path = upstream.baseline_path(pin)
     if not path.is_file():
         return False
-    return set(files) <= set(upstream.load_baseline(version, path)["files"])
+    return set(files) <= set(upstream.load_baseline(pin, path)["files"])
 
 
 def format_table(report: TestReport) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 from hybridpd.progress import Log, quiet
 from hybridpd.proof import hfsnap
 from hybridpd.proof.pytestrun import SuiteResult, run_pytest
+from hybridpd.series.model import Pin
 
 BASELINE_DIR = Path(__file__).parents[1] / "data" / "upstream"
 BASELINE_SCHEMA = 1
@@ -135,9 +136,9 @@ def explain(message: str) -> str | None:
     return None
 
 
-def selection(version: str, reduced: bool = False) -> tuple[str, ...]:
-    """The test files for ``version``; KeyError for a version with no selection."""
-    return (REDUCED_SELECTION if reduced else FULL_SELECTION)[version]
+def selection(pin: Pin, reduced: bool = False) -> tuple[str, ...]:
+    """The test files for ``pin``; KeyError for a pin with no selection."""
+    return (REDUCED_SELECTION if reduced else FULL_SELECTION)[pin.version]
 
 
 def _file_of(test_id: str) -> str:
@@ -182,8 +183,8 @@ def compare(stock: Mapping[str, str], patched: Mapping[str, str],
 
 # --- baselines ------------------------------------------------------------------------
 
-def baseline_path(version: str, base_dir: Path = BASELINE_DIR) -> Path:
-    return Path(base_dir) / f"{version}-stock.json"
+def baseline_path(pin: Pin, base_dir: Path = BASELINE_DIR) -> Path:
+    return Path(base_dir) / f"{pin.version}-stock.json"
 
 
 def _portable_command(command: Sequence[str]) -> list[str]:
@@ -199,13 +200,13 @@ def _portable_command(command: Sequence[str]) -> list[str]:
     return portable
 
 
-def baseline_dict(result: SuiteResult, version: str, files: Sequence[str], *,
+def baseline_dict(result: SuiteResult, pin: Pin, files: Sequence[str], *,
                   tree: str, env: Mapping | None = None) -> dict:
     """The JSON document recording a stock run (schema ``BASELINE_SCHEMA``)."""
     per_file = result.per_file_counts()
     return {
         "schema": BASELINE_SCHEMA,
-        "vllm_version": version,
+        "vllm_version": pin.version,
         "tree": tree,
         "files": list(files),
         "produced": {
@@ -233,25 +234,30 @@ def baseline_dict(result: SuiteResult, version: str, files: Sequence[str], *,
     }
 
 
-def write_baseline(result: SuiteResult, version: str, files: Sequence[str], *,
+def write_baseline(result: SuiteResult, pin: Pin, files: Sequence[str], *,
                    tree: str, env: Mapping | None = None,
                    path: Path | None = None) -> Path:
-    """Write the stock baseline for ``version``; returns its path.
+    """Write the stock baseline for ``pin``; returns its path.
 
     Refuses a run that crashed or timed out: a baseline must list every test.
     """
     if not result.finished:
         raise ValueError(f"refusing to record a {result.status} run: {result.reason}")
-    path = Path(path) if path else baseline_path(version)
+    path = Path(path) if path else baseline_path(pin)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = baseline_dict(result, version, files, tree=tree, env=env)
+    doc = baseline_dict(result, pin, files, tree=tree, env=env)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
 
 
-def load_baseline(version: str, path: Path | None = None) -> dict:
-    """Read a baseline; FileNotFoundError when none is committed for ``version``."""
-    doc = json.loads(Path(path or baseline_path(version)).read_text())
+def load_baseline(pin: Pin, path: Path | None = None) -> dict:
+    """Read a baseline; FileNotFoundError when none is committed for ``pin``."""
+    return read_baseline(Path(path or baseline_path(pin)))
+
+
+def read_baseline(path: Path) -> dict:
+    """Read the baseline at ``path`` (a stock run's, of the pin its name says)."""
+    doc = json.loads(path.read_text())
     if doc.get("schema") != BASELINE_SCHEMA:
         raise ValueError(f"baseline schema {doc.get('schema')} != {BASELINE_SCHEMA}")
     return doc
@@ -289,7 +295,7 @@ def run_upstream(
     files: Sequence[str],
     out_dir: Path,
     *,
-    version: str,
+    pin: Pin,
     hf_home: Path | None = None,
     baseline: Path | None = None,
     test_timeout: int | None = 600,
@@ -300,7 +306,7 @@ def run_upstream(
 
     With ``stock_tree`` the stock tree runs first (sequentially: never two pytest
     processes at once); otherwise the baseline (``baseline`` or the committed one for
-    ``version``) stands in. ``hf_home`` defaults to ``<out_dir>/hf`` and receives the
+    ``pin``) stands in. ``hf_home`` defaults to ``<out_dir>/hf`` and receives the
     config snapshots of ``MODELS``. Logs and JUnit files land in ``out_dir``.
     """
     out_dir = Path(out_dir)
@@ -314,11 +320,12 @@ def run_upstream(
         stock_result = run_pytest(venv, stock_tree, files, out_dir, label="stock", **common)
         stock_outcomes = stock_result.outcomes
     else:
-        baseline_file = Path(baseline) if baseline else baseline_path(version)
-        stock_outcomes = load_baseline(version, baseline_file)["outcomes"]
+        baseline_file = Path(baseline) if baseline else baseline_path(pin)
+        stock_outcomes = load_baseline(pin, baseline_file)["outcomes"]
     patched = run_pytest(venv, patched_tree, files, out_dir, label="patched", **common)
     comparison = compare(stock_outcomes, patched.outcomes, files)
-    return UpstreamReport(version, list(files), patched, comparison, stock_result, baseline_file)
+    return UpstreamReport(pin.version, list(files), patched, comparison, stock_result,
+                          baseline_file)
 
 
 def format_report(report: UpstreamReport, limit: int = 20) -> str:

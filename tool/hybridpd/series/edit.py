@@ -23,13 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import tomlkit
-from packaging.version import Version
 from tomlkit.items import AoT, Comment, Table, Whitespace
 from tomlkit.toml_document import TOMLDocument
 
 from hybridpd import guard
 from hybridpd.errors import SeriesError
-from hybridpd.series.model import STATES, Series, load, parse
+from hybridpd.series.model import STATES, Pin, Series, load, parse, release_key
 
 
 class Editor:
@@ -42,19 +41,19 @@ class Editor:
         except tomlkit.exceptions.TOMLKitError as exc:
             raise SeriesError(f"{path}: {exc}") from exc
 
-    def set_pin_ported(self, version: str, ported: bool) -> None:
-        """Mark pin ``version`` ported (drop its ``ported`` line) or not (``ported = false``)."""
-        pin = self._find("pins", "version", version)
+    def set_pin_ported(self, pin: Pin, ported: bool) -> None:
+        """Mark ``pin`` ported (drop its ``ported`` line) or not (``ported = false``)."""
+        table = self._find("pins", "version", pin.version)
         if ported:
-            if "ported" in pin:
-                del pin["ported"]
+            if "ported" in table:
+                del table["ported"]
         else:
-            pin["ported"] = False
+            table["ported"] = False
 
     def set_patch_state(
-        self, patch_id: str, version: str, state: str, release: str | None = None
+        self, patch_id: str, pin: Pin, state: str, release: str | None = None
     ) -> None:
-        """Set the state of patch ``patch_id`` on pin ``version``.
+        """Set the state of patch ``patch_id`` on ``pin``.
 
         ``release`` is required for "upstream" and refused otherwise, the same
         rule :mod:`hybridpd.series.model` enforces. An existing state table is updated in
@@ -64,15 +63,15 @@ class Editor:
             raise SeriesError(f"state must be one of {', '.join(STATES)}, not {state!r}")
         if (state == "upstream") != bool(release):
             raise SeriesError(
-                f"{patch_id} on {version}: an upstream state needs a release, "
+                f"{patch_id} on {pin.version}: an upstream state needs a release, "
                 "no other state has one"
             )
         patch = self._find("patches", "id", patch_id)
         if "pins" not in patch:
             patch["pins"] = tomlkit.table(is_super_table=True)
         pins = patch["pins"]
-        if version in pins:
-            table = pins[version]
+        if pin.version in pins:
+            table = pins[pin.version]
             table["state"] = state
             if release:
                 table["release"] = release
@@ -84,23 +83,24 @@ class Editor:
         if release:
             table["release"] = release
         if isinstance(pins, Table):
-            _append_table(pins, version, table)
+            _append_table(pins, pin.version, table)
         else:
-            pins[version] = table
+            pins[pin.version] = table
 
-    def add_pin(self, version: str, tag: str, sdist: str, sha256: str) -> None:
-        """Add a ``[[pins]]`` entry for ``version``, not ported, before the first pin
-        with a higher version (release order, as the pins are read)."""
+    def add_pin(self, pin: Pin) -> None:
+        """Add a ``[[pins]]`` entry for ``pin``, not ported, before the first pin with a
+        higher version (release order, as the pins are read)."""
         pins = self.doc.get("pins")
         if not isinstance(pins, AoT):
-            raise SeriesError(f"{self.path}: no [[pins]] entries to add {version} beside")
+            raise SeriesError(f"{self.path}: no [[pins]] entries to add {pin.version} beside")
         table = tomlkit.table()
-        table["version"] = version
-        table["tag"] = tag
-        table["sdist"] = sdist
-        table["sha256"] = sha256
+        table["version"] = pin.version
+        table["tag"] = pin.tag
+        table["sdist"] = pin.sdist
+        table["sha256"] = pin.sha256
         table["ported"] = False
-        later = [i for i, t in enumerate(pins) if Version(str(t["version"])) > Version(version)]
+        later = [i for i, t in enumerate(pins)
+                 if release_key(str(t["version"])) > release_key(pin.version)]
         if later:
             table.add(tomlkit.nl())
             pins.insert(later[0], table)
@@ -172,17 +172,17 @@ def write_validated(path: Path, text: str, before: str) -> Series:
     return series
 
 
-def set_pin_ported(path: Path, version: str, ported: bool) -> Series:
-    """Mark pin ``version`` of the series at ``path`` ported or not; return the series."""
+def set_pin_ported(path: Path, pin: Pin, ported: bool) -> Series:
+    """Mark ``pin`` of the series at ``path`` ported or not; return the series."""
     with edit(path) as editor:
-        editor.set_pin_ported(version, ported)
+        editor.set_pin_ported(pin, ported)
     return load(path)
 
 
 def set_patch_state(
-    path: Path, patch_id: str, version: str, state: str, release: str | None = None
+    path: Path, patch_id: str, pin: Pin, state: str, release: str | None = None
 ) -> Series:
     """Set one patch state in the series at ``path`` (see :meth:`Editor.set_patch_state`)."""
     with edit(path) as editor:
-        editor.set_patch_state(patch_id, version, state, release)
+        editor.set_patch_state(patch_id, pin, state, release)
     return load(path)

@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import InvalidVersion
 
 from hybridpd import gitops, guard
 from hybridpd.errors import ApplyError, ExportError
 from hybridpd.progress import Log, quiet
 from hybridpd.series import checkout as checkout_mod
 from hybridpd.series.apply import apply, checkout_pin, patch_commits
-from hybridpd.series.model import Pin, Series
+from hybridpd.series.model import Pin, Series, release_key
 
 #: Makes a fresh checkout of a pin at a path that does not exist yet.
 FreshCheckout = Callable[[Series, Pin, Path], object]
@@ -182,7 +182,7 @@ def _file_problems(series: Series, pin: Pin) -> list[str]:
         if state.state == "carried" and not path.is_file():
             problems.append(f"{series.relative(path)}: missing (carried on {pin.version})")
         if state.state == "upstream":
-            problems += _release_problems(patch.id, pin.version, state.release)
+            problems += _release_problems(patch.id, pin, state.release)
         if state.state == "upstream" and path.exists():
             problems.append(
                 f"{series.relative(path)}: patch is upstream in {pin.version} "
@@ -198,14 +198,14 @@ def _file_problems(series: Series, pin: Pin) -> list[str]:
     return problems
 
 
-def _release_problems(patch_id: str, version: str, release: str | None) -> list[str]:
-    """An "upstream since ``release``" record on pin ``version`` that cannot be true."""
-    where = f"series.toml: {patch_id} on {version}"
+def _release_problems(patch_id: str, pin: Pin, release: str | None) -> list[str]:
+    """An "upstream since ``release``" record on ``pin`` that cannot be true."""
+    where = f"series.toml: {patch_id} on {pin.version}"
     try:
-        since = Version(str(release))
+        since = release_key(str(release))
     except InvalidVersion:
         return [f"{where}: upstream since {release!r}, which is not a release"]
-    if since > Version(version):
+    if since > release_key(pin.version):
         # The fix cannot be in a release older than the one that first shipped it: the
         # record drops a patch the pin still needs.
         return [f"{where}: upstream since {release}, a later release than the pin"]

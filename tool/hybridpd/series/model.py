@@ -44,6 +44,13 @@ _PATCH_FIELDS = ("id", "title", "why", "design", "upstream", "removal")
 _PIN_FIELDS = ("version", "tag", "sdist", "sha256")
 
 
+def release_key(release: str) -> Version:
+    """The one order of releases (pins, upstream releases, torch builds): PEP 440, a
+    leading ``v`` accepted ("v0.20.2" is 0.20.2, "2.11.0+cpu" has its local part).
+    InvalidVersion for text that is not a release."""
+    return Version(release)
+
+
 @dataclass(frozen=True)
 class Pin:
     """A pinned upstream release: its version, git tag and source distribution.
@@ -187,9 +194,10 @@ class Series:
         """The ``[test]`` table, with its defaults."""
         return self.test or TestSetup(self.dir.parent / "tests" / "patches")
 
-    def pin(self, version: str) -> Pin:
-        """The pin for ``version`` ("0.20.2" or "v0.20.2"); UnknownPinError if none."""
-        wanted = version.removeprefix("v")
+    def pin(self, text: str) -> Pin:
+        """The pin ``text`` names ("0.20.2" or "v0.20.2"); UnknownPinError if none. The
+        one place a version given as text becomes a :class:`Pin`."""
+        wanted = text.removeprefix("v")
         for pin in self.pins:
             if pin.version == wanted:
                 return pin
@@ -197,10 +205,10 @@ class Series:
         try:
             Version(wanted)
         except InvalidVersion:
-            raise UnknownPinError(f"{version} is not a pinned version (pins: {known})") from None
+            raise UnknownPinError(f"{text} is not a pinned version (pins: {known})") from None
         option = "" if self.package == "vllm" else f" --series {self.relative(self.path)}"
         raise UnknownPinError(
-            f"{version} is not a pinned version (pins: {known}; "
+            f"{text} is not a pinned version (pins: {known}; "
             f"`hybridpd{option} pin add {wanted}` makes it one)"
         )
 
@@ -214,7 +222,7 @@ class Series:
         ported = [p for p in self.pins if p.ported]
         if not ported:
             raise SeriesError("no pin is ported yet")
-        return max(ported, key=lambda p: Version(p.version))
+        return max(ported, key=lambda p: release_key(p.version))
 
     def patch(self, patch_id: str) -> Patch | None:
         """The record with ``patch_id``, or None."""
@@ -251,13 +259,13 @@ class Series:
         proven earlier). ``source`` has no patch file for them, and ``target`` does not
         have the fix: taking ``source``'s records onto ``target`` would drop it."""
         try:
-            limit = Version(target.removeprefix("v"))
+            limit = release_key(target)
         except InvalidVersion:
             raise SeriesError(f"{target!r} is not a release version") from None
 
         def after(release: str | None) -> bool:
             try:
-                return release is None or Version(release.removeprefix("v")) > limit
+                return release is None or release_key(release) > limit
             except InvalidVersion:
                 return True
 

@@ -1,31 +1,29 @@
 """Choosing what to upstream: which carried patches have no upstream release yet
-(candidates to propose), which can be dropped where, and the newest pin to export from.
+(candidates to propose), and which can be dropped where.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
-from hybridpd.series.model import Pin, Series
-from hybridpd.upstreaming.layout import ExportPrError
+from packaging.version import InvalidVersion, Version
+
+from hybridpd.series.model import Series, release_key
 
 # Versions ---------------------------------------------------------------------------
 
 
-def version_key(version: str) -> tuple[int, ...]:
-    """A sortable key for release versions such as ``0.23.0`` (numeric parts only)."""
-    return tuple(int(part) for part in re.findall(r"\d+", version))
-
-
-def newest_pin(series: Series) -> Pin:
-    """The ported pin with the highest version."""
-    ported = [p for p in series.pins if p.ported]
-    if not ported:
-        raise ExportPrError("no pin is ported yet")
-    return max(ported, key=lambda p: version_key(p.version))
+def _release_order(release: str) -> tuple[bool, Version | None]:
+    """:func:`~hybridpd.series.model.release_key`, except that a recorded release that is
+    not PEP 440 (the series parser does not require one) sorts after every release, as
+    :meth:`~hybridpd.series.model.Series.fixes_lost_on` counts it: it cannot be proven
+    earlier."""
+    try:
+        return False, release_key(release)
+    except InvalidVersion:
+        return True, None
 
 
 # Upstream candidates ----------------------------------------------------------------
@@ -82,10 +80,10 @@ def upstream_candidates(series: Series) -> list[Candidate]:
         upstream = {
             v: s.release or "?" for v, s in patch.pins.items() if s.state == "upstream"
         }
-        since = min(upstream.values(), key=version_key) if upstream else None
+        since = min(upstream.values(), key=_release_order) if upstream else None
         drop, keep = [], []
         for version in carried:
-            if since is not None and version_key(version) >= version_key(since):
+            if since is not None and _release_order(version) >= _release_order(since):
                 drop.append(version)
             else:
                 keep.append(version)

@@ -82,10 +82,10 @@ def find_reports(project: Path, log: Log = quiet) -> list[Report]:
     return sorted(reports, key=lambda r: r.date, reverse=True)
 
 
-def latest_reports(reports: Sequence[Report], pin: str) -> list[Report]:
+def latest_reports(reports: Sequence[Report], pin: Pin) -> list[Report]:
     """The newest report per scenario, preferring ``pin``'s own reports."""
     chosen: dict[str, Report] = {}
-    for report in sorted(reports, key=lambda r: (r.pin == pin, r.date), reverse=True):
+    for report in sorted(reports, key=lambda r: (r.pin == pin.version, r.date), reverse=True):
         chosen.setdefault(report.scenario, report)
     return list(chosen.values())
 
@@ -147,5 +147,5 @@ def pr_evidence(
                 "noise); not cited in PR.md")
         else:
             found.append(report)
-    chosen = latest_reports(found, pin.version)
+    chosen = latest_reports(found, pin)
     return chosen, stale_warnings(project, series, pin, export, chosen)

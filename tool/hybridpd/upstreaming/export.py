@@ -15,7 +15,6 @@ from hybridpd import gitops
 from hybridpd.progress import Log, quiet
 from hybridpd.series.checkout import checkout
 from hybridpd.series.model import Pin, Series
-from hybridpd.upstreaming.candidates import newest_pin
 from hybridpd.upstreaming.commits import build_commits, prerequisites
 from hybridpd.upstreaming.evidence import pr_evidence
 from hybridpd.upstreaming.layout import ExportPrError, PrExport, refuse_foreign, seal
@@ -74,7 +73,7 @@ def export_prs(
                     (target / commit.filename).write_bytes(content)
                 export = PrExport(
                     patch_id,
-                    pin.version,
+                    pin,
                     target,
                     [c for c, _ in built],
                     deps,
@@ -116,17 +115,16 @@ class ExportPrResult:
 
 def run(
     series: Series,
-    version: str | None,
+    pin: Pin,
     patch_id: str | None,
     out_dir: Path,
     verify_them: bool = False,
     log: Log = quiet,
     force: bool = False,
 ) -> ExportPrResult:
-    """Export ``patch_id`` (None: every patch carried on the pin) of ``version`` (None:
-    the newest pin) into ``out_dir``, from a fresh stock checkout, and with
-    ``verify_them`` prove each directory on it (see :func:`verify`)."""
-    pin = series.pin(version) if version else newest_pin(series)
+    """Export ``patch_id`` (None: every patch carried on ``pin``) into ``out_dir``, from a
+    fresh stock checkout, and with ``verify_them`` prove each directory on it (see
+    :func:`verify`)."""
     ids = [patch_id] if patch_id else [p.id for p in series.carried(pin)]
     with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
         stock = Path(tmp) / "stock"

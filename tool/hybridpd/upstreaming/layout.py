@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd.errors import HybridpdError
+from hybridpd.series.model import Pin
 
 #: Where the upstream-style tests live: ``<series slug of the pin>/<patch id>/tests/...``.
 UPSTREAM_TESTS_DIR = Path(__file__).parents[1] / "data" / "upstream_tests"
@@ -105,7 +106,7 @@ class PrExport:
     """One exported PR directory; the last commit is the patch's own."""
 
     patch_id: str
-    pin: str
+    pin: Pin
     dir: Path
     commits: list[PrCommit]
     prerequisites: list[str]
@@ -126,7 +127,7 @@ class PrExport:
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.patch_id,
-            "pin": self.pin,
+            "pin": self.pin.version,
             "dir": str(self.dir),
             "files": [c.filename for c in self.commits] + ["PR.md"]
             + ([VERIFY_FILE] if self.verification else []),

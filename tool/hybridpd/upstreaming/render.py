@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridpd.e2e import report as e2e_report
-from hybridpd.series.model import SERIES_FILE, Patch, Series
+from hybridpd.series.model import SERIES_FILE, Patch, Pin, Series
 from hybridpd.upstreaming.commits import strip_trailer
 from hybridpd.upstreaming.conventions import VLLM, Upstream, upstream_of
 from hybridpd.upstreaming.evidence import Report, e2e_command
@@ -25,10 +25,10 @@ def series_option(series: Series) -> str:
     return ""
 
 
-def _checkout_hint(pin: str, patch_id: str, series: Series) -> str:
-    tree = f"{series.package}-{pin}"
+def _checkout_hint(pin: Pin, patch_id: str, series: Series) -> str:
+    tree = f"{series.package}-{pin.version}"
     return (
-        f"hybridpd {series_option(series)}checkout {pin} --dir {tree} && cd {tree} && "
+        f"hybridpd {series_option(series)}checkout {pin.version} --dir {tree} && cd {tree} && "
         f"git am --keep-non-patch ../{patch_id}/0*.patch"
     )
 
@@ -46,9 +46,9 @@ def render_pr(
     out = [f"# {own.subject}", ""]
     out += [
         f"> Exported by `hybridpd export-pr` from the hybridpd series (patch `{export.patch_id}`, "
-        f"{upstream.link} v{pin}). Apply: `{_checkout_hint(pin, export.patch_id, series)}` "
+        f"{upstream.link} v{pin.version}). Apply: `{_checkout_hint(pin, export.patch_id, series)}` "
         f"(`--keep-non-patch` keeps the `{upstream.prefix}`-style subject prefixes). Re-check the "
-        f"directory: `hybridpd {option}export-pr {export.patch_id} --pin {pin} --to DIR "
+        f"directory: `hybridpd {option}export-pr {export.patch_id} --pin {pin.version} --to DIR "
         "--verify`.",
         "> **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
         "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards). "
@@ -60,7 +60,7 @@ def render_pr(
         out.append(
             f"> **Depends on** the PR of {deps}: its commit(s) come first in this directory "
             f"({', '.join(c.filename for c in export.commits[:-1])}) so that it applies to "
-            f"stock v{pin}; open this PR on top of that one (or after it merges) and drop "
+            f"stock v{pin.version}; open this PR on top of that one (or after it merges) and drop "
             "them from this branch."
         )
     for line in stale:
@@ -77,7 +77,7 @@ def render_pr(
         out += ["Tests edited: " + ", ".join(f"`{t}`" for t in own.edited) + "."]
     out += ["", "## Why", "", _text(patch.why), "", "## Design", "", _text(patch.design), ""]
     out += ["## Alternatives considered", ""]
-    kept = material(series.slug(series.pin(pin)), export.patch_id, export.material_root)
+    kept = material(series.slug(pin), export.patch_id, export.material_root)
     out += [kept.alternatives or "(none recorded for this patch yet)", ""]
     out += ["## Related", "", f"- Upstream reference: {patch.upstream}"]
     out += [f"- {paragraph}" for paragraph in overlap]
@@ -217,7 +217,7 @@ def _results(
     if not reports:
         return out + [upstream.no_results, ""]
     for report in reports:
-        other = "" if report.pin == export.pin else f" (measured on v{report.pin})"
+        other = "" if report.pin == export.pin.version else f" (measured on v{report.pin})"
         out += [
             f"`{report.path}`: scenario {report.scenario}, device "
             f"{report.e2e.device}, model `{report.e2e.model}`"

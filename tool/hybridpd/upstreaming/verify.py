@@ -203,7 +203,7 @@ def pytest_runner(
 
     def run(tree: Path, files: Sequence[str], label: str):
         if hosted:
-            link_compiled(tree, series.package, pin.version, layers)
+            link_compiled(tree, series.package, pin, layers)
         out = work / "runs" / tree.parent.name
         return pytestrun.run_pytest(
             venv, tree, files, out, hf_home=hf_home, label=label, layers=layers, log=log
@@ -212,7 +212,7 @@ def pytest_runner(
     return run
 
 
-def link_compiled(tree: Path, package: str, version: str, layers: Sequence[Path]) -> list[Path]:
+def link_compiled(tree: Path, package: str, pin: Pin, layers: Sequence[Path]) -> list[Path]:
     """Link into ``tree``'s ``package`` the compiled modules of the first layer that
     installs ``package``; return the links made.
 
@@ -231,9 +231,9 @@ def link_compiled(tree: Path, package: str, version: str, layers: Sequence[Path]
             continue
         found = sorted(Path(layer).glob(f"{package}-*.dist-info"))
         built = found[0].name[len(package) + 1: -len(".dist-info")] if found else None
-        if built != version:
+        if built != pin.version:
             raise ExportPrError(
-                f"{layer} holds {package} {built or '(no version)'}, not {version}: "
+                f"{layer} holds {package} {built or '(no version)'}, not {pin.version}: "
                 "its compiled modules cannot stand in for the tree's"
             )
         links = []
@@ -244,6 +244,6 @@ def link_compiled(tree: Path, package: str, version: str, layers: Sequence[Path]
                 links.append(link)
         return links
     raise ExportPrError(
-        f"no layer of the test environment holds a {package} {version} build with "
+        f"no layer of the test environment holds a {package} {pin.version} build with "
         "compiled modules"
     )
