@@ -37,7 +37,7 @@ def _source_venv(series) -> Path:
         return Path(given)
     from hybridpd.e2e.envs import prepare
 
-    return prepare(series, PIN, "stock", "cpu", print).venv
+    return prepare(series, series.pin(PIN), "stock", "cpu", print).venv
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:

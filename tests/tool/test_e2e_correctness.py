@@ -10,6 +10,8 @@ from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e.servers import E2EError, ProcessFailed
 from hybridpd.e2e.run import _failures
 
+from builders import stub_pin
+
 OPTS = correctness.CorrectnessOptions(block_size=128, prefix_blocks=4, max_tokens=16, concurrent=3)
 
 
@@ -45,7 +47,7 @@ def _run(
 
 
 def test_every_differing_output_fails_the_run() -> None:
-    failures = _failures(_run("patched", equal=False), "correctness", False, "0.32.0")
+    failures = _failures(_run("patched", equal=False), "correctness", False, stub_pin("0.32.0"))
     assert failures == [
         "patched / nixl: A differs from the single-instance reference: "
         "token 0: 3 where the reference has 4 (not in its top)"
@@ -53,16 +55,16 @@ def test_every_differing_output_fails_the_run() -> None:
 
 
 def test_a_run_without_preemption_proves_nothing_about_it() -> None:
-    failures = _failures(_run("patched", preemptions=0), "correctness", False, "0.32.0")
+    failures = _failures(_run("patched", preemptions=0), "correctness", False, stub_pin("0.32.0"))
     assert failures == ["patched / nixl: no preemption on the decode instance (the pool is too large)"]
 
 
 def test_the_gate_flag_also_asks_for_the_decode_hit() -> None:
-    assert _failures(_run("patched"), "correctness", True, "0.32.0") == []
-    assert _failures(_run("patched", hit=0), "correctness", True, "0.32.0") == [
+    assert _failures(_run("patched"), "correctness", True, stub_pin("0.32.0")) == []
+    assert _failures(_run("patched", hit=0), "correctness", True, stub_pin("0.32.0")) == [
         "patched / nixl: the decode instance took no local prefix hit for request B"
     ]
-    assert _failures(_run("stock", hit=0), "correctness", True, "0.32.0") == []
+    assert _failures(_run("stock", hit=0), "correctness", True, stub_pin("0.32.0")) == []
 
 
 def test_table_lists_every_request_and_the_preemptions() -> None:
@@ -211,7 +213,7 @@ def test_segments_the_lmcache_server_left_fail_the_run_and_show_in_the_table() -
     run |= {"decode_shm_segments_while_serving": 1,
             "decode_shm_segments_left_by_lmcache": ["lmcache_kv_7_0"]}
     result = report_mod.RunResult.from_json(run)
-    assert _failures(result, "correctness", False, "0.32.0") == [
+    assert _failures(result, "correctness", False, stub_pin("0.32.0")) == [
         "patched / lmcache+nixl: the lmcache server left the stopped decode instance's "
         "shared-memory segments behind (or it registered none): ['lmcache_kv_7_0']"
     ]
@@ -221,4 +223,4 @@ def test_segments_the_lmcache_server_left_fail_the_run_and_show_in_the_table() -
                          "/ left once vLLM and its lmcache server stopped | | 1 / 1 | | | |")
     run["checks"]["lmcache_removed_exited_segments"] = True
     run["decode_shm_segments_left_by_lmcache"] = []
-    assert _failures(report_mod.RunResult.from_json(run), "correctness", False, "0.32.0") == []
+    assert _failures(report_mod.RunResult.from_json(run), "correctness", False, stub_pin("0.32.0")) == []

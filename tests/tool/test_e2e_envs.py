@@ -93,7 +93,7 @@ def test_e2e_environments_are_made_by_install_and_reused_by_their_marker(
 
     _, series = standard_project(tmp_path)
     root = tmp_path / "e2e" / "1.0-cpu-patched"
-    env = prepare(series, "1.0", "patched", "cpu", print, root=root)
+    env = prepare(series, series.pin("1.0"), "patched", "cpu", print, root=root)
     assert made == [
         ("environment", "1.0", root / "src", root / "venv", "cpu", True),
         ("pip", "pip", "install", "-q", "matplotlib"),
@@ -107,10 +107,10 @@ def test_e2e_environments_are_made_by_install_and_reused_by_their_marker(
     # (unsorted keys). Another torch: built again.
     (root / MARKER).write_text(json.dumps({"want": marker["want"], "timings_s": {}}, indent=2))
     made.clear()
-    assert prepare(series, "1.0", "patched", "cpu", print, root=root).python == env.python
+    assert prepare(series, series.pin("1.0"), "patched", "cpu", print, root=root).python == env.python
     assert made == [("qwen35", env.python)]  # a venv built before the hook gets it too
     made.clear()
-    prepare(series, "1.0", "patched", "cpu", print, torch="torch==9", root=root)
+    prepare(series, series.pin("1.0"), "patched", "cpu", print, torch="torch==9", root=root)
     assert made[0][0] == "environment"
 
 
@@ -125,5 +125,5 @@ def test_an_e2e_environment_without_nixl_is_an_error_and_never_marked_complete(
     root = tmp_path / "e2e" / "1.0-cpu-stock"
     made.nixl_error = "pip could not install nixl-cu12==1.0"
     with pytest.raises(E2EError, match=r"^\[stock\] pip could not install nixl-cu12==1.0$"):
-        prepare(series, "1.0", "stock", "cpu", print, root=root)
+        prepare(series, series.pin("1.0"), "stock", "cpu", print, root=root)
     assert cache.Marker(root / MARKER).read() is None

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hybridpd.e2e.report import RunResult
 from hybridpd.e2e.run import _failures
+
+from builders import stub_pin
+
+from hybridpd.cli.options import State
 
 
 def _run(build: str, connector: str, hit: bool) -> RunResult:
@@ -17,25 +23,30 @@ def test_gate_passes_when_only_the_gated_connector_set_is_red_on_stock() -> None
         _run("patched", "nixl", True),
         _run("patched", "nixl+decodebench", True),
     ]
-    assert [f for r in runs for f in _failures(r, "smoke", True, "0.32.0")] == []
+    assert [f for r in runs for f in _failures(r, "smoke", True, stub_pin("0.32.0"))] == []
 
 
 def test_gate_fails_when_patched_loses_the_hit() -> None:
-    (failure,) = _failures(_run("patched", "nixl+decodebench", False), "smoke", True, "0.32.0")
+    (failure,) = _failures(_run("patched", "nixl+decodebench", False), "smoke", True, stub_pin("0.32.0"))
     assert "took no local prefix hit" in failure
 
 
 def test_gate_fails_when_stock_shows_nothing_to_fix() -> None:
-    (failure,) = _failures(_run("stock", "nixl+decodebench", True), "smoke", True, "0.32.0")
+    (failure,) = _failures(_run("stock", "nixl+decodebench", True), "smoke", True, stub_pin("0.32.0"))
     assert "proves nothing" in failure
-    (failure,) = _failures(_run("stock", "nixl", False), "smoke", True, "0.33.0")
+    (failure,) = _failures(_run("stock", "nixl", False), "smoke", True, stub_pin("0.33.0"))
     assert "upstream keeps" in failure
 
 
 def test_stock_expectations_only_where_upstream_has_the_gate() -> None:
     # v0.20.2 has no per-group path: stock NIXL alone loses the hit too.
-    assert _failures(_run("stock", "nixl", False), "smoke", True, "0.20.2") == []
-    assert _failures(_run("stock", "nixl", False), "smoke", False, "0.32.0") == []
+    assert _failures(_run("stock", "nixl", False), "smoke", True, stub_pin("0.20.2")) == []
+    assert _failures(_run("stock", "nixl", False), "smoke", False, stub_pin("0.32.0")) == []
+
+
+#: The CLI's state over the repository's series (``--pin`` is resolved in it as it is
+#: parsed).
+_REPO = State(Path(__file__).resolve().parents[2] / "patches" / "series.toml")
 
 
 def test_the_recorded_command_reproduces_non_default_options() -> None:
@@ -53,11 +64,11 @@ def test_the_recorded_command_reproduces_non_default_options() -> None:
         "--no-decode-prefix-caching", "--out", "somewhere", "--json",
         "--patched-venv", "/some/venv",
     ]
-    ctx = e2e_command.make_context("e2e", list(args))
+    ctx = e2e_command.make_context("e2e", list(args), obj=_REPO)
     argv = reproducing_argv(ctx)
     assert argv[:2] == ["hybridpd", "e2e"]
     assert "--out" not in argv and "--json" not in argv and "--patched-venv" not in argv
-    again = e2e_command.make_context("e2e", argv[2:])
+    again = e2e_command.make_context("e2e", argv[2:], obj=_REPO)
     skip = ("out_dir", "as_json", "patched_venv")
     same = {k: v for k, v in ctx.params.items() if k not in skip}
     assert {k: v for k, v in again.params.items() if k not in skip} == same
@@ -70,9 +81,13 @@ def test_an_explicit_series_is_part_of_the_recorded_command(tmp_path) -> None:
     from hybridpd.cli.main import main
     from hybridpd.cli.e2e import e2e_command, reproducing_argv
 
-    series = tmp_path / "series.toml"
-    series.write_text("")
-    group = main.make_context("hybridpd", ["--series", str(series), "e2e", "--pin", "1.0"])
+    from builders import standard_project
+
+    from hybridpd.cli.options import State
+
+    series = standard_project(tmp_path)[1].path
+    group = main.make_context("hybridpd", ["--series", str(series), "e2e", "--pin", "1.0"],
+                              obj=State(series))
     ctx = e2e_command.make_context("e2e", ["--pin", "1.0", "--tiny"], parent=group)
     assert reproducing_argv(ctx) == [
         "hybridpd", "--series", str(series), "e2e", "--pin", "1.0", "--tiny"
@@ -85,12 +100,12 @@ def test_e2e_options_have_the_cli_names_and_defaults() -> None:
     from hybridpd.cli.e2e import e2e_command
     from hybridpd.e2e.run import E2EOptions
 
-    ctx = e2e_command.make_context("e2e", ["--pin", "0.32.0", "--tiny"])
+    ctx = e2e_command.make_context("e2e", ["--pin", "0.32.0", "--tiny"], obj=_REPO)
     # --reap DIR is another action (reap, run nothing), not an option of a run.
     params = {k: v for k, v in ctx.params.items() if k not in ("as_json", "reap_dir")}
     options = E2EOptions(**params)
     fields = {f.name for f in dataclasses.fields(E2EOptions)}
     assert fields == set(params)
     # Every default the dataclass declares is the CLI's (a script gets what the CLI gets).
-    defaults = E2EOptions(version="0.32.0", tiny=True)
+    defaults = E2EOptions(pin=options.pin, tiny=True)
     assert {f: getattr(defaults, f) for f in fields} == {f: getattr(options, f) for f in fields}

@@ -206,7 +206,7 @@ def test_lmcache_sets_run_on_their_own(tmp_path: Path) -> None:
     from builders import standard_project
 
     _, series = standard_project(tmp_path)
-    opts = dict(version="1.0", tiny=True, out_dir=tmp_path / "out")
+    opts = dict(pin=series.pin("1.0"), tiny=True, out_dir=tmp_path / "out")
     with pytest.raises(run_mod.E2EUsageError, match="e2e run of their own"):
         run_mod.run(series, run_mod.E2EOptions(
             connectors=("nixl", "nixl+lmcache"), **opts), [], print)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from builders import standard_project
+
+from hybridpd.series.model import Series
 from hybridpd import proc
 from hybridpd.e2e import reap
 from hybridpd.e2e import run as run_mod
@@ -68,15 +70,15 @@ class _Calls(list):
     fail: tuple[str, str] | None = None  # the (build, connector) whose pair does not start
 
 
-def _options(tmp_path: Path, **kw) -> run_mod.E2EOptions:
-    return run_mod.E2EOptions(version="1.0", tiny=True, out_dir=tmp_path / "out", **kw)
+def _options(tmp_path: Path, series: Series, **kw) -> run_mod.E2EOptions:
+    return run_mod.E2EOptions(pin=series.pin("1.0"), tiny=True, out_dir=tmp_path / "out", **kw)
 
 
 def test_each_build_serves_each_connector_and_the_report_records_it(
     tmp_path: Path, stood_in: _Calls
 ) -> None:
     _, series = standard_project(tmp_path)
-    options = _options(tmp_path, connectors=("nixl", "nixl+decodebench"), compare="stock",
+    options = _options(tmp_path, series, connectors=("nixl", "nixl+decodebench"), compare="stock",
                        prompt_tokens=300, shared_tokens=200, expect_patched_hit=True)
     result = run_mod.run(series, options, ["hybridpd", "e2e", "--pin", "1.0"], print)
 
@@ -94,6 +96,7 @@ def test_each_build_serves_each_connector_and_the_report_records_it(
     data = json.loads(result.paths["json"].read_text())
     assert data["command"] == ["hybridpd", "e2e", "--pin", "1.0"]
     assert data["options"]["prompt_tokens"] == 300
+    assert data["options"]["version"] == "1.0"  # the report's contract: the pin by version
     assert [(r["build"], r["connector"]) for r in data["runs"]] == [
         ("patched", "nixl"), ("patched", "nixl+decodebench"),
         ("stock", "nixl"), ("stock", "nixl+decodebench"),
@@ -116,7 +119,7 @@ def test_a_pair_that_fails_is_in_the_report_with_the_runs_before_it(
     _, series = standard_project(tmp_path)
     stood_in.fail = ("stock", "nixl")
     with pytest.raises(E2EError, match=r"^stock / nixl: decode exited with code 1$"):
-        run_mod.run(series, _options(tmp_path, compare="stock"), ["hybridpd"], print)
+        run_mod.run(series, _options(tmp_path, series, compare="stock"), ["hybridpd"], print)
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [(r["build"], r.get("error")) for r in data["runs"]] == [
         ("patched", None), ("stock", "decode exited with code 1"),
@@ -129,9 +132,9 @@ def test_the_options_are_checked_before_anything_runs(
 ) -> None:
     _, series = standard_project(tmp_path)
     with pytest.raises(run_mod.E2EUsageError, match="--gpus takes two GPU ids"):
-        run_mod.run(series, _options(tmp_path, gpus="0"), [], print)
+        run_mod.run(series, _options(tmp_path, series, gpus="0"), [], print)
     with pytest.raises(run_mod.E2EUsageError, match="exactly one of --model and --tiny"):
-        run_mod.run(series, run_mod.E2EOptions(version="1.0"), [], print)
+        run_mod.run(series, run_mod.E2EOptions(pin=series.pin("1.0")), [], print)
     assert stood_in == [] and not (tmp_path / "out").exists()
 
 
@@ -146,7 +149,7 @@ def test_a_run_into_the_out_of_a_killed_run_ends_its_servers_first(
         reap.write(tmp_path / "out" / "patched-nixl" / reap.RECORD,
                    [reap.Entry("decode", left.pid, ident.pgid, ident.start_time)])
         said = []
-        run_mod.run(series, _options(tmp_path), ["hybridpd"], said.append)
+        run_mod.run(series, _options(tmp_path, series), ["hybridpd"], said.append)
         assert left.wait(timeout=10) == -15  # SIGTERM, before the new pair started
         assert said[0].startswith("left by an earlier run: ")
         assert said[0].endswith("patched-nixl: decode ended process group "
@@ -198,7 +201,7 @@ def test_the_servers_get_a_max_model_len_the_decode_pool_holds(
     monkeypatch.setattr(pair_mod, "start_pair", start_pair)
     monkeypatch.setattr(correctness, "run_correctness", lambda *a, **k: {
         "requests": [], "outputs_match_baseline": True, "checks": {}})
-    result = run_mod.run(series, _options(tmp_path, scenario=scenario, **given), [], print)
+    result = run_mod.run(series, _options(tmp_path, series, scenario=scenario, **given), [], print)
     [started] = [r.started for r in recorders]
     assert [_flag(started[s], "--max-model-len") for s in ("prefill", "decode")] == [
         max_model_len] * 2

@@ -273,11 +273,9 @@ def test_the_layering_check_goes_red_on_a_planted_import(tmp_path: Path, planted
 #: once where a command starts (``cli.options.pin_option``); a release that is not (yet)
 #: a pin is a ``release``.
 _PIN_PARAMS = ("version", "pin", "pin_version")
-#: e2e follows in the same change (it is being edited elsewhere); the merger removes this.
-_E2E_PENDING = ("e2e/",)
 
 
-def _str_pin_params(path: Path) -> list[str]:
+def _str_pin_params(path: Path, root: Path = TOOL) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -285,13 +283,40 @@ def _str_pin_params(path: Path) -> list[str]:
             for arg in args.posonlyargs + args.args + args.kwonlyargs:
                 annotation = ast.unparse(arg.annotation) if arg.annotation else ""
                 if arg.arg in _PIN_PARAMS and "Pin" not in annotation:
-                    found.append(f"{path.relative_to(TOOL)}:{node.lineno} "
+                    found.append(f"{path.relative_to(root)}:{node.lineno} "
                                  f"{node.name}({arg.arg}: {annotation or '?'})")
     return found
 
 
 def test_library_functions_take_a_pin_not_a_version_string() -> None:
     found = [p for path in _modules() if CLI not in path.parents
-             and not str(path.relative_to(TOOL)).startswith(_E2E_PENDING)
              for p in _str_pin_params(path)]
     assert found == []
+
+
+def test_the_pin_check_goes_red_on_a_version_string(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text("from hybridpd.series.model import Pin\n\n"
+                       "def ok(pin: Pin, release: str): ...\n"
+                       "def bad(series, version: str): ...\n"
+                       "def worse(pin): ...\n")
+    assert _str_pin_params(planted, tmp_path) == ["planted.py:4 bad(version: str)",
+                                                  "planted.py:5 worse(pin: ?)"]
+
+
+@pytest.mark.parametrize("option", ["--pin", "--torch", "--connector"])
+def test_shared_options_are_declared_once(option: str) -> None:
+    """Every command's ``--pin`` comes from ``cli.options.pin_option`` (its default rule a
+    parameter), ``--torch`` and ``--connector`` from their factories there: no command
+    declares its own."""
+    found = [f"{path.relative_to(TOOL)}:{node.lineno}"
+             for path in sorted(CLI.glob("*.py")) if path.name != "options.py"
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Call) and ast.unparse(node.func) == "click.option"
+             and any(isinstance(a, ast.Constant) and a.value == option for a in node.args)]
+    assert found == []
+
+
+def test_every_pin_is_resolved_by_the_factory() -> None:
+    pins = [p for c in _commands(main) for p in c.params if "--pin" in getattr(p, "opts", ())]
+    assert pins and all(p.callback.__qualname__.startswith("_resolve_pin") for p in pins)

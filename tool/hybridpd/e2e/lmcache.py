@@ -34,7 +34,7 @@ from hybridpd.e2e.servers import E2EError, Processes, new_lines
 from hybridpd.errors import HybridpdError
 from hybridpd.progress import Log
 from hybridpd.series.apply import patch_commits
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 from hybridpd.series.model import load as load_series
 
 #: LMCache's chunk: vLLM raises the tiny hybrid model's block size to 256 on CPU, and
@@ -182,8 +182,9 @@ def source(series: Series, src: Path, without: Sequence[str], log: Log) -> str:
     return gitops.check(src, "rev-parse", "HEAD^{tree}").strip()
 
 
-def wheel(python: Path, src: Path, tree: str, version: str, log: Log) -> Path:
-    """lmcache's CPU wheel of ``src`` (cached by ``tree``), built with ``python``."""
+def wheel(python: Path, src: Path, tree: str, pin: Pin, log: Log) -> Path:
+    """lmcache's CPU wheel of ``src`` (the tree of ``pin``, cached by ``tree``), built
+    with ``python``."""
     out = cache.cache_dir() / "wheels" / "lmcache" / tree[:16]
     found = sorted(out.glob("lmcache-*.whl")) if out.is_dir() else []
     if found:
@@ -199,7 +200,7 @@ def wheel(python: Path, src: Path, tree: str, version: str, log: Log) -> Path:
         **os.environ,
         "NO_GPU_EXT": "1",
         # The version of the release, not one setuptools_scm derives from our commits.
-        "SETUPTOOLS_SCM_PRETEND_VERSION": f"{version}+hybridpd",
+        "SETUPTOOLS_SCM_PRETEND_VERSION": f"{pin.version}+hybridpd",
     }
     built = proc.run(
         [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(src)],

@@ -26,7 +26,7 @@ from hybridpd.e2e.servers import E2EError, Processes
 from hybridpd.e2e.tinymodel import SPEC, spec_id
 from hybridpd.errors import Interrupted, UsageError
 from hybridpd.progress import Log
-from hybridpd.series.model import Series
+from hybridpd.series.model import Pin, Series
 
 
 class E2EUsageError(UsageError):
@@ -44,7 +44,7 @@ _SERVER, _SMOKE, _BENCH = (
 class E2EOptions:
     """Every option of ``hybridpd e2e`` (the CLI's names and defaults)."""
 
-    version: str
+    pin: Pin | None
     device: str = "cpu"
     model: str | None = None
     tiny: bool = False
@@ -83,10 +83,11 @@ class E2EOptions:
     lmcache_without: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {
+        """The report's ``options`` (its shape a contract: the pin as ``version``)."""
+        return {"version": self.pin.version if self.pin else None, **{
             k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(self).items()
-        }
+            for k, v in dataclasses.asdict(self).items() if k != "pin"
+        }}
 
 
 @dataclasses.dataclass
@@ -101,10 +102,12 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     command line that reproduces it. Raises E2EUsageError, E2EError or Interrupted."""
     o = options
     plan = _Plan.of(o, log)
-    pin = series.pin(o.version)
+    pin = o.pin
+    if pin is None:
+        raise E2EUsageError("Missing option '--pin'.")
     # Before any checkout, build or output: can this host run it at all?
     preflight(
-        pin.version, o.device, plan.gpus,
+        pin, o.device, plan.gpus,
         needs_wheel=any(plan.venv(o, b) is None for b in plan.builds),
         sdist=lambda: cache.sdist(series.package, pin.sdist, pin.sha256),
     )
@@ -128,7 +131,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     )
     envs = {
         b: given(venv, b) if (venv := plan.venv(o, b)) else prepare(
-            series, pin.version, b, o.device, log, torch=o.torch_spec, **with_lmcache
+            series, pin, b, o.device, log, torch=o.torch_spec, **with_lmcache
         )
         for b in plan.builds
     }
@@ -154,7 +157,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
             pair = _PairRun(o, envs[build], build, connector, model, vocab, opts,
                             out_dir / f"{build}-{connector}")
             report.runs.append(pair.run(report, out_dir, log))
-            failures += _failures(report.runs[-1], o.scenario, o.expect_patched_hit, o.version)
+            failures += _failures(report.runs[-1], o.scenario, o.expect_patched_hit, pin)
     report.timings_s["total"] = round(time.monotonic() - t_start, 1)
     paths = report_mod.write(report, out_dir, first.python)
     return E2EResult(report, paths, failures)
@@ -449,14 +452,14 @@ def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict,
 UPSTREAM_CAPABLE_CONNECTORS = frozenset({"nixl"})
 
 
-def _has_upstream_gate(pin: str) -> bool:
+def _has_upstream_gate(pin: Pin) -> bool:
     """Whether stock ``pin`` keeps the decode-side hit for capable connectors (v0.24+)."""
-    major, minor = (int(part) for part in pin.removeprefix("v").split(".")[:2])
+    major, minor = (int(part) for part in pin.version.split(".")[:2])
     return (major, minor) >= (0, 24)
 
 
 def _failures(
-    run: report_mod.RunResult, scenario: str, expect_patched_hit: bool, pin: str
+    run: report_mod.RunResult, scenario: str, expect_patched_hit: bool, pin: Pin
 ) -> list[str]:
     """Checks that fail the command: outputs always; the hit only with the gate flag
     (patched must hit; on pins with upstream's capability gate (v0.24+), stock must
