@@ -1,7 +1,8 @@
 """``hybridpd bench``: the decode-side effect of the series at vllm#42524's scale, on CPU.
 
-``replay`` drives a pin's real scheduler as a decode instance (:mod:`.replay`);
-``lookup`` times the hit computation (:mod:`.lookup`). Exit codes: 0 ok, 1 a run
+``replay`` drives a pin's real scheduler as a decode instance
+(:mod:`hybridpd.bench.replay`); ``lookup`` times the hit computation
+(:mod:`hybridpd.bench.lookup`). Exit codes: 0 ok, 1 a run
 failed or an ``--expect-*`` gate failed, 2 usage, 130 interrupted.
 """
 

@@ -157,7 +157,7 @@ def source(series: Series, src: Path, without: Sequence[str], log: Log) -> str:
     hash."""
     from hybridpd.series import releasetree
 
-    pin = series.pin(series.default_pin)
+    pin = series.default
     for patch_id in without:
         if series.patch(patch_id) is None:
             raise E2EError(f"--lmcache-without {patch_id}: no such patch in the LMCache series")

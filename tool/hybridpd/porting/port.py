@@ -862,7 +862,7 @@ def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
         base = Path(tmp) / "src"
         checkout_mod.checkout(series, v1, base, source="sdist")
         try:
-            apply_mod.apply(series, base)
+            apply_mod.apply(series, base, v1)
         except ApplyError as exc:
             # Its paths name the temporary checkout, gone when the user reads them.
             raise ApplyError(

@@ -202,7 +202,7 @@ def prepare_trees(series: Series, pin: Pin, root: Path, log: Log) -> dict:
     patched = root / "patched"
     gitops.clone_local(stock, patched, "hybridpd")
     log(f"test: applying the {pin.version} series in {patched}")
-    apply(series, patched)
+    apply(series, patched, pin)
     commits = {patch_id: c.sha for patch_id, c in patch_commits(patched, pin)}
     without: dict[str, Path] = {}
     previous = pin.tag

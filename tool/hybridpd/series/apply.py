@@ -122,15 +122,18 @@ def patch_commits(repo: Path, pin: Pin) -> list[tuple[str, gitops.Commit]]:
     return result
 
 
-def apply(series: Series, repo: Path) -> ApplyResult:
+def apply(series: Series, repo: Path, pin: Pin | None = None) -> ApplyResult:
     """Apply ``repo``'s pin's carried patches that are not applied yet, in order.
+
+    ``pin``: the pin the caller checked ``repo`` out at; None: read from its history
+    (:func:`checkout_pin`).
 
     Refuses a dirty tree while patches remain (with none left it changes nothing and
     keeps the user's work beside the series). Each patch is ``git am --3way``'d as one commit; a patch
     whose change is already present is skipped and reported upstream. On any failure
     HEAD, index and work tree are restored and ApplyError names the patch and files.
     """
-    pin = checkout_pin(series, repo)
+    pin = pin or checkout_pin(series, repo)
     if not pin.ported:
         ported = [p.version for p in series.pins if p.ported]
         raise ApplyError(

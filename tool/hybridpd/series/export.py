@@ -218,7 +218,7 @@ def _round_trip_problems(series: Series, pin: Pin, fresh_checkout: FreshCheckout
         fresh_checkout(series, pin, repo)
         guard.fault("check:round-trip")
         try:
-            result = apply(series, repo)
+            result = apply(series, repo, pin)
         except ApplyError as exc:
             return [f"{pin.version}: {exc.message}"]
         problems = [

@@ -40,7 +40,7 @@ def prepare(
         log(f"checking out {pin.version} into {src}")
         checkout(series, pin, src, source="sdist")
     if patched:
-        result = apply(series, src)
+        result = apply(series, src, pin)
         if result.applied:
             log(f"applied {', '.join(result.applied)}")
     return gitops.head(src)
