@@ -72,7 +72,7 @@ def kv_transfer_config(
     children = connectors.SETS[connector].children
     if side == "P" or len(children) == 1:
         return nixl
-    if "LMCacheMPConnector" in children and lmcache_port is None:
+    if lmcache_mod.uses_lmcache(connector) and lmcache_port is None:
         raise E2EError(f"{connector} needs the decode instance's lmcache server port")
 
     def child(name: str) -> dict:

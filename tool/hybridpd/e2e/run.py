@@ -26,7 +26,7 @@ from hybridpd.e2e.servers import E2EError, Processes
 from hybridpd.e2e.tinymodel import SPEC, spec_id
 from hybridpd.errors import Interrupted, UsageError
 from hybridpd.progress import Log
-from hybridpd.series.model import Pin, Series
+from hybridpd.series.model import Pin, Series, release_key
 
 
 class E2EUsageError(UsageError):
@@ -454,8 +454,7 @@ UPSTREAM_CAPABLE_CONNECTORS = frozenset({"nixl"})
 
 def _has_upstream_gate(pin: Pin) -> bool:
     """Whether stock ``pin`` keeps the decode-side hit for capable connectors (v0.24+)."""
-    major, minor = (int(part) for part in pin.version.split(".")[:2])
-    return (major, minor) >= (0, 24)
+    return release_key(pin.version) >= release_key("0.24")
 
 
 def _failures(
