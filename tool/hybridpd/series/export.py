@@ -195,7 +195,33 @@ def _file_problems(series: Series, pin: Pin) -> list[str]:
     for path in sorted(series.patch_dir(pin).glob("*.patch")):
         if series.patch(path.stem) is None:
             problems.append(f"{series.relative(path)}: no record in series.toml")
+        author = _author(path)
+        if author != PROJECT_AUTHOR:
+            problems.append(
+                f"{series.relative(path)}: authored by {author!r}; committed patches carry "
+                f"the project identity {PROJECT_AUTHOR!r} (export-pr sets the submitter's)"
+            )
     return problems
+
+
+#: The one author of every committed patch file: neutral and fixed, so `export` and
+#: `check` are byte-stable on any machine. A PR's commits are authored by whoever
+#: submits it (export-pr --author, or their git identity), never by this.
+PROJECT_AUTHOR = f"{gitops.IDENTITY_NAME} <{gitops.IDENTITY_EMAIL}>"
+
+
+def _author(path: Path) -> str | None:
+    """The ``From:`` header of a patch file (folded lines joined), or None."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for i, line in enumerate(lines[:20]):
+        if line.startswith("From: "):
+            value = line[len("From: ") :]
+            for cont in lines[i + 1 :]:
+                if not cont.startswith((" ", "\t")):
+                    break
+                value += " " + cont.strip()
+            return value
+    return None
 
 
 def _release_problems(patch_id: str, pin: Pin, release: str | None) -> list[str]:
