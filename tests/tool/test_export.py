@@ -135,6 +135,26 @@ def test_check_finds_records_and_files_that_disagree(tmp_path: Path) -> None:
     ]
 
 
+def test_check_refuses_a_patch_file_not_authored_by_the_project(tmp_path: Path) -> None:
+    # A committed patch carries the neutral project identity; a person's or an invented
+    # organisation's (here folded over two lines, as git writes a long one) is refused.
+    _, series = standard_project(tmp_path)
+    path = series.patch_path(series.pin("1.0"), "feature")
+    text = path.read_text()
+    assert "From: hybridpd <hybridpd@localhost>\n" in text
+    path.write_text(
+        text.replace(
+            "From: hybridpd <hybridpd@localhost>\n",
+            "From: Some maintainers\n <maintainers@example.org>\n",
+        )
+    )
+    assert check(series, round_trip=False) == [
+        "patches/1.0/feature.patch: authored by 'Some maintainers <maintainers@example.org>'; "
+        "committed patches carry the project identity 'hybridpd <hybridpd@localhost>' "
+        "(export-pr sets the submitter's)"
+    ]
+
+
 def test_check_refuses_the_file_of_a_dropped_patch(tmp_path: Path) -> None:
     project, _ = standard_project(tmp_path)
     project.records[1]["states"]["2.0"] = "dropped"  # feature, whose 2.0 file exists

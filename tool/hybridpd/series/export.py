@@ -195,8 +195,7 @@ def _file_problems(series: Series, pin: Pin) -> list[str]:
     for path in sorted(series.patch_dir(pin).glob("*.patch")):
         if series.patch(path.stem) is None:
             problems.append(f"{series.relative(path)}: no record in series.toml")
-        author = _author(path)
-        if author != PROJECT_AUTHOR:
+        elif (author := _author(path)) != PROJECT_AUTHOR:
             problems.append(
                 f"{series.relative(path)}: authored by {author!r}; committed patches carry "
                 f"the project identity {PROJECT_AUTHOR!r} (export-pr sets the submitter's)"
