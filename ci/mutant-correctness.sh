@@ -4,7 +4,8 @@
 # target nor reconciles it when nothing is loaded, so a request whose local attention
 # hit has no Mamba state behind it (request C: a cached block-aligned prefix + 1 token;
 # patched, NIXL pulls the last block and the state) resumes from a missing state.
-# Passes only if the gate goes red on request C.
+# Passes only if the gate goes red on request C. `--fail-fast` ends the run there (the
+# concurrent requests and the teacher-forced scoring after it cannot turn it green).
 #
 # Usage: ci/mutant-correctness.sh HYBRIDPD OUT_DIR [CONNECTOR] (after a correctness run
 # of CONNECTOR, default nixl, which prepared the patched environment; for an LMCache set,
@@ -37,7 +38,7 @@ mutate "the reconciliation" '                        if hit_diverged and not ('
 set +e
 "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
   --role kv_producer/kv_consumer --connector "$connector" --max-model-len 1024 \
-  --patched-venv "$mutant" --expect-patched-hit --out "$out" 2>"$out.stderr"
+  --patched-venv "$mutant" --expect-patched-hit --fail-fast --out "$out" 2>"$out.stderr"
 rc=$?
 set -e
 cat "$out.stderr" >&2

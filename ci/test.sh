@@ -16,14 +16,15 @@
 #      stock and patched, with NIXL beside DecodeBench (the set upstream's gate refuses on
 #      0.32.0; NIXL alone is upstream's there and the correctness scenario serves it
 #      patched); `apply --installed` on a copy of the smoke's stock venv (a PD
-#      pair from it takes the decode-side hit; --revert restores every file); the
-#      correctness scenario on the patched build (every
-#      output against a single instance, with preemption on the decode instance); the
+#      pair from it takes the decode-side hit; --revert restores every file); with
+#      `--full`, the correctness scenario with NIXL alone on the patched build (every
+#      output against a single instance, with preemption on the decode instance; the
+#      LMCache gates run the same scenario, NIXL serving every remote prefill); the
 #      LMCache gates (ci/lmcache-gates.sh: the correctness scenario with a MultiConnector
 #      of NIXL and LMCacheMP, both child orders, on the decode instance and its own
 #      tool-started lmcache server, patched lmcache green; the same scenario on a mutant
-#      vLLM build, where it must go red; with `--full`, red with lmcache built without its
-#      allocation, state-binding or null-slot fixes).
+#      vLLM build, where it must go red at request C (`--fail-fast`); with `--full`, red
+#      with lmcache built without its allocation, state-binding or null-slot fixes).
 #
 # Tiers. Every run does steps 1, 2, 3 (the patch tests: red->green and the state-level
 # property, on every ported pin), 3b, 4 and 5 (the CPU e2e gates). vLLM's own tests of the
@@ -33,7 +34,7 @@
 # lmcache fix (ci/lmcache-gates.sh --full); both also verify the PRs `export-pr --all`
 # writes for 0.33.0 (upstream-style tests red on stock, green after `git am`);
 # ci/github-workflow.yml runs `--full` as a matrix
-# over the pins. A default run on 2 cores stays under an hour.
+# over the pins. A default run on 2 cores with a fresh cache stays under 75 minutes.
 # `--pins "0.20.2 0.33.0"` limits step 3; `--no-e2e` skips step 5.
 set -euo pipefail
 
@@ -144,10 +145,15 @@ if [ "$e2e" = 1 ]; then
       --out "${HYBRIDPD_E2E_OUT:-out/e2e-smoke}"
     step "apply --installed on the smoke's stock venv: PD hit, then reverted byte for byte" \
       installed_gate
-    step "hybridpd e2e correctness (0.32.0, CPU, patched vs a single instance)" \
-      "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
-      --role kv_producer/kv_consumer --connector nixl \
-      --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
+    # NIXL alone serves the same scenario in the LMCache gates' runs (every remote
+    # prefill there is NIXL's, in both child orders, with preemption): the run of NIXL
+    # alone is the full tier's.
+    if [ "$full" = 1 ]; then
+      step "hybridpd e2e correctness (0.32.0, CPU, patched vs a single instance)" \
+        "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
+        --role kv_producer/kv_consumer --connector nixl \
+        --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
+    fi
     gates=(bash ci/lmcache-gates.sh)
     red="red on a vLLM mutant"
     if [ "$full" = 1 ]; then

@@ -224,3 +224,44 @@ def test_segments_the_lmcache_server_left_fail_the_run_and_show_in_the_table() -
     run["checks"]["lmcache_removed_exited_segments"] = True
     run["decode_shm_segments_left_by_lmcache"] = []
     assert _failures(report_mod.RunResult.from_json(run), "correctness", False, stub_pin("0.32.0")) == []
+
+
+def test_fail_fast_stops_at_the_first_differing_output(monkeypatch, tmp_path) -> None:
+    # The mutant gate's run: request C differs, so the run ends there. No concurrent
+    # request (64 tokens) and no teacher-forced scoring is sent; C's line is the failure.
+    from types import SimpleNamespace
+
+    sent: list[tuple[str, int]] = []
+
+    def complete(url, prompt, max_tokens, procs, extra=None, headers=None):
+        sent.append((url, max_tokens))
+        # The decode side of C (its prompt: the prefix + 1 token) answers wrongly.
+        wrong = url != "P" and len(prompt) == OPTS.prefix_blocks * OPTS.block_size + 1
+        ids = [7] * max_tokens if wrong else [5] * max_tokens
+        return client.Completion(ids, "", 1.0, 2.0, len(prompt), [""] * max_tokens,
+                                 [-0.1] * max_tokens, [{}] * max_tokens)
+
+    class Snap:
+        def delta(self, before, name):
+            return 0.0
+
+    monkeypatch.setattr(correctness, "complete", complete)
+    monkeypatch.setattr(correctness, "post", lambda url: None)
+    monkeypatch.setattr(correctness, "settled_scrape", lambda url, wait=1.0: Snap())
+    monkeypatch.setattr(correctness, "warm_up", lambda *a, **k: 1)
+    monkeypatch.setattr(correctness, "score", lambda *a, **k: pytest.fail("scored"))
+    pair = pair_mod.Pair(prefill="P", decode="D", proxy="X")
+    procs = SimpleNamespace(log_dir=tmp_path)
+    opts = correctness.CorrectnessOptions(block_size=128, prefix_blocks=4, max_tokens=16,
+                                          concurrent=3, fail_fast=True)
+    result = correctness.run_correctness(pair, procs, 1000, opts, lambda line: None)
+    assert [r["label"] for r in result["requests"]] == [
+        "A warm-up", "B shares A's block-aligned prefix", "C A's prefix + 1 token"]
+    assert result["stopped_early"] == "C A's prefix + 1 token"
+    assert result["checks"]["outputs_equal_reference"] is False
+    assert all(n == 16 for _, n in sent)  # no concurrent request was sent
+    run = report_mod.RunResult.from_json({
+        "build": "patched", "connector": "nixl", **result})
+    lines = _failures(run, "correctness", True, stub_pin("0.32.0"))
+    assert lines[0] == (f"patched / nixl: C A's prefix + 1 token differs from the "
+                        f"single-instance reference: {result['requests'][2]['note']}")

@@ -125,6 +125,10 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--lmcache-without", "lmcache_without", multiple=True, metavar="PATCH_ID",
               help="LMCache sets: build lmcache from the LMCache series without this patch "
               "(repeatable; a gate that must go red).")
+@click.option("--fail-fast", is_flag=True,
+              help="correctness: stop at the first output that differs from the "
+              "single-instance reference (no concurrent requests, no teacher-forced "
+              "scoring); for a gate that must go red.")
 @click.option("--expect-patched-hit", is_flag=True,
               help="Exit 1 unless every patched run gives the decode instance a local hit "
               "on the shared-prefix request and all outputs match (the CI gate).")

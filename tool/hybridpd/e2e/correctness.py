@@ -56,6 +56,10 @@ class CorrectnessOptions:
     seed: int = 0
     # LMCache sets: requests the decode instance's LMCache serves (see lmcache_cases).
     lmcache: bool = False
+    # Stop at the first request whose free-running output differs from the reference
+    # (beyond a near-tie): a gate that must go red needs no concurrent phase and no
+    # teacher-forced scoring, which are most of a run's time.
+    fail_fast: bool = False
 
 
 #: Nats. Two runs' logprobs of the same token must agree within this, and a different
@@ -249,7 +253,8 @@ def run_correctness(
         case["reference"] = run(pair.prefill, case)
         post(f"{pair.prefill}/reset_prefix_cache")
 
-    first = [c for c in cases if c.get("attempt", 1) == 1]  # retries: when they run
+    first = [c for c in cases if c.get("attempt", 1) == 1  # retries: when they run
+             and not (opts.fail_fast and c["group"] == 1)]  # fail_fast: when they run
     for case in first:
         reference(case)
     log(f"  reference outputs of {len(first)} prompts from the prefill instance alone")
@@ -307,7 +312,23 @@ def run_correctness(
             f"{out.latency_ms / 1e3:.2f} s, "
             f"{'equal to' if rows[-1]['equal'] else 'parts from'} the free-running reference "
             f"{rows[-1]['note']}".rstrip())
+        if opts.fail_fast and not rows[-1]["equal"]:
+            log(f"  stopping at {case['label']} (--fail-fast): no concurrent requests, "
+                "no teacher-forced scoring")
+            return {
+                "requests": rows,
+                **figures,
+                "outputs_match_baseline": False,
+                "checks": {
+                    "outputs_equal_reference": False,
+                    "decode_local_hit": len(rows) > 1 and rows[1]["decode_local_hit_tokens"] > 0,
+                },
+                "stopped_early": case["label"],
+            }
     group = [c for c in cases if c["group"] == 1]
+    if opts.fail_fast:
+        for case in group:
+            reference(case)
     # The concurrent requests reach D together, so that they exhaust its pool whatever
     # the two instances' speeds: the proxy's two steps run here, every prefill first (P
     # keeps each prompt's KV until D pulls it), then every decode at once. Through the

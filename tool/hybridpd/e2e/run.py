@@ -80,6 +80,7 @@ class E2EOptions:
     ready_timeout: float = _SERVER.ready_timeout
     seed: int = _BENCH.seed
     expect_patched_hit: bool = False
+    fail_fast: bool = False
     lmcache_without: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
@@ -414,7 +415,8 @@ class _PairRun:
                 pair, procs, self.vocab,
                 correctness.CorrectnessOptions(block_size=o.block_size, max_tokens=o.max_tokens,
                                                seed=o.seed,
-                                               lmcache=lm.uses_lmcache(self.connector)),
+                                               lmcache=lm.uses_lmcache(self.connector),
+                                               fail_fast=o.fail_fast),
                 log,
             )
         return prefix_repetition.run_prefix_repetition(
