@@ -9,8 +9,7 @@ restore the Mamba state, in both orders; NIXL's push mode, alone and ahead of
 DecodeBench; NIXL beside vLLM's OffloadingConnector
 or lmcache's LMCacheMPConnector, in both orders, their loads checked against
 the chunks the store holds: ``hash_stores``), remote-prefill and plain
-requests, the prefill side's requests (do_remote_decode: they must take
-the hit every group agrees on), KV loads that fail (and are recomputed), prompts that are k blocks or
+requests, KV loads that fail (and are recomputed), prompts that are k blocks or
 k blocks + 1 of a shared prefix plus a suffix, KV pools small enough to preempt
 (every connector set), Qwen3.5's groups with or without a sliding-window group
 beside them (the checker also asks for the request's own KV inside the window),
@@ -48,7 +47,6 @@ from ..builders import (
     BLOCK_SIZE,
     connectors,
     hybrid_kv_cache_config,
-    prefill_side_params,
     prompt,
     remote_prefill_params,
     request,
@@ -104,9 +102,6 @@ request_spec = st.fixed_dictionaries(
         # k blocks of the prefix, then 0, 1 or more tokens of its own
         "suffix": st.sampled_from([0, 1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 40]),
         "remote": st.booleans(),
-        # not a remote prefill: the prefill side's request (do_remote_decode),
-        # on instances that compute prefills (kv_both, kv_producer)
-        "prefill_side": st.booleans(),
         # its KV load fails (the instance recomputes: kv_load_failure_policy)
         "load_fails": st.booleans(),
         "max_tokens": st.integers(1, 24),
@@ -215,8 +210,6 @@ def _make_request(spec, n):
     params = None
     if spec["remote"]:
         params = remote_prefill_params(-(-len(tokens) // BLOCK_SIZE))
-    elif spec["prefill_side"]:
-        params = prefill_side_params()
     return request(tokens, kv_transfer_params=params, max_tokens=spec["max_tokens"])
 
 
@@ -248,14 +241,9 @@ def _run(kind, wl):
                          or Version(vllm.__version__) < UPSTREAM_GATE),
     )
     specs = wl["requests"]
-    # A producer never receives remote-prefill requests, a consumer never
-    # the prefill side's.
+    # A producer never receives remote-prefill requests.
     pending = [
-        (s["arrival"], _make_request({
-            **s,
-            "remote": s["remote"] and role != "kv_producer",
-            "prefill_side": s["prefill_side"] and role != "kv_consumer",
-        }, i))
+        (s["arrival"], _make_request({**s, "remote": s["remote"] and role != "kv_producer"}, i))
         for i, s in enumerate(specs)
     ]
     reqs = [r for _, r in pending]
@@ -282,27 +270,6 @@ def _run(kind, wl):
     assert all(r.is_finished() for r in reqs), "the workload did not drain"
     admitted = {a.request_id for a in checker.admissions}
     assert admitted == {r.request_id for r in reqs} or sched.connector is None
-    _check_prefill_side(checker, reqs)
-
-
-def _check_prefill_side(checker, reqs):
-    """The prefill side's requests (do_remote_decode) take stock's local hit on
-    every admission: the one every KV cache group agrees on, which ends on the
-    request's own cached Mamba state, whatever a connector loads over it."""
-    by_id = {r.request_id: r for r in reqs}
-    for adm in checker.admissions:
-        req = by_id.get(adm.request_id)
-        params = req.kv_transfer_params if req is not None else None
-        if not (params and params.get("do_remote_decode")):
-            continue
-        local = adm.resume_point - adm.external_tokens
-        event("prefill side: local hit" if local else "prefill side: no local hit")
-        problem = local and checker.local_state_problem(req, local, adm)
-        assert not problem, (
-            f"{adm.request_id} (prefill side) takes a local hit of {local} past "
-            f"the hit every group agrees on ({adm.external_tokens} external from "
-            f"{adm.serving_connector}): {problem}"
-        )
 
 
 @pytest.mark.parametrize("kind,pools", KINDS)
