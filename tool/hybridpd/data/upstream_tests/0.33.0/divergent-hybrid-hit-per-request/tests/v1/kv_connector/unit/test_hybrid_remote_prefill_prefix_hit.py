@@ -68,21 +68,19 @@ class DivergentHitCapableConnector(DecodeBenchConnector):
         return True
 
 
-def _connector_config(name: str, kv_role: str = "kv_consumer") -> dict:
-    config = {"kv_connector": name, "kv_role": kv_role}
+def _connector_config(name: str) -> dict:
+    config = {"kv_connector": name, "kv_role": "kv_consumer"}
     if name in TEST_CONNECTORS:
         config["kv_connector_module_path"] = __name__
     return config
 
 
-def create_hybrid_scheduler(
-    connectors: list[str], kv_role: str = "kv_consumer"
-) -> Scheduler:
-    """An instance (a decode instance by default) of a full attention + Mamba
-    ("align") model whose KV connector is ``connectors[0]``, or a
-    MultiConnector of ``connectors`` in that order."""
+def create_hybrid_scheduler(connectors: list[str]) -> Scheduler:
+    """A decode instance of a full attention + Mamba ("align") model whose KV
+    connector is ``connectors[0]``, or a MultiConnector of ``connectors`` in
+    that order."""
     if len(connectors) == 1:
-        kwargs = _connector_config(connectors[0], kv_role)
+        kwargs = _connector_config(connectors[0])
         vllm_config = create_vllm_config(
             block_size=BLOCK_SIZE,
             max_num_batched_tokens=1024,
@@ -95,9 +93,8 @@ def create_hybrid_scheduler(
             max_num_batched_tokens=1024,
             disable_hybrid_kv_cache_manager=False,
             kv_connector="MultiConnector",
-            kv_role=kv_role,
             kv_connector_extra_config={
-                "connectors": [_connector_config(name, kv_role) for name in connectors]
+                "connectors": [_connector_config(name) for name in connectors]
             },
         )
     vllm_config.cache_config.mamba_cache_mode = "align"
@@ -211,31 +208,6 @@ def test_plain_request_keeps_agreed_hit(connectors):
     assert num_local == 0
     assert num_external == (PROMPT_TOKENS - 1 if DECODE_BENCH in connectors else 0)
     assert request.status == RequestStatus.RUNNING
-
-
-@pytest.mark.parametrize(
-    "connectors",
-    [[NIXL], [NIXL, DECODE_BENCH], [DECODE_BENCH, NIXL]],
-    ids=["nixl", "nixl+decodebench", "decodebench+nixl"],
-)
-def test_prefill_side_request_keeps_agreed_hit(connectors):
-    """On a prefill instance NIXL loads nothing for the request it computes for
-    a decode instance (do_remote_decode), so no connector gives a resume point:
-    the request starts at the hit every group agrees on (none here), and a
-    store child beside NIXL cannot serve a hit deeper than the Mamba groups'."""
-    scheduler = create_hybrid_scheduler(connectors, kv_role="kv_both")
-    request = create_request(
-        num_tokens=PROMPT_TOKENS,
-        common_prefix_len=PREFIX_TOKENS,
-        do_remote_decode=True,
-        block_size=BLOCK_SIZE,
-    )
-
-    assert scheduler.connector is not None
-    assert scheduler.connector.get_divergent_hit_resume_point(request) is None
-    num_local, _ = admit(scheduler, request)
-
-    assert num_local == 0
 
 
 @NIXL_SETS
