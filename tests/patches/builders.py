@@ -430,6 +430,12 @@ def remote_prefill_params(num_remote_blocks: int) -> dict[str, Any]:
     }
 
 
+def prefill_side_params() -> dict[str, Any]:
+    """kv_transfer_params a PD proxy hands the prefill instance (NIXL format):
+    compute the prompt and keep its KV for the decode instance to pull."""
+    return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
 def prompt(num_tokens: int, seed: int = 0) -> list[int]:
     """Deterministic token ids; different seeds give different prompts."""
     return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(num_tokens)]

@@ -33,8 +33,10 @@ import pytest
 
 from ..builders import (
     BLOCK_SIZE,
+    cached_hit_tokens,
     connectors,
     hybrid_kv_cache_config,
+    prefill_side_params,
     prompt,
     remote_prefill_params,
     request,
@@ -216,3 +218,24 @@ def test_plain_request_gets_no_stateless_hit(kind, kv_role, stored):
         assert adm.resume_point == len(shared)
     else:
         assert adm.resume_point == 0
+
+
+@pytest.mark.parametrize("kind", SETS)
+def test_prefill_side_request_takes_the_agreed_hit(kind):
+    # A prefill instance (kv_both) that holds PREFIX's attention blocks without
+    # the Mamba state inside it, and whose hash-store child holds two more
+    # blocks of this prompt. NIXL will not load for the prefill side's request
+    # (do_remote_decode), so no child gives a resume point and the request
+    # takes stock's local hit, the one every group agrees on; a hash-store
+    # load then starts there. Before the fix NIXL answered request.num_tokens
+    # for it: the request took the attention-only hit on PREFIX and the
+    # hash-store child loaded over it.
+    shared = PREFIX + prompt(2 * BLOCK_SIZE, seed=5)
+    inst = _decode_instance(kind, "kv_both", stored=shared + [9])
+    req = request(shared + prompt(BLOCK_SIZE, seed=8),
+                  kv_transfer_params=prefill_side_params())
+    agreed = cached_hit_tokens(inst.sched, req)
+    assert agreed < len(PREFIX)  # the attention-only hit is deeper
+    inst.serve(req)
+    adm = inst.admission(req)
+    assert adm.resume_point - adm.external_tokens == agreed

@@ -20,8 +20,10 @@ from packaging.version import Version
 
 from ..builders import (
     BLOCK_SIZE,
+    cached_hit_tokens,
     connectors,
     hybrid_kv_cache_config,
+    prefill_side_params,
     prompt,
     remote_prefill_params,
     request,
@@ -32,6 +34,7 @@ from ..decode_hit_patch import kinds, proves
 from ..mamba_state import (
     NIXL_CONNECTORS,
     MambaStateChecker,
+    checked_schedule,
     checked_step,
 )
 
@@ -109,6 +112,41 @@ def test_plain_request_on_decode_instance_gets_no_stateless_hit(kind, kv_role):
     _serve(sched, checker, plain)  # the checker raises on a stateless resume
     adm = _admission(checker, plain)
     assert adm.resume_point - adm.external_tokens == 0
+
+
+# v0.20.2's NIXL truncates a prefill-side prompt inside its own
+# get_num_new_matched_tokens, after a MultiConnector child ahead of it matched
+# the untruncated prompt: the scheduler then asserts on a request with nothing
+# to compute (stock's NIXL and DecodeBench; v0.32+ truncate in on_new_request).
+_TRUNCATES_ON_ARRIVAL = pytest.mark.vllm_versions(">=0.32")
+
+
+@pytest.mark.parametrize("kind", kinds(
+    "nixl",
+    "nixl+decodebench",
+    pytest.param("decodebench+nixl", marks=_TRUNCATES_ON_ARRIVAL),
+))
+def test_prefill_side_request_takes_the_agreed_hit(kind):
+    # A kv_both instance holding PREFIX's attention blocks without the Mamba
+    # state inside it gets the prefill side's request (do_remote_decode). NIXL
+    # will not load for it, so no child gives a resume point: the request takes
+    # stock's local hit, the one every group agrees on, and a DecodeBench load
+    # (which matches any prompt) starts there. NIXL alone: parity with stock
+    # (upstream takes the per-group hit and reconciles it, as nothing is
+    # loaded). Before the fix NIXL answered
+    # request.num_tokens for it on v0.32+: the request took the attention-only
+    # hit on PREFIX and DecodeBench loaded over it.
+    sched, checker = _decode_instance(kind, "kv_both")
+    req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=9),
+                  kv_transfer_params=prefill_side_params())
+    agreed = cached_hit_tokens(sched, req)
+    assert agreed < len(PREFIX)  # the attention-only hit is deeper
+    # Admitted and checked in one schedule (the request is not finished: on
+    # v0.20.2 DecodeBench does not support the hybrid allocator's finish).
+    sched.add_request(req)
+    checked_schedule(sched, checker)
+    adm = _admission(checker, req)
+    assert adm.resume_point - adm.external_tokens == agreed
 
 
 # Past upstream's gate with NIXL alone too: stock v0.28+ takes the hit whole.
