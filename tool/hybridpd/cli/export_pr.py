@@ -11,7 +11,7 @@ from hybridpd.cli.options import State, json_flag, log, pin_option
 from hybridpd.errors import CheckFailed, UsageError
 from hybridpd.series.model import Pin
 from hybridpd.upstreaming.export import ExportPrResult, run
-from hybridpd.upstreaming.verify import format_verification
+from hybridpd.upstreaming.verify import finding_lines, format_verification
 
 
 @click.command(name="export-pr")
@@ -30,7 +30,8 @@ from hybridpd.upstreaming.verify import format_verification
     is_flag=True,
     help="Prove each directory on a stock checkout: the added tests fail, then pass "
     "after git am (verify.json; in the CPU test environment `hybridpd test` uses for "
-    "the pin: for LMCache, its host vLLM pin's).",
+    "the pin: for LMCache, its host vLLM pin's); then the project's own pre-commit "
+    "checks at their pinned versions on the touched files (one line per finding).",
 )
 @click.option(
     "--force",
@@ -78,3 +79,5 @@ def _echo_exports(result: ExportPrResult) -> None:
             click.echo(f"  depends on {', '.join(export.prerequisites)} (included first)")
         if export.verification:
             click.echo("  " + format_verification(export.verification))
+            for line in finding_lines(export.verification):
+                click.echo(f"  {line}")

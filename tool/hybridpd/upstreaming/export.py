@@ -15,6 +15,7 @@ from hybridpd import gitops
 from hybridpd.progress import Log, quiet
 from hybridpd.series.checkout import checkout
 from hybridpd.series.model import Pin, Series
+from hybridpd.upstreaming.checks import run_checks
 from hybridpd.upstreaming.commits import build_commits, prerequisites
 from hybridpd.upstreaming.evidence import pr_evidence
 from hybridpd.upstreaming.layout import ExportPrError, PrExport, refuse_foreign, seal
@@ -134,7 +135,8 @@ def run(
         if verify_them:
             runner = pytest_runner(series, pin, stock, Path(tmp), log=log)
             for export in exports:
-                verify(export, stock, runner, series, pin, log=log)
+                verify(export, stock, runner, series, pin, log=log,
+                       checks=lambda tree, files: run_checks(tree, files, log=log))
                 write_pr(export, series, *pr_evidence(series, pin, export))
                 seal(export.dir)
     return ExportPrResult(pin.version, tuple(exports))
