@@ -13,13 +13,15 @@ import dataclasses
 import importlib.machinery
 import json
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 from builders import FEATURE, FIX_ADD, PACKAGE, Project, commit_patch, stub_pin
 from click.testing import CliRunner
 from hybridpd import gitops
-from hybridpd.upstreaming import commits, evidence, layout, render, verify
+from hybridpd.errors import HybridpdError
+from hybridpd.upstreaming import author, commits, evidence, layout, render, verify
 from hybridpd.upstreaming.export import export_prs
 from hybridpd.proof import hfsnap, pytestrun, testenv, testrun
 from hybridpd.cli.main import main
@@ -78,6 +80,9 @@ def _project(root: Path, with_git: bool = True) -> tuple[Project, Path]:
     return project, material
 
 
+#: The submitter of the test PRs: a placeholder on a reserved domain (RFC 2606), no person.
+SUBMITTER = "PR Submitter <submitter@example.invalid>"
+
 GPU_MODEL = "Qwen/Qwen3.5-35B-A3B"
 TINY_MODEL = "/cache/e2e/models/hybridpd-tiny-qwen3_5"
 
@@ -128,7 +133,8 @@ def _export(project: Project, material: Path, ids: list[str], tmp_path: Path, pi
     stock = project.checkout(pin, f"stock-{pin}")
     logged: list[str] = []
     exports = export_prs(
-        series, series.pin(pin), ids, stock, tmp_path / "out", logged.append, material
+        series, series.pin(pin), ids, stock, tmp_path / "out", logged.append, material,
+        author=SUBMITTER,
     )
     return series, stock, exports, logged
 
@@ -224,6 +230,11 @@ def test_pr_md_sections(tmp_path):
     assert "certifies the person who submits" in pr
     assert "`Assisted-by:` trailer placeholder" in pr
     assert "AI assistance was used" in pr
+    # A checklist the submitter ticks, not a claim that a review happened.
+    ai = pr.split("\n## AI assistance\n", 1)[1]
+    assert "- [ ] I reviewed every changed line" in ai
+    assert "- [ ] I ran the test plan above" in ai
+    assert "has reviewed" not in pr
     assert "a person must review every changed line, run the test plan" in pr
     # The trailer is the commit's, not the PR text's.
     assert commits.ASSISTED_BY not in pr
@@ -337,6 +348,7 @@ def test_a_directory_with_the_users_work_is_refused_unless_forced(tmp_path):
     def export_pr(patch_id: str, force: bool = False):
         return export_prs(series, series.pin("1.0"), [patch_id], stock,
                                    tmp_path / "out", tests_root=material,
+                                   author=SUBMITTER,
                                    **({"force": True} if force else {}))
 
     (first,) = export_pr("fix-add")
@@ -512,7 +524,7 @@ def test_cli_export_pr_all_defaults_to_newest_pin(tmp_path, monkeypatch):
         main,
         # A relative --to: git am runs elsewhere, so the paths must not stay relative.
         ["--series", str(project.series_path), "export-pr", "--all", "--to", "cli-out",
-         "--verify", "--json"],
+         "--verify", "--json", "--author", SUBMITTER],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -630,7 +642,7 @@ def test_material_of_a_test_file_the_patch_edits_only_adds_to_it(tmp_path):
     with pytest.raises(layout.ExportPrError, match="start it from the patched file"):
         export_prs(
             series, series.pin("1.0"), ["fix-add"], stock, tmp_path / "again",
-            tests_root=tmp_path / "material",
+            tests_root=tmp_path / "material", author=SUBMITTER,
         )
 
 
@@ -777,3 +789,67 @@ def test_verify_runs_vllm_in_its_own_pins_environment(tmp_path, monkeypatch):
     assert seen["env"] == ("1.0", stock)
     assert seen["runs"] == [(tmp_path / "venv", tree, ["tests/test_add.py"], [])]
     assert not (tmp_path / "layers").exists()
+
+
+# The author: the submitter --------------------------------------------------------
+
+
+def test_commits_are_authored_by_the_submitter_not_the_project(tmp_path):
+    project, material = _project(tmp_path)
+    _, _, (result,), _ = _export(project, material, ["follow-up"], tmp_path)
+
+    for commit in result.commits:
+        text = (result.dir / commit.filename).read_text()
+        assert f"From: {SUBMITTER}\n" in text
+        assert "hybridpd@localhost" not in text.split("\n\n", 1)[0]
+
+
+def _cli_export(project: Project, tmp_path: Path, *extra: str):
+    return CliRunner().invoke(
+        main, ["--series", str(project.series_path), "export-pr", "fix-add", "--pin", "1.0",
+               "--to", str(tmp_path / "cli-out"), *extra],
+    )
+
+
+def test_without_author_or_git_identity_export_pr_refuses_in_one_line(tmp_path, monkeypatch):
+    project, material = _project(tmp_path)
+    monkeypatch.setattr(layout, "UPSTREAM_TESTS_DIR", material)
+    monkeypatch.chdir(tmp_path)  # no repository: no local identity; none global (isolated)
+
+    result = _cli_export(project, tmp_path)
+
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"Error: {author.MISSING}"]
+    assert not (tmp_path / "cli-out").exists()
+
+
+@pytest.mark.parametrize("bad", ["Ada", "ada@example.invalid", "<a@b.c>", "A <no-at>",
+                                 "A <a@b.c> x", "hybridpd <hybridpd@localhost>"])
+def test_a_bad_author_is_one_line_and_nothing_is_written(tmp_path, monkeypatch, bad):
+    project, material = _project(tmp_path, with_git=False)
+    monkeypatch.setattr(layout, "UPSTREAM_TESTS_DIR", material)
+
+    result = _cli_export(project, tmp_path, "--author", bad)
+
+    assert result.exit_code == 2  # bad usage: click's usage lines, then the one error
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith(f"Error: --author {bad!r} is ")
+    assert not (tmp_path / "cli-out").exists()
+
+
+def test_the_configured_git_identity_is_the_default_author(tmp_path, monkeypatch):
+    repo = tmp_path / "where-it-runs"
+    repo.mkdir()
+    gitops.init(repo, "main")
+    for key, value in (("user.name", "PR Submitter"),
+                       ("user.email", "submitter@example.invalid")):
+        subprocess.run(["git", "-C", str(repo), "config", key, value], check=True)
+
+    assert author.resolve_author(None, repo) == SUBMITTER
+    assert author.resolve_author("Other  Person <o@example.invalid>", repo) == (
+        "Other  Person <o@example.invalid>")
+    # The project identity configured is nobody's: refused, not used.
+    subprocess.run(["git", "-C", str(repo), "config", "user.email", "hybridpd@localhost"],
+                   check=True)
+    with pytest.raises(HybridpdError, match="pass --author"):
+        author.resolve_author(None, repo)

@@ -604,14 +604,16 @@ def amend_trailer(repo: Path, key: str, value: str) -> str:
     return head(repo)
 
 
-def amend_message(repo: Path, text: str) -> str:
-    """Replace HEAD's message by ``text`` (whitespace cleaned up, fixed committer);
-    return the new HEAD sha."""
+def amend_message(repo: Path, text: str, author: str | None = None) -> str:
+    """Replace HEAD's message by ``text`` (whitespace cleaned up, fixed committer) and,
+    given ``author`` (``Name <email>``), its author (the author date is kept); return
+    the new HEAD sha."""
     with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False) as fh:
         fh.write(text)
     try:
         check(repo, "commit", "--quiet", "--amend", "--no-verify", "--allow-empty",
-              "--cleanup=whitespace", f"--file={fh.name}", env=_FIXED_COMMITTER)
+              "--cleanup=whitespace", f"--file={fh.name}",
+              *([f"--author={author}"] if author else []), env=_FIXED_COMMITTER)
     finally:
         Path(fh.name).unlink()
     return head(repo)
