@@ -145,7 +145,7 @@ def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
 
     target = tmp_path / "out" / "fix-add"
     assert sorted(p.name for p in target.iterdir()) == [
-        layout.MANIFEST, "0001-fix-add.patch", "PR.md"
+        layout.MANIFEST, "0001-fix-add.patch", "PR.md", layout.NOTES_FILE
     ]
     patch = (target / "0001-fix-add.patch").read_text()
     assert "Hybridpd-Patch" not in patch
@@ -178,7 +178,7 @@ def test_dependency_is_included_first(tmp_path):
     ]
     assert result.tests == ["tests/test_add.py", "tests/test_int.py"]
     assert any("follow-up needs fix-add" in line for line in logged)
-    pr = (target / "PR.md").read_text()
+    pr = (target / layout.NOTES_FILE).read_text()
     assert "**Depends on** the PR of `fix-add`" in pr
     # Self-contained: the directory applies to stock as it is.
     patches = sorted(target.glob("0*.patch"))
@@ -212,30 +212,34 @@ def test_pr_md_sections(tmp_path):
     assert "Return a + b directly" in pr
     for heading in ("## Related", "## AI assistance"):
         assert f"\n{heading}\n" in pr
-    # The test plan holds only commands upstream can run, in vLLM's tree.
+    # The test plan holds only the commands --verify runs, in vLLM's tree; the GPU plan
+    # (not run here) is the submitter's to run and add.
     plan = pr.split("\n## Test plan\n", 1)[1].split("\n## Results\n", 1)[0]
     assert "pytest -v tests/test_add.py" in plan
-    assert "hybridpd" not in plan
-    assert "bash tests/v1/kv_connector/nixl_integration/run_mamba_prefix_cache_test.sh" in plan
-    assert "vllm bench serve --model Qwen/Qwen3.5-35B-A3B" in plan
-    assert "--dataset-name prefix_repetition" in plan
+    assert "hybridpd" not in pr and "vllm bench" not in pr
+    assert "Not measured yet" in pr.split("\n## Results\n", 1)[1]
+    notes = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
+    gpu = notes.split("\n## GPU plan to run before submitting\n", 1)[1]
+    assert "bash tests/v1/kv_connector/nixl_integration/run_mamba_prefix_cache_test.sh" in gpu
+    assert "vllm bench serve --model Qwen/Qwen3.5-35B-A3B" in gpu
+    assert "--dataset-name prefix_repetition" in gpu
     for flag in ("--prefix-repetition-prefix-len 16384", "--prefix-repetition-suffix-len 1024",
                  "--num-prompts 512", "--max-concurrency 256"):
-        assert flag in plan
-    assert render.GPU_SERVE_FLAGS in plan
-    assert '"NixlConnector"' in plan and '"OffloadingConnector"' in plan
-    assert "LMCacheMPConnector" in plan
+        assert flag in gpu
+    assert render.GPU_SERVE_FLAGS in gpu
+    assert '"NixlConnector"' in gpu and '"OffloadingConnector"' in gpu
+    assert "LMCacheMPConnector" in gpu
     # The sign-off stays the submitter's; AI assistance is disclosed and attributed.
-    assert "DCO" in pr and "--signoff" in pr
-    assert "certifies the person who submits" in pr
-    assert "`Assisted-by:` trailer placeholder" in pr
+    assert "DCO" in notes and "--signoff" in notes
+    assert "certifies the person who submits" in notes
+    assert "`Assisted-by:` trailer placeholder" in notes
     assert "AI assistance was used" in pr
     # A checklist the submitter ticks, not a claim that a review happened.
     ai = pr.split("\n## AI assistance\n", 1)[1]
     assert "- [ ] I reviewed every changed line" in ai
     assert "- [ ] I ran the test plan above" in ai
     assert "has reviewed" not in pr
-    assert "a person must review every changed line, run the test plan" in pr
+    assert "a person must review every changed line, run the test plan" in notes
     # The trailer is the commit's, not the PR text's.
     assert commits.ASSISTED_BY not in pr
 
@@ -244,7 +248,7 @@ def test_no_reports_is_said_explicitly(tmp_path):
     project, material = _project(tmp_path)
     _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "No GPU measurement of this change is committed" in pr
     assert "Warning" not in pr
 
@@ -254,7 +258,7 @@ def test_fresh_report_numbers_and_command(tmp_path):
     _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z")
     _, _, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "reports/e2e/report.json" in pr
     assert "1 280" in pr and "40" in pr  # ON hit, ON TTFT
     assert f"hybridpd e2e --pin 1.0 --device cuda --model {GPU_MODEL} --scenario smoke" in pr
@@ -262,6 +266,9 @@ def test_fresh_report_numbers_and_command(tmp_path):
     assert "# rebuilt: the report does not record its command" in pr
     assert result.warnings == []
     assert "Warning" not in pr
+    # The PR text cites none of it: it measured the whole series, not this PR.
+    text = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "1 280" not in text and "reports/" not in text and "hybridpd" not in text
 
 
 def test_cpu_timing_report_is_not_cited(tmp_path):
@@ -272,7 +279,7 @@ def test_cpu_timing_report_is_not_cited(tmp_path):
     )
     _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "No GPU measurement of this change is committed" in pr
     assert "reports/e2e/report.json" not in pr and "1 280" not in pr
     assert any("reports/e2e/report.json is a CPU run" in line for line in logged)
@@ -304,7 +311,7 @@ def test_pr_cites_the_command_the_report_recorded(tmp_path):
                "--gpus", "2,3"]
     _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z", command=command)
     _export(project, material, ["fix-add"], tmp_path)
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "\n" + shlex.join(command) + "\n" in pr
     assert "rebuilt" not in pr
 
@@ -315,7 +322,7 @@ def test_stale_numbers_warn(tmp_path):
     _commit_report(project.series_path.parent.parent, "1999-01-01T00:00:00Z")
     _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "**Warning:** the numbers in reports/e2e/report.json (1999-01-01) are older " in pr
     assert "patches/1.0/fix-add.patch" in pr
     assert any("warning: fix-add: the numbers" in line for line in logged)
@@ -329,7 +336,7 @@ def test_uncommitted_report_is_not_used(tmp_path):
     path.write_text(json.dumps({"pin": "1.0", "scenario": "smoke", "runs": []}))
     _, _, _, logged = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "No GPU measurement of this change is committed" in pr
     assert any("reports/x/report.json is not committed" in line for line in logged)
 
@@ -409,7 +416,14 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
     assert (result.dir / "verify-logs" / "stock.log").is_file()
     assert not gitops.is_dirty(stock)
     render.write_pr(result, series, [], [])
-    assert "verdict: ok" in (result.dir / "PR.md").read_text()
+    pr = (result.dir / "PR.md").read_text()
+    results = pr.split("\n## Results\n", 1)[1]
+    # The results are what the verify run measured, with the command a contributor types.
+    assert "`pytest -v tests/test_add.py tests/test_int.py` (" in results
+    assert "| v1.0, without this PR | 0 | 2 | 0 | 0 |" in results
+    assert "| v1.0 with only the PRs this one depends on | 0 | 1 | 0 | 0 |" in results
+    assert "| v1.0 with this PR | 2 | 0 | 0 | 0 |" in results
+    assert "Not ready" not in results
 
 
 def test_verify_fails_when_nothing_is_red_on_stock(tmp_path):
@@ -534,7 +548,10 @@ def test_cli_export_pr_all_defaults_to_newest_pin(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["fix-add", "follow-up"]
     assert [e["verification"]["ok"] for e in data["exports"]] == [True, True]
     assert [label for label, _ in calls] == ["stock", "patched", "stock", "without", "patched"]
-    assert "verdict: ok" in (out / "follow-up" / "PR.md").read_text()
+    assert "| v2.0 with this PR | 2 | 0 | 0 | 0 |" in (out / "follow-up" / "PR.md").read_text()
+    # The fixture release has no .pre-commit-config.yaml: no check ran, and it is said.
+    assert data["exports"][1]["verification"]["checks"]["not_run"] == [
+        "the tree has no .pre-commit-config.yaml"]
 
 
 def test_cli_export_pr_usage(tmp_path):
@@ -607,9 +624,9 @@ def test_a_test_file_the_tree_has_is_edited_in_the_commit(tmp_path):
     assert report["edited"] == ["tests/test_core.py"]
     render.write_pr(result, series, [], [])
     assert (
-        "- the counts include the tests `tests/test_core.py` already had (this PR edits "
-        "those files); red on stock: `tests/test_core.py::test_it`, "
-        "`tests/test_new.py::test_it`\n"
+        "The counts include the tests `tests/test_core.py` already had (this PR edits "
+        "those files); failing without this PR: `tests/test_core.py::test_it`, "
+        "`tests/test_new.py::test_it`.\n"
     ) in (result.dir / "PR.md").read_text()
 
 
@@ -663,24 +680,26 @@ def test_lmcache_pr_body(tmp_path):
     reports, stale = evidence.pr_evidence(lmcache, lmcache.pin("1.0"), result, logged.append)
     assert (reports, stale, logged) == ([], [], [])
     pr = render.render_pr(result, lmcache.patch("fix-add"), reports, stale, lmcache)
+    notes = render.render_notes(result, lmcache.patch("fix-add"), reports, stale, lmcache)
 
-    assert "(patch `fix-add`, [LMCache](https://github.com/LMCache/LMCache) v1.0)" in pr
-    assert "`hybridpd checkout 1.0 --dir lmcache-1.0 && cd lmcache-1.0 && git am" in pr
-    assert "LMCache takes pull requests against `dev`" in pr
-    assert "DCO" in pr and "--signoff" in pr
+    assert "(patch `fix-add`, [LMCache](https://github.com/LMCache/LMCache) v1.0)" in notes
+    assert "`hybridpd checkout 1.0 --dir lmcache-1.0 && cd lmcache-1.0 && git am" in notes
+    assert "LMCache takes pull requests against `dev`" in notes
+    assert "DCO" in notes and "--signoff" in notes
     assert "- **Another way.** Worse." in pr
     plan = pr.split("\n## Test plan\n", 1)[1].split("\n## Results\n", 1)[0]
-    assert "(CPU only, from the LMCache tree root)" in plan
+    assert "on CPU, from the LMCache tree root" in plan
     assert "pytest -v tests/test_add.py" in plan
-    assert "Also run `pytest -v tests/v1/multiprocess`." in plan
-    assert "hybridpd" not in plan
-    results = pr.split("\n## Results\n", 1)[1]
-    assert "No end-to-end measurement of this change is committed" in results
-    assert "no such run is committed" in results
+    # More to run is the submitter's until it ran: not in the PR's test plan.
+    assert "Also run `pytest -v tests/v1/multiprocess`." in notes
+    assert "tests/v1/multiprocess" not in pr
+    assert "hybridpd" not in pr
+    assert "No end-to-end measurement of this change is committed" in notes
+    assert "no such run is committed" in notes
     for vllm_only in ("vllm bench", "NixlConnector", "OffloadingConnector", "GPU plan",
                       "run_mamba_prefix_cache_test", "vLLM's contributing guide",
                       "pure agent PRs", "vllm-1.0", "reports/e2e/report.json", "1 280"):
-        assert vllm_only not in pr, vllm_only
+        assert vllm_only not in pr + notes, vllm_only
     assert "AI assistance was used" in pr
 
 

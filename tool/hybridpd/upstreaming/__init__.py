@@ -12,7 +12,7 @@ One job per module, each importing only from those above it in this list:
   patches it needs;
 * ``conventions``: what differs between the projects a PR goes to (vLLM, LMCache);
 * ``evidence``: the measured results a PR cites (committed e2e reports) and their age;
-* ``render``: the PR text, ``PR.md``;
+* ``render``: the PR text, ``PR.md``, and the notes to its submitter, ``SUBMITTING.md``;
 * ``checks``: the target project's own pre-commit checks, at their pins, offline;
 * ``verify``: ``--verify``, the added tests red on stock and green after ``git am``;
 * ``export``: the export itself, one directory per patch, and the command's ``run``.

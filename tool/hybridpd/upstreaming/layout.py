@@ -12,7 +12,11 @@ contributor can turn into a pull request to the series' project (vLLM, or LMCach
   carries it.
   A patch that does not apply alone on stock is preceded by the earlier carried
   patches it needs (each with its own test), so the directory is self-contained.
-* ``PR.md``: the PR body (what, why, design, alternatives, test plan, results).
+* ``PR.md``: the PR body in the upstream project's words (what, why, design,
+  alternatives, related work, the test plan and results ``--verify`` ran and measured,
+  the AI-assistance checklist); ``SUBMITTING.md``: notes to the submitter (how to
+  apply and re-check it, DCO, dependencies, the GPU plan to run, hybridpd's own e2e
+  measurements), which do not belong in the PR.
 * ``verify.json`` (with ``--verify``): the added tests run on stock (must fail), and
   after ``git am`` (must pass).
 * ``.hybridpd-export-pr.json``: every file above as written, so that a later export
@@ -44,6 +48,9 @@ UPSTREAM_TESTS_DIR = Path(__file__).parents[1] / "data" / "upstream_tests"
 ALTERNATIVES_FILE = "alternatives.md"
 TEST_PLAN_FILE = "test_plan.md"
 VERIFY_FILE = "verify.json"
+#: Notes to the submitter (how the directory was made, DCO, GPU plan, hybridpd's own
+#: measurements): what the PR text, ``PR.md``, must not carry.
+NOTES_FILE = "SUBMITTING.md"
 #: What export-pr wrote into a PR directory (path -> sha256), so that it replaces
 #: only its own work there.
 MANIFEST = ".hybridpd-export-pr.json"
@@ -82,6 +89,11 @@ def material(key: str, patch_id: str, root: Path | None = None) -> Material:
         return path.read_text(encoding="utf-8").strip() or None
 
     return Material(tests, text(ALTERNATIVES_FILE), text(TEST_PLAN_FILE))
+
+
+def pytest_command(files: list[str] | tuple[str, ...]) -> str:
+    """The test plan's command for ``files``, as a contributor types it in the tree root."""
+    return "pytest -v " + " ".join(files)
 
 
 # The directory and its commits ------------------------------------------------------
@@ -129,7 +141,7 @@ class PrExport:
             "id": self.patch_id,
             "pin": self.pin.version,
             "dir": str(self.dir),
-            "files": [c.filename for c in self.commits] + ["PR.md"]
+            "files": [c.filename for c in self.commits] + ["PR.md", NOTES_FILE]
             + ([VERIFY_FILE] if self.verification else []),
             "prerequisites": self.prerequisites,
             "tests": self.tests,

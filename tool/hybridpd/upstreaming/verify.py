@@ -17,7 +17,13 @@ from hybridpd import gitops
 from hybridpd.progress import Log, quiet
 from hybridpd.proof.pytestrun import FINISHED, Counts
 from hybridpd.series.model import Pin, Series
-from hybridpd.upstreaming.layout import VERIFY_FILE, ExportPrError, PrExport, material
+from hybridpd.upstreaming.layout import (
+    VERIFY_FILE,
+    ExportPrError,
+    PrExport,
+    material,
+    pytest_command,
+)
 
 
 class SuiteLike(Protocol):
@@ -35,11 +41,6 @@ Runner = Callable[[Path, Sequence[str], str], SuiteLike]
 #: Runs the project's own checks (:func:`hybridpd.upstreaming.checks.run_checks`) in a
 #: tree on the files (relative to it) the exported commits touch.
 Checker = Callable[[Path, Sequence[str]], dict]
-
-
-def pytest_command(files: Sequence[str]) -> str:
-    """The test plan's command for ``files``, as a contributor types it in the tree root."""
-    return "pytest -v " + " ".join(files)
 
 
 def _counts(outcomes: dict[str, str], files: Sequence[str]) -> dict[str, int]:
