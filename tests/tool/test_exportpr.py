@@ -421,7 +421,7 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
     # The results are what the verify run measured, with the command a contributor types.
     assert "`pytest -v tests/test_add.py tests/test_int.py` (" in results
     assert "| v1.0, without this PR | 0 | 2 | 0 | 0 |" in results
-    assert "| v1.0 with only the PRs this one depends on | 0 | 1 | 0 | 0 |" in results
+    assert "| v1.0 with only the PRs this PR depends on | 0 | 1 | 0 | 0 |" in results
     assert "| v1.0 with this PR | 2 | 0 | 0 | 0 |" in results
     assert "Not ready" not in results
 
@@ -872,3 +872,54 @@ def test_the_configured_git_identity_is_the_default_author(tmp_path, monkeypatch
                    check=True)
     with pytest.raises(HybridpdError, match="pass --author"):
         author.resolve_author(None, repo)
+
+
+# A change for an open upstream PR's thread ----------------------------------------
+
+
+def _with_thread(project: Project, patch_id: str, thread: str) -> None:
+    text = project.series_path.read_text()
+    line = f'id = "{patch_id}"\n'
+    project.series_path.write_text(text.replace(line, line + f'upstream_thread = "{thread}"\n'))
+
+
+def test_a_change_for_an_open_prs_thread_is_a_comment_not_a_pr(tmp_path):
+    project, material = _project(tmp_path)
+    _with_thread(project, "fix-add", "example/proj#7")
+    series, stock, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
+
+    assert series.patch("fix-add").upstream_thread == "example/proj#7"
+    names = sorted(p.name for p in result.dir.iterdir())
+    assert names == [layout.MANIFEST, "0001-fix-add.patch", layout.COMMENT_FILE,
+                     layout.NOTES_FILE]
+    assert result.to_json()["files"] == ["0001-fix-add.patch", "COMMENT.md", "SUBMITTING.md"]
+    comment = (result.dir / layout.COMMENT_FILE).read_text()
+    # The problem, the exact change and the test, as diffs upstream can apply.
+    assert "why of fix-add" in comment and "design of fix-add" in comment
+    change = comment.split("The exact change, on v1.0:\n\n```diff\n", 1)[1].split("```")[0]
+    assert change.startswith("diff --git a/proj/core.py b/proj/core.py")
+    assert "+    total = a + b" in change and "tests/" not in change
+    test = comment.split("The test (added to vLLM's tests, CPU):\n\n```diff\n", 1)[1]
+    assert test.startswith("diff --git a/tests/test_add.py b/tests/test_add.py")
+    assert "hybridpd" not in comment
+    notes = (result.dir / layout.NOTES_FILE).read_text()
+    assert "goes to example/proj#7's thread as a comment, not as a PR" in notes
+
+    # --verify still proves the test red on stock and green with the change, and the
+    # comment then carries what it measured.
+    report = verify.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
+    assert report["ok"], report["problems"]
+    assert (report["stock"]["failed"], report["patched"]["passed"]) == (1, 1)
+    render.write_pr(result, series, [], [])
+    comment = (result.dir / layout.COMMENT_FILE).read_text()
+    assert "`pytest -v tests/test_add.py` (" in comment
+    assert "| v1.0, without the change | 0 | 1 | 0 | 0 |" in comment
+    assert "| v1.0 with the change | 1 | 0 | 0 | 0 |" in comment
+    assert not (result.dir / "PR.md").exists()
+
+
+def test_upstream_thread_must_name_an_upstream_pr(tmp_path):
+    project, _ = _project(tmp_path, with_git=False)
+    _with_thread(project, "fix-add", "see the thread")
+    with pytest.raises(Exception, match='"upstream_thread" must be an upstream PR'):
+        load(project.series_path)

@@ -85,6 +85,7 @@ def export_prs(
                     [c for c, _ in built],
                     deps,
                     material_root=tests_root,
+                    thread=series.patch(patch_id).upstream_thread,
                 )
                 if not export.own.tests:
                     export.warnings.append(

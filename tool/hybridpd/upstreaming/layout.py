@@ -51,6 +51,9 @@ VERIFY_FILE = "verify.json"
 #: Notes to the submitter (how the directory was made, DCO, GPU plan, hybridpd's own
 #: measurements): what the PR text, ``PR.md``, must not carry.
 NOTES_FILE = "SUBMITTING.md"
+#: The comment for an open upstream PR's thread, written instead of ``PR.md`` for a
+#: patch whose record names one (``upstream_thread``).
+COMMENT_FILE = "COMMENT.md"
 #: What export-pr wrote into a PR directory (path -> sha256), so that it replaces
 #: only its own work there.
 MANIFEST = ".hybridpd-export-pr.json"
@@ -127,6 +130,15 @@ class PrExport:
     #: Where the upstream-style material comes from (None: UPSTREAM_TESTS_DIR).
     material_root: Path | None = None
 
+    #: The open upstream PR this change goes to as a comment (the record's
+    #: ``upstream_thread``); None: a PR of its own.
+    thread: str | None = None
+
+    @property
+    def text_file(self) -> str:
+        """``PR.md``, or ``COMMENT.md`` for a change that goes to an open PR's thread."""
+        return COMMENT_FILE if self.thread else "PR.md"
+
     @property
     def own(self) -> PrCommit:
         return self.commits[-1]
@@ -141,7 +153,8 @@ class PrExport:
             "id": self.patch_id,
             "pin": self.pin.version,
             "dir": str(self.dir),
-            "files": [c.filename for c in self.commits] + ["PR.md", NOTES_FILE]
+            "files": [c.filename for c in self.commits]
+            + [self.text_file, NOTES_FILE]
             + ([VERIFY_FILE] if self.verification else []),
             "prerequisites": self.prerequisites,
             "tests": self.tests,

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from hybridpd.e2e import report as e2e_report
 from hybridpd.series.model import SERIES_FILE, Patch, Pin, Series
 from hybridpd.upstreaming.commits import strip_trailer
-from hybridpd.upstreaming.conventions import VLLM, Upstream, upstream_of
+from hybridpd.upstreaming.conventions import CHECKLIST, VLLM, Upstream, upstream_of
 from hybridpd.upstreaming.evidence import Report, e2e_command
-from hybridpd.upstreaming.layout import NOTES_FILE, PrExport, material, pytest_command
+from hybridpd.upstreaming.layout import COMMENT_FILE, NOTES_FILE, PrExport, material, pytest_command
 
 
 def series_option(series: Series) -> str:
@@ -52,7 +52,10 @@ def render_notes(
         f"`{_checkout_hint(pin, export.patch_id, series)}` (`--keep-non-patch` keeps the "
         f"`{upstream.prefix}`-style subject prefixes). Re-check the directory: "
         f"`hybridpd {option}export-pr {export.patch_id} --pin {pin.version} --to DIR "
-        "--verify --author \"Your Name <you@example.org>\"`. `PR.md` is the PR text.",
+        "--verify --author \"Your Name <you@example.org>\"`. "
+        + (f"This change goes to {patch.upstream_thread}'s thread as a comment, not as a "
+           f"PR of its own, while that PR is open: `{COMMENT_FILE}` is the comment."
+           if patch.upstream_thread else "`PR.md` is the PR text."),
         "",
         "- **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
         "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards). "
@@ -82,6 +85,36 @@ def render_notes(
         out += _gpu_plan()
     out += ["", "## hybridpd's measurements (context, not PR results)", ""]
     out += _evidence(export, reports, upstream)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _diff(export: PrExport) -> tuple[list[str], list[str]]:
+    """The own commit's diff, split into the change (source files) and its tests."""
+    text = (export.dir / export.own.filename).read_text(encoding="utf-8")
+    diff = text.split("\n---\n", 1)[-1]
+    source, tests = [], []
+    for part in diff.split("diff --git ")[1:]:
+        path = part.split(" ", 1)[0].removeprefix("a/")
+        body = ("diff --git " + part).rstrip("\n").removesuffix("\n--").rstrip("\n")
+        (tests if path in export.own.tests else source).append(body)
+    return source, tests
+
+
+def render_comment(export: PrExport, patch: Patch, series: Series) -> str:
+    """``COMMENT.md`` of a change that goes to an open upstream PR's thread
+    (``upstream_thread``) instead of a PR of its own: the problem, the exact count
+    (the diff), the test with the command and what it measured, in the project's words."""
+    pin, upstream = export.pin, upstream_of(series)
+    source, tests = _diff(export)
+    out = [f"<!-- A comment for {patch.upstream_thread} -->", ""]
+    out += [_text(patch.why), "", _text(patch.design), ""]
+    out += [f"The exact change, on v{pin.version}:", "", "```diff", *source, "```", ""]
+    if tests:
+        out += [f"The test ({'edited in' if export.own.edited else 'added to'} "
+                f"{upstream.name}'s tests, CPU):", "", "```diff", *tests, "```", ""]
+    out += _results(export, upstream, pin)[2:]
+    out += ["AI assistance was used to prepare this comment; before posting it, the "
+            "poster ticks:", "", CHECKLIST.split("\n- [ ] The `Assisted-by:`")[0], ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -232,10 +265,11 @@ def _results(export: PrExport, upstream: Upstream, pin: Pin) -> list[str]:
     if not verification:
         return out + ["Not measured yet: run the test plan on the release and with this "
                       "PR and paste the counts here.", ""]
+    this = "the change" if export.thread else "this PR"
     rows = {
-        "stock": f"v{pin.version}, without this PR",
-        "without": f"v{pin.version} with only the PRs this one depends on",
-        "patched": f"v{pin.version} with this PR",
+        "stock": f"v{pin.version}, without {this}",
+        "without": f"v{pin.version} with only the PRs {this} depends on",
+        "patched": f"v{pin.version} with {this}",
     }
     out += [f"`{verification.get('command') or pytest_command(export.tests)}` "
             f"({verification.get('date', '')}):", "",
@@ -254,7 +288,7 @@ def _results(export: PrExport, upstream: Upstream, pin: Pin) -> list[str]:
         ]
         out += [
             "The counts include the tests " + ", ".join(f"`{f}`" for f in edited)
-            + " already had (this PR edits those files); failing without this PR: "
+            + f" already had ({this} edits those files); failing without {this}: "
             + (", ".join(f"`{t}`" for t in red) or "none") + ".",
             "",
         ]
@@ -326,9 +360,14 @@ def write_pr(
     submitter) of ``export``."""
     patch = series.patch(export.patch_id)
     assert patch is not None
-    (export.dir / "PR.md").write_text(
-        render_pr(export, patch, reports, stale, series), encoding="utf-8"
-    )
+    if patch.upstream_thread:
+        (export.dir / COMMENT_FILE).write_text(
+            render_comment(export, patch, series), encoding="utf-8"
+        )
+    else:
+        (export.dir / "PR.md").write_text(
+            render_pr(export, patch, reports, stale, series), encoding="utf-8"
+        )
     (export.dir / NOTES_FILE).write_text(
         render_notes(export, patch, reports, stale, series), encoding="utf-8"
     )
