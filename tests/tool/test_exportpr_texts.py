@@ -31,6 +31,13 @@ FORBIDDEN = re.compile(
     re.IGNORECASE,
 )
 
+#: hybridpd's own test files, by name: a PR's test plan names upstream's tests only.
+OWN_TESTS = sorted({
+    p.name for d in ("tests/patches", "tests/lmcache_patches")
+    for p in (ROOT / d).rglob("test_*.py")
+})
+NAMES_OWN_TEST = re.compile("|".join(map(re.escape, OWN_TESTS))) if OWN_TESTS else None
+
 #: Records whose texts other work is rewriting (issue 42, items 2 and 5); each still
 #: fails here, strictly: once its text is fixed the mark must go.
 STILL_FAILING = {
@@ -66,16 +73,34 @@ def _cases():
                                id=f"{version}-{patch.id}")
 
 
+def test_own_test_names_are_known():
+    assert "test_mamba_state_property.py" in OWN_TESTS
+
+
+def test_the_admission_fix_is_a_comment_for_vllm_46892():
+    patch = load(SERIES["0.33.0"]).patch("mamba-align-admission-counts-sync-load")
+    assert patch.upstream_thread == "vllm-project/vllm#46892"
+
+
 @pytest.mark.parametrize(("series_path", "version", "patch_id"), list(_cases()))
 def test_pr_text_is_in_the_upstream_projects_words(series_path, version, patch_id, tmp_path):
     series = load(series_path)
     pin = series.pin(version)
     kept = material(series.slug(pin), patch_id)
     commit = _commit(series.patch_path(pin, patch_id), patch_id, tuple(kept.tests))
-    export = PrExport(patch_id, pin, tmp_path, [commit], [])
+    patch = series.patch(patch_id)
+    export = PrExport(patch_id, pin, tmp_path, [commit], [], thread=patch.upstream_thread)
+    (tmp_path / commit.filename).write_bytes(series.patch_path(pin, patch_id).read_bytes())
 
-    text = render.render_pr(export, series.patch(patch_id), [], [], series)
+    # The text export-pr writes: the PR body, or the comment for an open PR's thread.
+    text = (render.render_comment(export, patch, series) if patch.upstream_thread
+            else render.render_pr(export, patch, [], [], series))
 
-    found = sorted({m.group(0) for m in FORBIDDEN.finditer(text)})
-    lines = [ln for ln in text.splitlines() if FORBIDDEN.search(ln)]
+    def said(line: str) -> list[str]:
+        found = [m.group(0) for m in FORBIDDEN.finditer(line)]
+        return found + ([m.group(0) for m in NAMES_OWN_TEST.finditer(line)]
+                        if NAMES_OWN_TEST else [])
+
+    found = sorted({word for line in text.splitlines() for word in said(line)})
+    lines = [ln for ln in text.splitlines() if said(ln)]
     assert not found, f"{patch_id}: says {found}: " + " | ".join(ln[:160] for ln in lines)
