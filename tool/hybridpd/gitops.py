@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -602,6 +603,19 @@ def amend_trailer(repo: Path, key: str, value: str) -> str:
         env=_FIXED_COMMITTER,
     )
     return head(repo)
+
+
+def user_config(key: str, cwd: Path | None = None) -> str | None:
+    """``git config --get key`` as the user's own git resolves it in ``cwd`` (their
+    system, global and repository settings; none of this module's ``-c`` settings,
+    which would answer with the fixed identity); None when unset or git is missing."""
+    try:
+        done = subprocess.run(["git", "config", "--get", key], cwd=cwd,
+                              capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    value = done.stdout.strip()
+    return value if done.returncode == 0 and value else None
 
 
 def amend_message(repo: Path, text: str, author: str | None = None) -> str:

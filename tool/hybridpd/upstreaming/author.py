@@ -10,7 +10,6 @@ the current user and directory); never the project identity.
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 from hybridpd import gitops
@@ -41,22 +40,10 @@ def parse_author(text: str) -> str:
     return f"{match['name']} <{match['email']}>"
 
 
-def _git_config(key: str, cwd: Path | None) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "config", "--get", key], cwd=cwd, capture_output=True, text=True,
-            check=False,
-        )
-    except OSError:
-        return None
-    value = done.stdout.strip()
-    return value if done.returncode == 0 and value else None
-
-
 def configured_author(cwd: Path | None = None) -> str | None:
     """The git identity configured for the current user in ``cwd`` (None: unset, or
     the project identity, which is nobody's)."""
-    name, email = _git_config("user.name", cwd), _git_config("user.email", cwd)
+    name, email = gitops.user_config("user.name", cwd), gitops.user_config("user.email", cwd)
     if not (name and email):
         return None
     if email == gitops.IDENTITY_EMAIL:

@@ -52,7 +52,7 @@ def render_notes(
         f"`{_checkout_hint(pin, export.patch_id, series)}` (`--keep-non-patch` keeps the "
         f"`{upstream.prefix}`-style subject prefixes). Re-check the directory: "
         f"`hybridpd {option}export-pr {export.patch_id} --pin {pin.version} --to DIR "
-        "--verify --author \"Your Name <you@example.org>\"`. "
+        "--verify --author \"Name <email>\"`. "
         + (f"This change goes to {patch.upstream_thread}'s thread as a comment, not as a "
            f"PR of its own, while that PR is open: `{COMMENT_FILE}` is the comment."
            if patch.upstream_thread else "`PR.md` is the PR text."),
