@@ -105,12 +105,23 @@ for pin in $pins; do
   fi
 done
 
-# The upstream tier also proves the PRs `export-pr` writes for the newest pin: each
-# patch's upstream-style tests fail on stock and pass after `git am`.
-if [[ ( "$full" = 1 || "$upstream" = 1 ) && " $pins " == *" 0.33.0 "* ]]; then
-  prs=$(mktemp -d)
-  step "hybridpd export-pr --all --pin 0.33.0 --verify (upstream-style tests red on stock, green after git am)" \
-    "$hpd" export-pr --all --pin 0.33.0 --to "$prs" --verify
+# The upstream tier also proves the PRs `export-pr` writes for the newest pins (vLLM
+# 0.33.0, LMCache 0.5.6): each patch's upstream-style tests fail on stock and pass after
+# `git am`, and the project's own pre-commit checks (ruff, mypy, ...) pass on what the
+# commits touch. The commits are authored by the submitter: HYBRIDPD_PR_AUTHOR ("Name
+# <email>"; the workflow passes the GitHub actor), else the git identity configured
+# here; with neither, export-pr refuses with one line.
+if [[ "$full" = 1 || "$upstream" = 1 ]]; then
+  author=()
+  if [[ -n "${HYBRIDPD_PR_AUTHOR:-}" ]]; then author=(--author "$HYBRIDPD_PR_AUTHOR"); fi
+  if [[ " $pins " == *" 0.33.0 "* ]]; then
+    prs=$(mktemp -d)
+    step "hybridpd export-pr --all --pin 0.33.0 --verify (tests red on stock, green after git am; vLLM's checks)" \
+      "$hpd" export-pr --all --pin 0.33.0 --to "$prs" --verify ${author[@]+"${author[@]}"}
+  fi
+  lmcache_prs=$(mktemp -d)
+  step "hybridpd export-pr --all --pin 0.5.6 --verify, LMCache series (tests red on stock, green after git am; LMCache's checks)" \
+    "$hpd" --series patches/lmcache export-pr --all --pin 0.5.6 --to "$lmcache_prs" --verify ${author[@]+"${author[@]}"}
 fi
 
 # The LMCache series' red->green patch tests, in vLLM 0.32.0's test environment (built by

@@ -13,13 +13,15 @@ import dataclasses
 import importlib.machinery
 import json
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 from builders import FEATURE, FIX_ADD, PACKAGE, Project, commit_patch, stub_pin
 from click.testing import CliRunner
 from hybridpd import gitops
-from hybridpd.upstreaming import commits, evidence, layout, render, verify
+from hybridpd.errors import HybridpdError
+from hybridpd.upstreaming import author, commits, evidence, layout, render, verify
 from hybridpd.upstreaming.export import export_prs
 from hybridpd.proof import hfsnap, pytestrun, testenv, testrun
 from hybridpd.cli.main import main
@@ -78,6 +80,9 @@ def _project(root: Path, with_git: bool = True) -> tuple[Project, Path]:
     return project, material
 
 
+#: The submitter of the test PRs: a placeholder on a reserved domain (RFC 2606), no person.
+SUBMITTER = "PR Submitter <submitter@example.invalid>"
+
 GPU_MODEL = "Qwen/Qwen3.5-35B-A3B"
 TINY_MODEL = "/cache/e2e/models/hybridpd-tiny-qwen3_5"
 
@@ -128,7 +133,8 @@ def _export(project: Project, material: Path, ids: list[str], tmp_path: Path, pi
     stock = project.checkout(pin, f"stock-{pin}")
     logged: list[str] = []
     exports = export_prs(
-        series, series.pin(pin), ids, stock, tmp_path / "out", logged.append, material
+        series, series.pin(pin), ids, stock, tmp_path / "out", logged.append, material,
+        author=SUBMITTER,
     )
     return series, stock, exports, logged
 
@@ -139,7 +145,7 @@ def test_directory_layout_trailer_stripped_and_test_added(tmp_path):
 
     target = tmp_path / "out" / "fix-add"
     assert sorted(p.name for p in target.iterdir()) == [
-        layout.MANIFEST, "0001-fix-add.patch", "PR.md"
+        layout.MANIFEST, "0001-fix-add.patch", "PR.md", layout.NOTES_FILE
     ]
     patch = (target / "0001-fix-add.patch").read_text()
     assert "Hybridpd-Patch" not in patch
@@ -172,7 +178,7 @@ def test_dependency_is_included_first(tmp_path):
     ]
     assert result.tests == ["tests/test_add.py", "tests/test_int.py"]
     assert any("follow-up needs fix-add" in line for line in logged)
-    pr = (target / "PR.md").read_text()
+    pr = (target / layout.NOTES_FILE).read_text()
     assert "**Depends on** the PR of `fix-add`" in pr
     # Self-contained: the directory applies to stock as it is.
     patches = sorted(target.glob("0*.patch"))
@@ -206,25 +212,34 @@ def test_pr_md_sections(tmp_path):
     assert "Return a + b directly" in pr
     for heading in ("## Related", "## AI assistance"):
         assert f"\n{heading}\n" in pr
-    # The test plan holds only commands upstream can run, in vLLM's tree.
+    # The test plan holds only the commands --verify runs, in vLLM's tree; the GPU plan
+    # (not run here) is the submitter's to run and add.
     plan = pr.split("\n## Test plan\n", 1)[1].split("\n## Results\n", 1)[0]
     assert "pytest -v tests/test_add.py" in plan
-    assert "hybridpd" not in plan
-    assert "bash tests/v1/kv_connector/nixl_integration/run_mamba_prefix_cache_test.sh" in plan
-    assert "vllm bench serve --model Qwen/Qwen3.5-35B-A3B" in plan
-    assert "--dataset-name prefix_repetition" in plan
+    assert "hybridpd" not in pr and "vllm bench" not in pr
+    assert "Not measured yet" in pr.split("\n## Results\n", 1)[1]
+    notes = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
+    gpu = notes.split("\n## GPU plan to run before submitting\n", 1)[1]
+    assert "bash tests/v1/kv_connector/nixl_integration/run_mamba_prefix_cache_test.sh" in gpu
+    assert "vllm bench serve --model Qwen/Qwen3.5-35B-A3B" in gpu
+    assert "--dataset-name prefix_repetition" in gpu
     for flag in ("--prefix-repetition-prefix-len 16384", "--prefix-repetition-suffix-len 1024",
                  "--num-prompts 512", "--max-concurrency 256"):
-        assert flag in plan
-    assert render.GPU_SERVE_FLAGS in plan
-    assert '"NixlConnector"' in plan and '"OffloadingConnector"' in plan
-    assert "LMCacheMPConnector" in plan
+        assert flag in gpu
+    assert render.GPU_SERVE_FLAGS in gpu
+    assert '"NixlConnector"' in gpu and '"OffloadingConnector"' in gpu
+    assert "LMCacheMPConnector" in gpu
     # The sign-off stays the submitter's; AI assistance is disclosed and attributed.
-    assert "DCO" in pr and "--signoff" in pr
-    assert "certifies the person who submits" in pr
-    assert "`Assisted-by:` trailer placeholder" in pr
+    assert "DCO" in notes and "--signoff" in notes
+    assert "certifies the person who submits" in notes
+    assert "`Assisted-by:` trailer placeholder" in notes
     assert "AI assistance was used" in pr
-    assert "a person must review every changed line, run the test plan" in pr
+    # A checklist the submitter ticks, not a claim that a review happened.
+    ai = pr.split("\n## AI assistance\n", 1)[1]
+    assert "- [ ] I reviewed every changed line" in ai
+    assert "- [ ] I ran the test plan above" in ai
+    assert "has reviewed" not in pr
+    assert "a person must review every changed line, run the test plan" in notes
     # The trailer is the commit's, not the PR text's.
     assert commits.ASSISTED_BY not in pr
 
@@ -233,7 +248,7 @@ def test_no_reports_is_said_explicitly(tmp_path):
     project, material = _project(tmp_path)
     _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "No GPU measurement of this change is committed" in pr
     assert "Warning" not in pr
 
@@ -243,7 +258,7 @@ def test_fresh_report_numbers_and_command(tmp_path):
     _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z")
     _, _, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "reports/e2e/report.json" in pr
     assert "1 280" in pr and "40" in pr  # ON hit, ON TTFT
     assert f"hybridpd e2e --pin 1.0 --device cuda --model {GPU_MODEL} --scenario smoke" in pr
@@ -251,6 +266,9 @@ def test_fresh_report_numbers_and_command(tmp_path):
     assert "# rebuilt: the report does not record its command" in pr
     assert result.warnings == []
     assert "Warning" not in pr
+    # The PR text cites none of it: it measured the whole series, not this PR.
+    text = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    assert "1 280" not in text and "reports/" not in text and "hybridpd" not in text
 
 
 def test_cpu_timing_report_is_not_cited(tmp_path):
@@ -261,7 +279,7 @@ def test_cpu_timing_report_is_not_cited(tmp_path):
     )
     _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "No GPU measurement of this change is committed" in pr
     assert "reports/e2e/report.json" not in pr and "1 280" not in pr
     assert any("reports/e2e/report.json is a CPU run" in line for line in logged)
@@ -293,7 +311,7 @@ def test_pr_cites_the_command_the_report_recorded(tmp_path):
                "--gpus", "2,3"]
     _commit_report(project.series_path.parent.parent, "2001-06-01T00:00:00Z", command=command)
     _export(project, material, ["fix-add"], tmp_path)
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "\n" + shlex.join(command) + "\n" in pr
     assert "rebuilt" not in pr
 
@@ -304,7 +322,7 @@ def test_stale_numbers_warn(tmp_path):
     _commit_report(project.series_path.parent.parent, "1999-01-01T00:00:00Z")
     _, _, (result,), logged = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "**Warning:** the numbers in reports/e2e/report.json (1999-01-01) are older " in pr
     assert "patches/1.0/fix-add.patch" in pr
     assert any("warning: fix-add: the numbers" in line for line in logged)
@@ -318,7 +336,7 @@ def test_uncommitted_report_is_not_used(tmp_path):
     path.write_text(json.dumps({"pin": "1.0", "scenario": "smoke", "runs": []}))
     _, _, _, logged = _export(project, material, ["fix-add"], tmp_path)
 
-    pr = (tmp_path / "out" / "fix-add" / "PR.md").read_text()
+    pr = (tmp_path / "out" / "fix-add" / layout.NOTES_FILE).read_text()
     assert "No GPU measurement of this change is committed" in pr
     assert any("reports/x/report.json is not committed" in line for line in logged)
 
@@ -337,6 +355,7 @@ def test_a_directory_with_the_users_work_is_refused_unless_forced(tmp_path):
     def export_pr(patch_id: str, force: bool = False):
         return export_prs(series, series.pin("1.0"), [patch_id], stock,
                                    tmp_path / "out", tests_root=material,
+                                   author=SUBMITTER,
                                    **({"force": True} if force else {}))
 
     (first,) = export_pr("fix-add")
@@ -397,7 +416,14 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
     assert (result.dir / "verify-logs" / "stock.log").is_file()
     assert not gitops.is_dirty(stock)
     render.write_pr(result, series, [], [])
-    assert "verdict: ok" in (result.dir / "PR.md").read_text()
+    pr = (result.dir / "PR.md").read_text()
+    results = pr.split("\n## Results\n", 1)[1]
+    # The results are what the verify run measured, with the command a contributor types.
+    assert "`pytest -v tests/test_add.py tests/test_int.py` (" in results
+    assert "| v1.0, without this PR | 0 | 2 | 0 | 0 |" in results
+    assert "| v1.0 with only the PRs this PR depends on | 0 | 1 | 0 | 0 |" in results
+    assert "| v1.0 with this PR | 2 | 0 | 0 | 0 |" in results
+    assert "Not ready" not in results
 
 
 def test_verify_fails_when_nothing_is_red_on_stock(tmp_path):
@@ -512,7 +538,7 @@ def test_cli_export_pr_all_defaults_to_newest_pin(tmp_path, monkeypatch):
         main,
         # A relative --to: git am runs elsewhere, so the paths must not stay relative.
         ["--series", str(project.series_path), "export-pr", "--all", "--to", "cli-out",
-         "--verify", "--json"],
+         "--verify", "--json", "--author", SUBMITTER],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -522,7 +548,10 @@ def test_cli_export_pr_all_defaults_to_newest_pin(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["fix-add", "follow-up"]
     assert [e["verification"]["ok"] for e in data["exports"]] == [True, True]
     assert [label for label, _ in calls] == ["stock", "patched", "stock", "without", "patched"]
-    assert "verdict: ok" in (out / "follow-up" / "PR.md").read_text()
+    assert "| v2.0 with this PR | 2 | 0 | 0 | 0 |" in (out / "follow-up" / "PR.md").read_text()
+    # The fixture release has no .pre-commit-config.yaml: no check ran, and it is said.
+    assert data["exports"][1]["verification"]["checks"]["not_run"] == [
+        "the tree has no .pre-commit-config.yaml"]
 
 
 def test_cli_export_pr_usage(tmp_path):
@@ -595,9 +624,9 @@ def test_a_test_file_the_tree_has_is_edited_in_the_commit(tmp_path):
     assert report["edited"] == ["tests/test_core.py"]
     render.write_pr(result, series, [], [])
     assert (
-        "- the counts include the tests `tests/test_core.py` already had (this PR edits "
-        "those files); red on stock: `tests/test_core.py::test_it`, "
-        "`tests/test_new.py::test_it`\n"
+        "The counts include the tests `tests/test_core.py` already had (this PR edits "
+        "those files); failing without this PR: `tests/test_core.py::test_it`, "
+        "`tests/test_new.py::test_it`.\n"
     ) in (result.dir / "PR.md").read_text()
 
 
@@ -630,7 +659,7 @@ def test_material_of_a_test_file_the_patch_edits_only_adds_to_it(tmp_path):
     with pytest.raises(layout.ExportPrError, match="start it from the patched file"):
         export_prs(
             series, series.pin("1.0"), ["fix-add"], stock, tmp_path / "again",
-            tests_root=tmp_path / "material",
+            tests_root=tmp_path / "material", author=SUBMITTER,
         )
 
 
@@ -651,24 +680,26 @@ def test_lmcache_pr_body(tmp_path):
     reports, stale = evidence.pr_evidence(lmcache, lmcache.pin("1.0"), result, logged.append)
     assert (reports, stale, logged) == ([], [], [])
     pr = render.render_pr(result, lmcache.patch("fix-add"), reports, stale, lmcache)
+    notes = render.render_notes(result, lmcache.patch("fix-add"), reports, stale, lmcache)
 
-    assert "(patch `fix-add`, [LMCache](https://github.com/LMCache/LMCache) v1.0)" in pr
-    assert "`hybridpd checkout 1.0 --dir lmcache-1.0 && cd lmcache-1.0 && git am" in pr
-    assert "LMCache takes pull requests against `dev`" in pr
-    assert "DCO" in pr and "--signoff" in pr
+    assert "(patch `fix-add`, [LMCache](https://github.com/LMCache/LMCache) v1.0)" in notes
+    assert "`hybridpd checkout 1.0 --dir lmcache-1.0 && cd lmcache-1.0 && git am" in notes
+    assert "LMCache takes pull requests against `dev`" in notes
+    assert "DCO" in notes and "--signoff" in notes
     assert "- **Another way.** Worse." in pr
     plan = pr.split("\n## Test plan\n", 1)[1].split("\n## Results\n", 1)[0]
-    assert "(CPU only, from the LMCache tree root)" in plan
+    assert "on CPU, from the LMCache tree root" in plan
     assert "pytest -v tests/test_add.py" in plan
-    assert "Also run `pytest -v tests/v1/multiprocess`." in plan
-    assert "hybridpd" not in plan
-    results = pr.split("\n## Results\n", 1)[1]
-    assert "No end-to-end measurement of this change is committed" in results
-    assert "no such run is committed" in results
+    # More to run is the submitter's until it ran: not in the PR's test plan.
+    assert "Also run `pytest -v tests/v1/multiprocess`." in notes
+    assert "tests/v1/multiprocess" not in pr
+    assert "hybridpd" not in pr
+    assert "No end-to-end measurement of this change is committed" in notes
+    assert "no such run is committed" in notes
     for vllm_only in ("vllm bench", "NixlConnector", "OffloadingConnector", "GPU plan",
                       "run_mamba_prefix_cache_test", "vLLM's contributing guide",
                       "pure agent PRs", "vllm-1.0", "reports/e2e/report.json", "1 280"):
-        assert vllm_only not in pr, vllm_only
+        assert vllm_only not in pr + notes, vllm_only
     assert "AI assistance was used" in pr
 
 
@@ -777,3 +808,118 @@ def test_verify_runs_vllm_in_its_own_pins_environment(tmp_path, monkeypatch):
     assert seen["env"] == ("1.0", stock)
     assert seen["runs"] == [(tmp_path / "venv", tree, ["tests/test_add.py"], [])]
     assert not (tmp_path / "layers").exists()
+
+
+# The author: the submitter --------------------------------------------------------
+
+
+def test_commits_are_authored_by_the_submitter_not_the_project(tmp_path):
+    project, material = _project(tmp_path)
+    _, _, (result,), _ = _export(project, material, ["follow-up"], tmp_path)
+
+    for commit in result.commits:
+        text = (result.dir / commit.filename).read_text()
+        assert f"From: {SUBMITTER}\n" in text
+        assert "hybridpd@localhost" not in text.split("\n\n", 1)[0]
+
+
+def _cli_export(project: Project, tmp_path: Path, *extra: str):
+    return CliRunner().invoke(
+        main, ["--series", str(project.series_path), "export-pr", "fix-add", "--pin", "1.0",
+               "--to", str(tmp_path / "cli-out"), *extra],
+    )
+
+
+def test_without_author_or_git_identity_export_pr_refuses_in_one_line(tmp_path, monkeypatch):
+    project, material = _project(tmp_path)
+    monkeypatch.setattr(layout, "UPSTREAM_TESTS_DIR", material)
+    monkeypatch.chdir(tmp_path)  # no repository: no local identity; none global (isolated)
+
+    result = _cli_export(project, tmp_path)
+
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"Error: {author.MISSING}"]
+    assert not (tmp_path / "cli-out").exists()
+
+
+@pytest.mark.parametrize("bad", ["Ada", "ada@example.invalid", "<a@b.c>", "A <no-at>",
+                                 "A <a@b.c> x", "hybridpd <hybridpd@localhost>"])
+def test_a_bad_author_is_one_line_and_nothing_is_written(tmp_path, monkeypatch, bad):
+    project, material = _project(tmp_path, with_git=False)
+    monkeypatch.setattr(layout, "UPSTREAM_TESTS_DIR", material)
+
+    result = _cli_export(project, tmp_path, "--author", bad)
+
+    assert result.exit_code == 2  # bad usage: click's usage lines, then the one error
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith(f"Error: --author {bad!r} is ")
+    assert not (tmp_path / "cli-out").exists()
+
+
+def test_the_configured_git_identity_is_the_default_author(tmp_path, monkeypatch):
+    repo = tmp_path / "where-it-runs"
+    repo.mkdir()
+    gitops.init(repo, "main")
+    for key, value in (("user.name", "PR Submitter"),
+                       ("user.email", "submitter@example.invalid")):
+        subprocess.run(["git", "-C", str(repo), "config", key, value], check=True)
+
+    assert author.resolve_author(None, repo) == SUBMITTER
+    assert author.resolve_author("Other  Person <o@example.invalid>", repo) == (
+        "Other  Person <o@example.invalid>")
+    # The project identity configured is nobody's: refused, not used.
+    subprocess.run(["git", "-C", str(repo), "config", "user.email", "hybridpd@localhost"],
+                   check=True)
+    with pytest.raises(HybridpdError, match="pass --author"):
+        author.resolve_author(None, repo)
+
+
+# A change for an open upstream PR's thread ----------------------------------------
+
+
+def _with_thread(project: Project, patch_id: str, thread: str) -> None:
+    text = project.series_path.read_text()
+    line = f'id = "{patch_id}"\n'
+    project.series_path.write_text(text.replace(line, line + f'upstream_thread = "{thread}"\n'))
+
+
+def test_a_change_for_an_open_prs_thread_is_a_comment_not_a_pr(tmp_path):
+    project, material = _project(tmp_path)
+    _with_thread(project, "fix-add", "example/proj#7")
+    series, stock, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
+
+    assert series.patch("fix-add").upstream_thread == "example/proj#7"
+    names = sorted(p.name for p in result.dir.iterdir())
+    assert names == [layout.MANIFEST, "0001-fix-add.patch", layout.COMMENT_FILE,
+                     layout.NOTES_FILE]
+    assert result.to_json()["files"] == ["0001-fix-add.patch", "COMMENT.md", "SUBMITTING.md"]
+    comment = (result.dir / layout.COMMENT_FILE).read_text()
+    # The problem, the exact change and the test, as diffs upstream can apply.
+    assert "why of fix-add" in comment and "design of fix-add" in comment
+    change = comment.split("The exact change, on v1.0:\n\n```diff\n", 1)[1].split("```")[0]
+    assert change.startswith("diff --git a/proj/core.py b/proj/core.py")
+    assert "+    total = a + b" in change and "tests/" not in change
+    test = comment.split("The test (added to vLLM's tests, CPU):\n\n```diff\n", 1)[1]
+    assert test.startswith("diff --git a/tests/test_add.py b/tests/test_add.py")
+    assert "hybridpd" not in comment
+    notes = (result.dir / layout.NOTES_FILE).read_text()
+    assert "goes to example/proj#7's thread as a comment, not as a PR" in notes
+
+    # --verify still proves the test red on stock and green with the change, and the
+    # comment then carries what it measured.
+    report = verify.verify(result, stock, _fake_runner([]), series, series.pin("1.0"))
+    assert report["ok"], report["problems"]
+    assert (report["stock"]["failed"], report["patched"]["passed"]) == (1, 1)
+    render.write_pr(result, series, [], [])
+    comment = (result.dir / layout.COMMENT_FILE).read_text()
+    assert "`pytest -v tests/test_add.py` (" in comment
+    assert "| v1.0, without the change | 0 | 1 | 0 | 0 |" in comment
+    assert "| v1.0 with the change | 1 | 0 | 0 | 0 |" in comment
+    assert not (result.dir / "PR.md").exists()
+
+
+def test_upstream_thread_must_name_an_upstream_pr(tmp_path):
+    project, _ = _project(tmp_path, with_git=False)
+    _with_thread(project, "fix-add", "see the thread")
+    with pytest.raises(Exception, match='"upstream_thread" must be an upstream PR'):
+        load(project.series_path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -604,14 +605,29 @@ def amend_trailer(repo: Path, key: str, value: str) -> str:
     return head(repo)
 
 
-def amend_message(repo: Path, text: str) -> str:
-    """Replace HEAD's message by ``text`` (whitespace cleaned up, fixed committer);
-    return the new HEAD sha."""
+def user_config(key: str, cwd: Path | None = None) -> str | None:
+    """``git config --get key`` as the user's own git resolves it in ``cwd`` (their
+    system, global and repository settings; none of this module's ``-c`` settings,
+    which would answer with the fixed identity); None when unset or git is missing."""
+    try:
+        done = subprocess.run(["git", "config", "--get", key], cwd=cwd,
+                              capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    value = done.stdout.strip()
+    return value if done.returncode == 0 and value else None
+
+
+def amend_message(repo: Path, text: str, author: str | None = None) -> str:
+    """Replace HEAD's message by ``text`` (whitespace cleaned up, fixed committer) and,
+    given ``author`` (``Name <email>``), its author (the author date is kept); return
+    the new HEAD sha."""
     with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False) as fh:
         fh.write(text)
     try:
         check(repo, "commit", "--quiet", "--amend", "--no-verify", "--allow-empty",
-              "--cleanup=whitespace", f"--file={fh.name}", env=_FIXED_COMMITTER)
+              "--cleanup=whitespace", f"--file={fh.name}",
+              *([f"--author={author}"] if author else []), env=_FIXED_COMMITTER)
     finally:
         Path(fh.name).unlink()
     return head(repo)

@@ -92,6 +92,10 @@ class Patch:
     removal: str
     pins: Mapping[str, PinState]
     dropped: str | None = None
+    #: An open upstream pull request (``owner/repo#N``) that makes the same change:
+    #: the change goes to its thread as a comment (``export-pr`` writes COMMENT.md,
+    #: not a PR) while it is open.
+    upstream_thread: str | None = None
 
     @property
     def why_dropped(self) -> str | None:
@@ -508,7 +512,16 @@ class _Parser:
                     )
             elif dropped is not None:
                 raise self.fail(where, 'field "dropped" is set but no pin drops the patch')
-            patches.append(Patch(**fields, pins=states, dropped=dropped))
+            thread = table.get("upstream_thread")
+            if thread is not None and not (
+                isinstance(thread, str) and _LINK.fullmatch(thread)
+            ):
+                raise self.fail(
+                    where, 'field "upstream_thread" must be an upstream PR, owner/repo#N'
+                )
+            patches.append(
+                Patch(**fields, pins=states, dropped=dropped, upstream_thread=thread)
+            )
         return tuple(patches)
 
     def states(

@@ -10,9 +10,12 @@ One job per module, each importing only from those above it in this list:
   the newest pin (``hybridpd list --upstream-candidates``);
 * ``commits``: the commits of a directory, each patch with its tests, and the earlier
   patches it needs;
+* ``author``: who authors the PR commits (the submitter, never the project identity);
 * ``conventions``: what differs between the projects a PR goes to (vLLM, LMCache);
 * ``evidence``: the measured results a PR cites (committed e2e reports) and their age;
-* ``render``: the PR text, ``PR.md``;
+* ``render``: the PR text, ``PR.md`` (or ``COMMENT.md`` for an open PR's thread), and
+  the notes to its submitter, ``SUBMITTING.md``;
+* ``checks``: the target project's own pre-commit checks, at their pins, offline;
 * ``verify``: ``--verify``, the added tests red on stock and green after ``git am``;
 * ``export``: the export itself, one directory per patch, and the command's ``run``.
 """

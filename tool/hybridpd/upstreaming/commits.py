@@ -111,9 +111,12 @@ def build_commits(
     pin: Pin,
     patch_ids: Sequence[str],
     tests_root: Path | None = None,
+    *,
+    author: str,
 ) -> list[tuple[PrCommit, bytes]]:
     """Apply ``patch_ids`` onto ``base``, each as one commit without its trailer and
-    with its upstream-style tests; return each commit and its format-patch bytes."""
+    with its upstream-style tests, authored by ``author`` (the submitter,
+    :mod:`hybridpd.upstreaming.author`); return each commit and its format-patch bytes."""
     gitops.reset_hard(repo, base)
     out = []
     try:
@@ -134,7 +137,7 @@ def build_commits(
             if tests:
                 gitops.add(repo, *tests, force=True)
             message = with_assisted_by(strip_trailer(gitops.message(repo)))
-            sha = gitops.amend_message(repo, message)
+            sha = gitops.amend_message(repo, message, author=author)
             subject, _, body = message.partition("\n")
             commit = PrCommit(
                 patch_id,

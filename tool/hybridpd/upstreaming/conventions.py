@@ -30,6 +30,15 @@ class Upstream:
     no_results: str
 
 
+#: The AI-assistance section's checklist: what the submitter confirms by ticking it
+#: (a PR text states no human review it cannot know happened).
+CHECKLIST = (
+    "- [ ] I reviewed every changed line and can defend the change\n"
+    "- [ ] I ran the test plan above and the results match this description\n"
+    "- [ ] The `Assisted-by:` trailer names the tool and model that assisted"
+)
+
+
 VLLM = Upstream(
     name="vLLM",
     link="vLLM",
@@ -44,9 +53,9 @@ VLLM = Upstream(
     ),
     ai=(
         "AI assistance was used to prepare this change, its tests and this description "
-        "(vLLM's contributing guide, \"AI Assisted Contributions\"). The commits carry "
-        "an `Assisted-by:` trailer. The submitter has reviewed every changed line and run "
-        "the test plan above."
+        "(vLLM's contributing guide, \"AI Assisted Contributions\"); the commits carry "
+        "an `Assisted-by:` trailer. Before submitting, the submitter ticks:\n\n"
+        + CHECKLIST
     ),
     vllm_e2e=True,
     no_results=(
@@ -72,9 +81,9 @@ LMCACHE = Upstream(
         "PR text.",
     ),
     ai=(
-        "AI assistance was used to prepare this change, its tests and this description. "
-        "The commits carry an `Assisted-by:` trailer. The submitter has reviewed every "
-        "changed line and run the test plan above."
+        "AI assistance was used to prepare this change, its tests and this description; "
+        "the commits carry an `Assisted-by:` trailer. Before submitting, the submitter "
+        "ticks:\n\n" + CHECKLIST
     ),
     vllm_e2e=False,
     no_results=(

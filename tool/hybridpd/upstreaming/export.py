@@ -15,6 +15,8 @@ from hybridpd import gitops
 from hybridpd.progress import Log, quiet
 from hybridpd.series.checkout import checkout
 from hybridpd.series.model import Pin, Series
+from hybridpd.upstreaming.author import resolve_author
+from hybridpd.upstreaming.checks import run_checks
 from hybridpd.upstreaming.commits import build_commits, prerequisites
 from hybridpd.upstreaming.evidence import pr_evidence
 from hybridpd.upstreaming.layout import ExportPrError, PrExport, refuse_foreign, seal
@@ -31,8 +33,11 @@ def export_prs(
     log: Log = quiet,
     tests_root: Path | None = None,
     force: bool = False,
+    *,
+    author: str,
 ) -> list[PrExport]:
-    """Write one PR directory per patch of ``patch_ids`` into ``out_dir``.
+    """Write one PR directory per patch of ``patch_ids`` into ``out_dir``, its commits
+    authored by ``author`` (``Name <email>``: the submitter).
 
     ``stock`` is a checkout of ``pin`` (``hybridpd checkout``); it is left as it was
     (the work happens in a detached worktree of it). A directory is replaced only
@@ -64,7 +69,9 @@ def export_prs(
                 deps = prerequisites(work, base, series, pin, patch_id)
                 if deps:
                     log(f"export-pr: {patch_id} needs {', '.join(deps)} to apply on stock")
-                built = build_commits(work, base, series, pin, [*deps, patch_id], tests_root)
+                built = build_commits(
+                    work, base, series, pin, [*deps, patch_id], tests_root, author=author
+                )
                 target = out_dir / patch_id
                 if target.exists():
                     shutil.rmtree(target)
@@ -78,6 +85,7 @@ def export_prs(
                     [c for c, _ in built],
                     deps,
                     material_root=tests_root,
+                    thread=series.patch(patch_id).upstream_thread,
                 )
                 if not export.own.tests:
                     export.warnings.append(
@@ -121,20 +129,26 @@ def run(
     verify_them: bool = False,
     log: Log = quiet,
     force: bool = False,
+    author: str | None = None,
 ) -> ExportPrResult:
     """Export ``patch_id`` (None: every patch carried on ``pin``) into ``out_dir``, from a
     fresh stock checkout, and with ``verify_them`` prove each directory on it (see
-    :func:`verify`)."""
+    :func:`verify`). The commits are authored by ``author``, else the git identity
+    configured here; with neither, UsageError before anything is written."""
+    submitter = resolve_author(author)
     ids = [patch_id] if patch_id else [p.id for p in series.carried(pin)]
     with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
         stock = Path(tmp) / "stock"
         log(f"export-pr: checking out stock {pin.version}")
         checkout(series, pin, stock, source="sdist")
-        exports = export_prs(series, pin, ids, stock, out_dir, log=log, force=force)
+        exports = export_prs(
+            series, pin, ids, stock, out_dir, log=log, force=force, author=submitter
+        )
         if verify_them:
             runner = pytest_runner(series, pin, stock, Path(tmp), log=log)
             for export in exports:
-                verify(export, stock, runner, series, pin, log=log)
+                verify(export, stock, runner, series, pin, log=log,
+                       checks=lambda tree, files: run_checks(tree, files, log=log))
                 write_pr(export, series, *pr_evidence(series, pin, export))
                 seal(export.dir)
     return ExportPrResult(pin.version, tuple(exports))

@@ -12,7 +12,11 @@ contributor can turn into a pull request to the series' project (vLLM, or LMCach
   carries it.
   A patch that does not apply alone on stock is preceded by the earlier carried
   patches it needs (each with its own test), so the directory is self-contained.
-* ``PR.md``: the PR body (what, why, design, alternatives, test plan, results).
+* ``PR.md``: the PR body in the upstream project's words (what, why, design,
+  alternatives, related work, the test plan and results ``--verify`` ran and measured,
+  the AI-assistance checklist); ``SUBMITTING.md``: notes to the submitter (how to
+  apply and re-check it, DCO, dependencies, the GPU plan to run, hybridpd's own e2e
+  measurements), which do not belong in the PR.
 * ``verify.json`` (with ``--verify``): the added tests run on stock (must fail), and
   after ``git am`` (must pass).
 * ``.hybridpd-export-pr.json``: every file above as written, so that a later export
@@ -44,6 +48,12 @@ UPSTREAM_TESTS_DIR = Path(__file__).parents[1] / "data" / "upstream_tests"
 ALTERNATIVES_FILE = "alternatives.md"
 TEST_PLAN_FILE = "test_plan.md"
 VERIFY_FILE = "verify.json"
+#: Notes to the submitter (how the directory was made, DCO, GPU plan, hybridpd's own
+#: measurements): what the PR text, ``PR.md``, must not carry.
+NOTES_FILE = "SUBMITTING.md"
+#: The comment for an open upstream PR's thread, written instead of ``PR.md`` for a
+#: patch whose record names one (``upstream_thread``).
+COMMENT_FILE = "COMMENT.md"
 #: What export-pr wrote into a PR directory (path -> sha256), so that it replaces
 #: only its own work there.
 MANIFEST = ".hybridpd-export-pr.json"
@@ -84,6 +94,11 @@ def material(key: str, patch_id: str, root: Path | None = None) -> Material:
     return Material(tests, text(ALTERNATIVES_FILE), text(TEST_PLAN_FILE))
 
 
+def pytest_command(files: list[str] | tuple[str, ...]) -> str:
+    """The test plan's command for ``files``, as a contributor types it in the tree root."""
+    return "pytest -v " + " ".join(files)
+
+
 # The directory and its commits ------------------------------------------------------
 
 
@@ -115,6 +130,15 @@ class PrExport:
     #: Where the upstream-style material comes from (None: UPSTREAM_TESTS_DIR).
     material_root: Path | None = None
 
+    #: The open upstream PR this change goes to as a comment (the record's
+    #: ``upstream_thread``); None: a PR of its own.
+    thread: str | None = None
+
+    @property
+    def text_file(self) -> str:
+        """``PR.md``, or ``COMMENT.md`` for a change that goes to an open PR's thread."""
+        return COMMENT_FILE if self.thread else "PR.md"
+
     @property
     def own(self) -> PrCommit:
         return self.commits[-1]
@@ -129,7 +153,8 @@ class PrExport:
             "id": self.patch_id,
             "pin": self.pin.version,
             "dir": str(self.dir),
-            "files": [c.filename for c in self.commits] + ["PR.md"]
+            "files": [c.filename for c in self.commits]
+            + [self.text_file, NOTES_FILE]
             + ([VERIFY_FILE] if self.verification else []),
             "prerequisites": self.prerequisites,
             "tests": self.tests,

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from hybridpd.e2e import report as e2e_report
 from hybridpd.series.model import SERIES_FILE, Patch, Pin, Series
 from hybridpd.upstreaming.commits import strip_trailer
-from hybridpd.upstreaming.conventions import VLLM, Upstream, upstream_of
+from hybridpd.upstreaming.conventions import CHECKLIST, VLLM, Upstream, upstream_of
 from hybridpd.upstreaming.evidence import Report, e2e_command
-from hybridpd.upstreaming.layout import PrExport, material
+from hybridpd.upstreaming.layout import COMMENT_FILE, NOTES_FILE, PrExport, material, pytest_command
 
 
 def series_option(series: Series) -> str:
@@ -33,6 +33,91 @@ def _checkout_hint(pin: Pin, patch_id: str, series: Series) -> str:
     )
 
 
+def render_notes(
+    export: PrExport,
+    patch: Patch,
+    reports: Sequence[Report],
+    stale: Sequence[str],
+    series: Series,
+) -> str:
+    """``SUBMITTING.md`` of ``export``: what the submitter needs and upstream does not
+    (how the directory was made and is re-checked, the DCO and AI-attribution rules,
+    what it depends on, the GPU plan to run, hybridpd's own measurements). Nothing of
+    it belongs in the PR text."""
+    pin, upstream, option = export.pin, upstream_of(series), series_option(series)
+    out = [f"# Submitting `{export.patch_id}` to {upstream.name}", ""]
+    out += [
+        f"Exported by `hybridpd export-pr` from the hybridpd series (patch "
+        f"`{export.patch_id}`, {upstream.link} v{pin.version}). Apply: "
+        f"`{_checkout_hint(pin, export.patch_id, series)}` (`--keep-non-patch` keeps the "
+        f"`{upstream.prefix}`-style subject prefixes). Re-check the directory: "
+        f"`hybridpd {option}export-pr {export.patch_id} --pin {pin.version} --to DIR "
+        "--verify --author \"Name <email>\"`. "
+        + (f"This change goes to {patch.upstream_thread}'s thread as a comment, not as a "
+           f"PR of its own, while that PR is open: `{COMMENT_FILE}` is the comment."
+           if patch.upstream_thread else "`PR.md` is the PR text."),
+        "",
+        "- **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
+        "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards). "
+        "The sign-off certifies the person who submits, who is the commits' author.",
+        *(f"- {note.removeprefix('> ')}" for note in upstream.notes),
+    ]
+    if export.prerequisites:
+        deps = ", ".join(f"`{i}`" for i in export.prerequisites)
+        out.append(
+            f"- **Depends on** the PR of {deps}: its commit(s) come first in this directory "
+            f"({', '.join(c.filename for c in export.commits[:-1])}) so that it applies to "
+            f"stock v{pin.version}; open this PR on top of that one (or after it merges), "
+            "drop them from this branch and name that PR under Related."
+        )
+    out.append(f"- Carried downstream (hybridpd) until: {_text(patch.removal)}")
+    for line in stale:
+        out.append(f"- **Warning:** {line}")
+    kept = material(series.slug(pin), export.patch_id, export.material_root)
+    if kept.test_plan:
+        out += ["", "## More to run before submitting", "",
+                "Add what you ran, with its result, to the PR's test plan and results.",
+                "", kept.test_plan]
+    if upstream.vllm_e2e:
+        out += ["", "## GPU plan to run before submitting", "",
+                "Add it to the PR's test plan and its measured numbers to Results once "
+                "you have run it; the PR text states only what was run.", ""]
+        out += _gpu_plan()
+    out += ["", "## hybridpd's measurements (context, not PR results)", ""]
+    out += _evidence(export, reports, upstream)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _diff(export: PrExport) -> tuple[list[str], list[str]]:
+    """The own commit's diff, split into the change (source files) and its tests."""
+    text = (export.dir / export.own.filename).read_text(encoding="utf-8")
+    diff = text.split("\n---\n", 1)[-1]
+    source, tests = [], []
+    for part in diff.split("diff --git ")[1:]:
+        path = part.split(" ", 1)[0].removeprefix("a/")
+        body = ("diff --git " + part).rstrip("\n").removesuffix("\n--").rstrip("\n")
+        (tests if path in export.own.tests else source).append(body)
+    return source, tests
+
+
+def render_comment(export: PrExport, patch: Patch, series: Series) -> str:
+    """``COMMENT.md`` of a change that goes to an open upstream PR's thread
+    (``upstream_thread``) instead of a PR of its own: the problem, the exact count
+    (the diff), the test with the command and what it measured, in the project's words."""
+    pin, upstream = export.pin, upstream_of(series)
+    source, tests = _diff(export)
+    out = [f"<!-- A comment for {patch.upstream_thread} -->", ""]
+    out += [_text(patch.why), "", _text(patch.design), ""]
+    out += [f"The exact change, on v{pin.version}:", "", "```diff", *source, "```", ""]
+    if tests:
+        out += [f"The test ({'edited in' if export.own.edited else 'added to'} "
+                f"{upstream.name}'s tests, CPU):", "", "```diff", *tests, "```", ""]
+    out += _results(export, upstream, pin)[2:]
+    out += ["AI assistance was used to prepare this comment; before posting it, the "
+            "poster ticks:", "", CHECKLIST.split("\n- [ ] The `Assisted-by:`")[0], ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
 def render_pr(
     export: PrExport,
     patch: Patch,
@@ -40,33 +125,14 @@ def render_pr(
     stale: Sequence[str],
     series: Series,
 ) -> str:
-    """The PR body of ``export`` (Markdown), for ``series``' project."""
-    pin, own = export.pin, export.own
-    upstream, option = upstream_of(series), series_option(series)
+    """The PR body of ``export`` (Markdown), in the words of ``series``' project: no
+    hybridpd file, command or jargon (those are in :func:`render_notes`); its test plan
+    and results are what ``--verify`` ran and measured."""
+    own = export.own
+    upstream = upstream_of(series)
     out = [f"# {own.subject}", ""]
-    out += [
-        f"> Exported by `hybridpd export-pr` from the hybridpd series (patch `{export.patch_id}`, "
-        f"{upstream.link} v{pin.version}). Apply: `{_checkout_hint(pin, export.patch_id, series)}` "
-        f"(`--keep-non-patch` keeps the `{upstream.prefix}`-style subject prefixes). Re-check the "
-        f"directory: `hybridpd {option}export-pr {export.patch_id} --pin {pin.version} --to DIR "
-        "--verify`.",
-        "> **DCO:** the commits carry no `Signed-off-by`; sign them off yourself before "
-        "opening the PR (`git am --signoff ...`, or `git rebase --signoff` afterwards). "
-        "The sign-off certifies the person who submits.",
-        *upstream.notes,
-    ]
-    if export.prerequisites:
-        deps = ", ".join(f"`{i}`" for i in export.prerequisites)
-        out.append(
-            f"> **Depends on** the PR of {deps}: its commit(s) come first in this directory "
-            f"({', '.join(c.filename for c in export.commits[:-1])}) so that it applies to "
-            f"stock v{pin.version}; open this PR on top of that one (or after it merges) and drop "
-            "them from this branch."
-        )
-    for line in stale:
-        out.append(f"> **Warning:** {line}")
     body, overlap = _split_overlap(strip_trailer(own.body, "Assisted-by"))
-    out += ["", "## What", ""]
+    out += ["## What", ""]
     out += [body or patch.title + ".", ""]
     changed = [f for f in own.files if f not in own.tests]
     out += ["Changed: " + ", ".join(f"`{f}`" for f in changed) + "."]
@@ -77,13 +143,13 @@ def render_pr(
         out += ["Tests edited: " + ", ".join(f"`{t}`" for t in own.edited) + "."]
     out += ["", "## Why", "", _text(patch.why), "", "## Design", "", _text(patch.design), ""]
     out += ["## Alternatives considered", ""]
-    kept = material(series.slug(pin), export.patch_id, export.material_root)
-    out += [kept.alternatives or "(none recorded for this patch yet)", ""]
-    out += ["## Related", "", f"- Upstream reference: {patch.upstream}"]
+    kept = material(series.slug(pin := export.pin), export.patch_id, export.material_root)
+    out += [kept.alternatives or "(none)", ""]
+    out += ["## Related", "", f"- {_text(patch.upstream)}"]
     out += [f"- {paragraph}" for paragraph in overlap]
-    out += [f"- Carried downstream (hybridpd) until: {_text(patch.removal)}", ""]
-    out += _test_plan(export, upstream, kept.test_plan)
-    out += _results(export, reports, upstream)
+    out += [""]
+    out += _test_plan(export, upstream)
+    out += _results(export, upstream, pin)
     out += ["## AI assistance", "", upstream.ai, ""]
     return "\n".join(out).rstrip() + "\n"
 
@@ -161,61 +227,93 @@ def _gpu_plan() -> list[str]:
     ]
 
 
-def _test_plan(
-    export: PrExport, upstream: Upstream = VLLM, more: str | None = None
-) -> list[str]:
+def _test_plan(export: PrExport, upstream: Upstream = VLLM) -> list[str]:
+    """The commands ``--verify`` runs, as a contributor types them in the tree root:
+    the added tests, and the project's own checks on the changed files."""
     out = ["## Test plan", ""]
-    if export.own.tests:
-        files = " ".join(export.own.tests)
+    if not export.own.tests:
+        return out + ["No unit test is added by this PR yet.", ""]
+    files = export.tests
+    out += [
+        f"Unit tests {'added or edited' if export.own.edited else 'added'} by this PR, "
+        f"on CPU, from the {upstream.name} tree root, without and with this PR:",
+        "",
+        "```bash",
+        pytest_command(files),
+        "```",
+        "",
+    ]
+    checks = (export.verification or {}).get("checks") or {}
+    if checks.get("checks"):
         out += [
-            f"Unit tests {'added or edited' if export.own.edited else 'added'} by this PR "
-            f"(CPU only, from the {upstream.name} tree root):",
+            f"{upstream.name}'s pre-commit hooks on the changed files, with the versions "
+            "its `.pre-commit-config.yaml` pins:",
             "",
             "```bash",
-            f"pytest -v {files}",
+            *(c["command"] for c in checks["checks"]),
             "```",
             "",
         ]
-    else:
-        out += ["No upstream-style unit test is kept for this patch on this pin yet.", ""]
-    if more:
-        out += [more, ""]
-    if upstream.vllm_e2e:
-        out += _gpu_plan()
-    verification = export.verification
-    if verification:
-        out += [
-            f"The added tests on stock and with this PR ({verification.get('date', '')}):",
-            "",
-        ]
-        for label in ("stock", "without", "patched"):
-            run = verification.get(label)
-            if run:
-                out.append(
-                    f"- {run['tree']}: {run['passed']} passed, {run['failed']} failed, "
-                    f"{run['errors']} errors, {run['skipped']} skipped"
-                )
-        edited = verification.get("edited")
-        if edited and verification.get("stock"):
-            red = [
-                test for test, outcome in verification["stock"]["tests"].items()
-                if outcome in ("failed", "error")
-            ]
-            out.append(
-                "- the counts include the tests " + ", ".join(f"`{f}`" for f in edited)
-                + " already had (this PR edits those files); red on stock: "
-                + (", ".join(f"`{t}`" for t in red) or "none")
-            )
-        out += [f"- verdict: {'ok' if verification.get('ok') else 'FAILED'}", ""]
     return out
 
 
-def _results(
+def _results(export: PrExport, upstream: Upstream, pin: Pin) -> list[str]:
+    """What ``--verify`` measured: the test plan's counts without and with the PR, and
+    the checks' verdict; nothing when it has not run."""
+    out = ["## Results", ""]
+    verification = export.verification
+    if not verification:
+        return out + ["Not measured yet: run the test plan on the release and with this "
+                      "PR and paste the counts here.", ""]
+    this = "the change" if export.thread else "this PR"
+    rows = {
+        "stock": f"v{pin.version}, without {this}",
+        "without": f"v{pin.version} with only the PRs {this} depends on",
+        "patched": f"v{pin.version} with {this}",
+    }
+    out += [f"`{verification.get('command') or pytest_command(export.tests)}` "
+            f"({verification.get('date', '')}):", "",
+            "| tree | passed | failed | errors | skipped |", "|---|---:|---:|---:|---:|"]
+    for label, name in rows.items():
+        run = verification.get(label)
+        if run:
+            out.append(f"| {name} | {run['passed']} | {run['failed']} | {run['errors']} "
+                       f"| {run['skipped']} |")
+    out.append("")
+    edited = verification.get("edited")
+    if edited and verification.get("stock"):
+        red = [
+            test for test, outcome in verification["stock"]["tests"].items()
+            if outcome in ("failed", "error")
+        ]
+        out += [
+            "The counts include the tests " + ", ".join(f"`{f}`" for f in edited)
+            + f" already had ({this} edits those files); failing without {this}: "
+            + (", ".join(f"`{t}`" for t in red) or "none") + ".",
+            "",
+        ]
+    checks = verification.get("checks") or {}
+    if checks.get("checks"):
+        found = checks.get("findings") or []
+        out += [f"Pre-commit hooks: {len(checks['checks'])} run, "
+                + ("no finding." if not found else f"{len(found)} findings:")]
+        out += [f"- `{line}`" for line in found]
+        out += [""]
+    other = [p for p in verification.get("problems", [])
+             if p not in (checks.get("findings") or [])]
+    if other:
+        out += ["**Not ready:** " + "; ".join(other) + ".", ""]
+    return out
+
+
+def _evidence(
     export: PrExport, reports: Sequence[Report], upstream: Upstream = VLLM
 ) -> list[str]:
-    out = ["## Results", ""]
+    """hybridpd's e2e reports of the whole series (for the submitter; the PR text
+    cites only what this PR's own runs measured)."""
     if not reports:
-        return out + [upstream.no_results, ""]
+        return [upstream.no_results, ""]
+    out = []
     for report in reports:
         other = "" if report.pin == export.pin.version else f" (measured on v{report.pin})"
         out += [
@@ -258,9 +356,18 @@ def _report_table(report: Report) -> list[str]:
 def write_pr(
     export: PrExport, series: Series, reports: Sequence[Report], stale: Sequence[str]
 ) -> None:
-    """(Re)write ``PR.md`` of ``export``."""
+    """(Re)write ``PR.md`` (the PR text) and ``SUBMITTING.md`` (notes to the
+    submitter) of ``export``."""
     patch = series.patch(export.patch_id)
     assert patch is not None
-    (export.dir / "PR.md").write_text(
-        render_pr(export, patch, reports, stale, series), encoding="utf-8"
+    if patch.upstream_thread:
+        (export.dir / COMMENT_FILE).write_text(
+            render_comment(export, patch, series), encoding="utf-8"
+        )
+    else:
+        (export.dir / "PR.md").write_text(
+            render_pr(export, patch, reports, stale, series), encoding="utf-8"
+        )
+    (export.dir / NOTES_FILE).write_text(
+        render_notes(export, patch, reports, stale, series), encoding="utf-8"
     )

@@ -17,7 +17,13 @@ from hybridpd import gitops
 from hybridpd.progress import Log, quiet
 from hybridpd.proof.pytestrun import FINISHED, Counts
 from hybridpd.series.model import Pin, Series
-from hybridpd.upstreaming.layout import VERIFY_FILE, ExportPrError, PrExport, material
+from hybridpd.upstreaming.layout import (
+    VERIFY_FILE,
+    ExportPrError,
+    PrExport,
+    material,
+    pytest_command,
+)
 
 
 class SuiteLike(Protocol):
@@ -31,6 +37,10 @@ class SuiteLike(Protocol):
 
 #: Runs test files (paths relative to the tree) in a tree; ``label`` names the run.
 Runner = Callable[[Path, Sequence[str], str], SuiteLike]
+
+#: Runs the project's own checks (:func:`hybridpd.upstreaming.checks.run_checks`) in a
+#: tree on the files (relative to it) the exported commits touch.
+Checker = Callable[[Path, Sequence[str]], dict]
 
 
 def _counts(outcomes: dict[str, str], files: Sequence[str]) -> dict[str, int]:
@@ -69,6 +79,7 @@ def verify(
     series: Series,
     pin: Pin,
     log: Log = quiet,
+    checks: Checker | None = None,
 ) -> dict[str, Any]:
     """Prove ``export``'s directory on a stock tree; write and return ``verify.json``.
 
@@ -77,7 +88,9 @@ def verify(
     patch's own tests with only the prerequisites applied (at least one must fail);
     after ``git am`` of every file, all of them (all must pass). A test file the stock
     tree already has (the PR edits it) runs with its existing tests: ``edited`` lists
-    those files.
+    those files. With ``checks``, the project's own checks then run on the files the
+    commits touch (``checks`` in the report); each finding is a problem of its own.
+    The test plan's command is recorded as ``command``.
     """
     started = datetime.now(timezone.utc)
     base = gitops.resolve(stock, pin.tag) or gitops.head(stock)
@@ -91,6 +104,7 @@ def verify(
         "patch": export.patch_id,
         "base": base,
         "tests": files,
+        "command": pytest_command(files),
         "date": started.isoformat(timespec="seconds"),
     }
     problems = []
@@ -163,6 +177,12 @@ def verify(
                 patched = report["patched"]
                 if patched["failed"] + patched["errors"] or not patched["passed"]:
                     problems.append("the added tests do not all pass after git am")
+            if result.ok and checks is not None:
+                touched = list(dict.fromkeys(f for c in export.commits for f in c.files))
+                log(f"verify {export.patch_id}: the project's own checks on "
+                    f"{len(touched)} touched files")
+                report["checks"] = checks(tree, touched)
+                problems += report["checks"]["findings"]
     report["problems"] = problems
     report["ok"] = not problems
     report["seconds"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
@@ -182,8 +202,20 @@ def format_verification(report: dict[str, Any]) -> str:
             )
     if report.get("applies") is False:
         parts.append("git am failed")
-    verdict = "ok" if report.get("ok") else "FAILED: " + "; ".join(report.get("problems", []))
+    checks = report.get("checks")
+    if checks:
+        parts.append(f"{len(checks['checks'])} project checks: "
+                     f"{len(checks['findings'])} findings")
+    problems = report.get("problems", [])
+    findings = set(checks["findings"]) if checks else set()
+    other = [p for p in problems if p not in findings]
+    verdict = "ok" if report.get("ok") else "FAILED" + (": " + "; ".join(other) if other else "")
     return f"verify ({report.get('seconds')} s): {', '.join(parts)} -> {verdict}"
+
+
+def finding_lines(report: dict[str, Any]) -> list[str]:
+    """The project checks' findings of a ``verify.json``, one line each."""
+    return list((report.get("checks") or {}).get("findings", []))
 
 
 def pytest_runner(
