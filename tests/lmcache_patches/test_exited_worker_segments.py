@@ -39,7 +39,7 @@ import json, os, signal, sys
 sys.path.insert(0, TESTS)
 import lmcache_patches.conftest  # finds lmcache's compiled modules, as under pytest
 from lmcache_patches import deployment
-worker = deployment.allocate_worker(deployment.vllm_config(PORT))
+worker = deployment.allocate_worker(deployment.vllm_config(PORT), hybrid=False)
 worker.connector.register_kv_caches(worker.kv_caches)
 names = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"lmcache_kv_{os.getpid()}_"))
 if UNREGISTER:  # what vLLM's connector does as vLLM stops, just before it is killed
@@ -83,7 +83,7 @@ def test_a_reaped_killed_worker_leaves_no_segment(server, leftovers):
     )
 
     before = _segments(os.getpid())
-    live = deployment.allocate_worker(deployment.vllm_config(server.port))
+    live = deployment.allocate_worker(deployment.vllm_config(server.port), hybrid=False)
     deployment.register(live, server)
     live_segments = _segments(os.getpid()) - before
     assert live_segments, "the live worker registered no shared-memory segment"
