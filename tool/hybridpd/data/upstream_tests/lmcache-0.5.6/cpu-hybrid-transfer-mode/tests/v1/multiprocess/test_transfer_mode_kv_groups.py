@@ -20,8 +20,8 @@ from lmcache.v1.multiprocess.transfer_context import (
     MPTransferMode,
     create_transfer_context,
     resolve_transfer_mode,
+    worker_transfer,
 )
-from lmcache.v1.multiprocess.transfer_context import worker_transfer
 from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
     ENV_MP_TRANSFER_MODE,
 )

@@ -43,6 +43,7 @@ def _fast_watcher(monkeypatch):
     with shm_segments._PENDING_LOCK:
         shm_segments._PENDING_SEGMENTS.clear()
 
+
 # A worker that shares vLLM-style KV tensors, prints their wire descriptors,
 # waits until the server has registered them (its stdin closes), then exits
 # the way a killed one does: no atexit handler, no finalizer.
@@ -221,6 +222,11 @@ def test_segment_creator_and_process_gone() -> None:
     assert shm_segments.segment_creator(own.shm_name) is None
     prefix = CpuShmTensorWrapper.SHM_NAME_PREFIX
     assert shm_segments.segment_creator("%s%d_0" % (prefix, worker.pid)) is None
-    for name in ("/lmcache_test_1", "%s%d" % (prefix, os.getpid()), "%sx_0" % prefix,
-                 "%s\u00b2_0" % prefix, "%s%s_0" % (prefix, "9" * 20)):
+    for name in (
+        "/lmcache_test_1",
+        "%s%d" % (prefix, os.getpid()),
+        "%sx_0" % prefix,
+        "%s\u00b2_0" % prefix,
+        "%s%s_0" % (prefix, "9" * 20),
+    ):
         assert shm_segments.segment_creator(name) is None

@@ -86,9 +86,7 @@ def test_segment_is_released_with_the_last_view() -> None:
         lambda: torch.zeros(2, 3, 4, dtype=torch.int8, device="cpu"),
         lambda: torch.zeros((2, 3, 4), dtype=torch.int8, device="cpu"),
         lambda: torch.empty([2, 3, 4], dtype=torch.int8, device=torch.device("cpu")),
-        lambda: torch.zeros(
-            2, 3, 4, dtype=torch.int8, device="cpu", pin_memory=False
-        ),
+        lambda: torch.zeros(2, 3, 4, dtype=torch.int8, device="cpu", pin_memory=False),
     ],
     ids=["sizes", "tuple", "list", "default-kwargs"],
 )
