@@ -12,16 +12,15 @@
 #      every CI run, `hybridpd --series patches/lmcache test`; these runs show the same bugs
 #      in a served PD pair, and only change outcome with the LMCache pin or its series):
 #   3. [NIXL, LMCacheMP] with lmcache built without cpu-shm-kv-cache-allocation (and
-#      cpu-shm-exited-worker-segments, which builds on it) must go
-#      red: LMCache's CPU registration moves the KV cache NIXL registered first, and
-#      every remote prefill decodes garbage (request A, the first one);
-#   4. lmcache built without cpu-shm-kv-cache-allocation and cpu-shm-vllm-state-binding
-#      (LMCache's own state-binding bug: nothing left keeps vLLM's Mamba views on the
-#      memory LMCache registers) must go red. The registration leaves vLLM's Mamba
-#      tensors on their private storage and moves the rest into shared memory: the KV
-#      cache is split over two storages, NIXL (registered after LMCache) counts two
-#      memory regions where the prefill instance has one, and the decode instance dies
-#      at the first remote prefill
+#      cpu-hybrid-transfer-mode, which builds on it; the run names the LMCache-driven
+#      transfer mode that patch picks, LMCACHE_MP_TRANSFER_MODE) must go red:
+#      LMCache's CPU registration moves the KV cache NIXL registered first, and every
+#      remote prefill decodes garbage (request A, the first one);
+#   4. the same lmcache in [LMCacheMP, NIXL] (NIXL registers after LMCache) must go
+#      red too: the registration leaves vLLM's Mamba tensors on their private storage
+#      and moves the rest into shared memory, so the KV cache is split over two
+#      storages, NIXL counts two memory regions where the prefill instance has one,
+#      and the decode instance dies at the first remote prefill
 #      (`assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)`);
 #   5. lmcache built without null-recurrent-slot-not-stored and
 #      cpu-shm-exited-worker-segments (one run, each check fails on its own) must go red
@@ -76,12 +75,13 @@ must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT...: red, and FILE holds e
   fi
 }
 if [ "$full" = 1 ]; then
-# cpu-shm-exited-worker-segments builds on cpu-shm-kv-cache-allocation (its segments'
-# creator record): a run without the allocation patch leaves it out too (it only removes
-# segments once vLLM stopped, after every request was checked).
-must_fail nixl+lmcache cpu-shm-kv-cache-allocation,cpu-shm-exited-worker-segments stderr \
+# cpu-hybrid-transfer-mode builds on cpu-shm-kv-cache-allocation (resolve_transfer_mode):
+# a run without the allocation patch leaves it out too, and names the mode it picks.
+LMCACHE_MP_TRANSFER_MODE=lmcache_driven \
+must_fail nixl+lmcache cpu-shm-kv-cache-allocation,cpu-hybrid-transfer-mode stderr \
   "FAILED: patched / nixl+lmcache: A "
-must_fail lmcache+nixl cpu-shm-kv-cache-allocation,cpu-shm-vllm-state-binding,cpu-shm-exited-worker-segments \
+LMCACHE_MP_TRANSFER_MODE=lmcache_driven \
+must_fail lmcache+nixl cpu-shm-kv-cache-allocation,cpu-hybrid-transfer-mode \
   "patched-lmcache+nixl/decode.log" \
   "assert len(nixl_agent_meta.kv_caches_base_addr) == len(local_regions)"
 # One run for two patches (each check fails on its own; no run more for CI's budget).

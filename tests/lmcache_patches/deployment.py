@@ -164,19 +164,22 @@ def vllm_config(port: int, max_num_batched_tokens: int = 2 * BLOCK) -> VllmConfi
 
 
 def allocate_worker(
-    config: VllmConfig, num_blocks: int = 32, pool_context: bool = True
+    config: VllmConfig, num_blocks: int = 32, pool_context: bool = True,
+    hybrid: bool = True,
 ) -> Worker:
     """Create the LMCache connector, then allocate and bind the KV cache the way
     vLLM's CPU worker does (``Worker.initialize_from_config``): inside the memory
     pool context the connector returns from ``get_mem_pool_context``. With
     ``pool_context=False`` the allocation ignores it, as vLLM releases whose worker
-    does not ask the connector (0.20.2) allocate."""
+    does not ask the connector (0.20.2) allocate. With ``hybrid=False`` every layer
+    is full attention (one KV cache group, unpadded pages): what stock LMCache
+    registers on CPU."""
     from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 
     specs: dict[str, Any] = {}
     layers: dict[str, AttentionLayerBase] = {}
     for i in range(NUM_LAYERS):
-        if i % 4 == 3:
+        if i % 4 == 3 or not hybrid:
             name = f"model.layers.{i}.self_attn.attn"
             specs[name] = FullAttentionSpec(
                 block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
@@ -192,7 +195,10 @@ def allocate_worker(
     layouts = get_supported_kv_cache_layouts([CPUAttentionBackend])
     layout = resolve_kv_cache_layout(config, [[l.name for l in layouts]], specs.values())
     page = max(spec.page_size_bytes for spec in specs.values())
-    kv_cache_config = get_kv_cache_configs(config, [specs], [num_blocks * page])[0]
+    # A hybrid layout's groups share one page size; attention layers alone share
+    # each block over every layer.
+    memory = num_blocks * page * (1 if hybrid else NUM_LAYERS)
+    kv_cache_config = get_kv_cache_configs(config, [specs], [memory])[0]
     connector = LMCacheMPConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     context = connector.get_mem_pool_context() if pool_context else None
     with context or contextlib.nullcontext():

@@ -11,9 +11,10 @@ releases the registration: when it reaps the silent worker, and when the server 
 and, when the worker unregistered while it still ran (what vLLM's connector does as vLLM
 stops, just before the worker is killed; measured in the CPU e2e), once it has exited.
 
-A real worker (vLLM's allocation, vLLM's LMCacheMPConnector) registers from a child
-process that is then SIGKILLed; a live worker registered beside it (this process) must
-keep its segments.
+A real worker (vLLM's allocation, vLLM's LMCacheMPConnector; a plain-attention layout,
+which stock LMCache registers on CPU) registers from a child process that is then
+SIGKILLed; a live worker registered beside it (another child, still running) must keep
+its segments.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ import json, os, signal, sys
 sys.path.insert(0, TESTS)
 import lmcache_patches.conftest  # finds lmcache's compiled modules, as under pytest
 from lmcache_patches import deployment
-worker = deployment.allocate_worker(deployment.vllm_config(PORT))
+worker = deployment.allocate_worker(deployment.vllm_config(PORT), hybrid=False)
 worker.connector.register_kv_caches(worker.kv_caches)
 names = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"lmcache_kv_{os.getpid()}_"))
 if UNREGISTER:  # what vLLM's connector does as vLLM stops, just before it is killed
     worker.connector.shutdown()
 print(json.dumps(names), flush=True)
+if LIVE:  # stays alive until the test closes its stdin
+    sys.stdin.read()
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -62,9 +65,13 @@ def leftovers():
         (SHM / name).unlink(missing_ok=True)
 
 
+def _code(port: int, unregister: bool = False, live: bool = False) -> str:
+    return CHILD.replace("TESTS", repr(str(Path(__file__).parents[1]))).replace(
+        "PORT", str(port)).replace("UNREGISTER", str(unregister)).replace("LIVE", str(live))
+
+
 def _run_child(port: int, leftovers: set[str], unregister: bool = False) -> set[str]:
-    code = CHILD.replace("TESTS", repr(str(Path(__file__).parents[1]))).replace(
-        "PORT", str(port)).replace("UNREGISTER", str(unregister))
+    code = _code(port, unregister)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=300)
@@ -78,14 +85,23 @@ def _run_child(port: int, leftovers: set[str], unregister: bool = False) -> set[
 
 @pytest.mark.patch("cpu-shm-exited-worker-segments")
 def test_a_reaped_killed_worker_leaves_no_segment(server, leftovers):
+    live = subprocess.Popen([sys.executable, "-c", _code(server.port, live=True)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        _reap_beside(server, leftovers, live)
+    finally:
+        live.stdin.close()
+        live.wait(timeout=60)
+
+
+def _reap_beside(server, leftovers, live):
     from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (
         LMCacheDrivenTransferModule,
     )
 
-    before = _segments(os.getpid())
-    live = deployment.allocate_worker(deployment.vllm_config(server.port))
-    deployment.register(live, server)
-    live_segments = _segments(os.getpid()) - before
+    line = live.stdout.readline()
+    leftovers.update(_segments(live.pid))
+    live_segments = set(json.loads(line))
     assert live_segments, "the live worker registered no shared-memory segment"
     killed = _run_child(server.port, leftovers)
 
@@ -97,7 +113,7 @@ def test_a_reaped_killed_worker_leaves_no_segment(server, leftovers):
     assert len(reaped) == 2
     assert not (killed & {p.name for p in SHM.iterdir()}), (
         f"the killed worker's segments {sorted(killed)} outlived its registration")
-    assert live_segments <= _segments(os.getpid()), "a live worker's segment was removed"
+    assert live_segments <= _segments(live.pid), "a live worker's segment was removed"
     # A restarted server could map them again by name (the worker's re-registration).
     from lmcache.v1.multiprocess.posix_shm import shm_map_readwrite, shm_munmap
 

@@ -77,3 +77,23 @@ def test_a_chunk_of_two_blocks_ending_on_a_null_state_is_not_served():
         stored = server.store(a, block_ids)
         assert stored[1], "chunk 1 ends on a real state: it is stored"
         assert server.lookup(b, "b") == 0
+
+
+@pytest.mark.patch("null-recurrent-slot-not-stored")
+def test_separate_object_groups_with_two_blocks_per_chunk_serve_no_null_state():
+    """The layout LMCache's hybrid-model docs require (--separate-object-groups) with
+    --chunk-size two blocks and --max-num-batched-tokens three: the prefill steps
+    cover blocks 0-2 and 3-5, and only each step's last block (2, 5) holds a Mamba
+    state. Chunk 1 is [real, null] in the Mamba groups: stock stores its Mamba object,
+    and a prompt sharing chunks 0-1 resumes from the null block."""
+    with deployment.lmcache_server(
+        ["--separate-object-groups", "--chunk-size", str(2 * N)]
+    ) as server:
+        _registered(server)
+        a = list(range(1, 6 * N + 1))
+        b = a[: 4 * N + 100] + list(range(30_000, 30_060))  # whole chunks 0-1 of a
+        block_ids = [[0, 0, 1, 0, 0, 2], [0, 0, 3, 0, 0, 4], [0, 0, 5, 0, 0, 6],
+                     [11, 12, 13, 14, 15, 16]]
+        server.store(a, block_ids)
+        assert server.lookup(a, "a") == 3, "chunk 2 ends on a real state: a keeps its hit"
+        assert server.lookup(b, "b") == 0

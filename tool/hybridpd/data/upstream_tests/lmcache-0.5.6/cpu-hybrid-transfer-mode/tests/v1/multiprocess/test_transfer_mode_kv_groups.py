@@ -19,6 +19,8 @@ from lmcache.v1.multiprocess.transfer_context import (
     LMCacheDrivenTransferContext,
     MPTransferMode,
     create_transfer_context,
+    resolve_transfer_mode,
+    worker_transfer,
 )
 from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
     ENV_MP_TRANSFER_MODE,
@@ -59,3 +61,23 @@ def test_auto_mode_from_env_serves_several_kv_groups_on_cpu(
         num_kv_groups=3,
     )
     assert isinstance(context, LMCacheDrivenTransferContext)
+
+
+def test_auto_mode_keeps_other_devices_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device other than CPU whose default is engine-driven keeps it for
+    several KV groups, although it may serve the LMCache-driven path (MUSA:
+    handle mode is opt-in there)."""
+    spec = MagicMock()
+    spec.default_mp_transfer_mode.return_value = MPTransferMode.ENGINE_DRIVEN
+    spec.is_lmcache_driven_available.return_value = True
+    monkeypatch.setattr(worker_transfer, "get_device_spec", lambda device: spec)
+    assert (
+        resolve_transfer_mode("musa", MPTransferMode.AUTO, num_kv_groups=2)
+        is MPTransferMode.ENGINE_DRIVEN
+    )
+    assert (
+        resolve_transfer_mode("cpu", MPTransferMode.AUTO, num_kv_groups=2)
+        is MPTransferMode.LMCACHE_DRIVEN
+    )

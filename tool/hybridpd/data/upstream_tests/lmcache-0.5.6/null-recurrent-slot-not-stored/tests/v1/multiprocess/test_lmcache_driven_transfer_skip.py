@@ -150,6 +150,21 @@ def test_separate_recurrent_object_group_masks_only_itself() -> None:
     assert masks == [[False, False, False], [True, True, False]]
 
 
+def test_separate_recurrent_object_group_with_two_blocks_per_chunk() -> None:
+    # --separate-object-groups, chunk = 2 blocks, --max-num-batched-tokens =
+    # 3 blocks: the prefill steps cover blocks [0-2] and [3-5], and only each
+    # step's last block (2, 5) holds a Mamba state. Chunk 1 is [real, null]:
+    # its last block, the state a hit ending there resumes from, is null.
+    masks = all_null_chunk_masks(
+        block_ids=[[1, 2, 3, 4, 5, 6], [0, 0, 7, 0, 0, 9]],
+        object_groups=[_og([0]), _og([1])],
+        blocks_per_chunk=[2, 2],
+        num_chunks=3,
+        recurrent_kernel_groups=[1],
+    )
+    assert masks == [[False, False, False], [True, True, False]]
+
+
 def test_zero_is_real_with_negative_null_block() -> None:
     masks = all_null_chunk_masks([[0, 0]], [_og([0])], [1], 2, -1)
     assert masks == [[False, False]]

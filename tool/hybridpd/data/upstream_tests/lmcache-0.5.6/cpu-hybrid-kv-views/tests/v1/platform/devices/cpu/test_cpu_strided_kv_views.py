@@ -111,14 +111,16 @@ def _shape_desc(nh: int, hs: int, block_stride_elems: int) -> PageBufferShapeDes
     return desc
 
 
-# (format, per-block shape, nh, hs): blocks-first layouts, the block axis leads.
+# (format, per-block shape, nh, hs, K/V planes per block): blocks-first
+# layouts, the block axis leads.
 BLOCKS_FIRST_FORMATS = [
-    (EngineKVFormat.NL_X_NB_BS_HS, (BLOCK_SIZE, HEAD_SIZE), 1, HEAD_SIZE),
+    (EngineKVFormat.NL_X_NB_BS_HS, (BLOCK_SIZE, HEAD_SIZE), 1, HEAD_SIZE, 1),
     (
         EngineKVFormat.NL_X_NB_TWO_BS_NH_HS,
         (2, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE),
         NUM_HEADS,
         HEAD_SIZE,
+        2,
     ),
 ]
 
@@ -134,27 +136,37 @@ def _chunks(fmt: EngineKVFormat, nh: int, hs: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "fmt,block_shape,nh,hs", BLOCKS_FIRST_FORMATS, ids=["mla", "kv_blocks_first"]
+    "fmt,block_shape,nh,hs,kv_size",
+    BLOCKS_FIRST_FORMATS,
+    ids=["mla", "kv_blocks_first"],
 )
 def test_pointer_transfer_honours_a_padded_block_stride(
-    fmt: EngineKVFormat, block_shape: tuple[int, ...], nh: int, hs: int
+    fmt: EngineKVFormat,
+    block_shape: tuple[int, ...],
+    nh: int,
+    hs: int,
+    kv_size: int,
 ) -> None:
     """Paged layers given by pointer with a padded block stride store the
-    same chunks as tight layers, and a load writes no padding."""
+    same chunks as tight layers, and a load writes no padding.
+
+    As in the CUDA kernel (``PageBufferShapeDesc::scalars_per_block``), the
+    stride replaces each K/V plane's ``bs * nh * hs``: a K/V-interleaved
+    block pads each of its two planes."""
     gen = torch.Generator().manual_seed(0)
     tight = [
         torch.randn((NUM_BLOCKS, *block_shape), generator=gen, dtype=DTYPE)
         for _ in range(NUM_LAYERS)
     ]
-    page = tight[0][0].numel()
-    padded = page + 16
+    plane = BLOCK_SIZE * nh * hs
+    padded = plane + 16
 
     def padded_pool() -> torch.Tensor:
-        return torch.full((NUM_BLOCKS, padded), -5.0, dtype=DTYPE)
+        return torch.full((NUM_BLOCKS, kv_size, padded), -5.0, dtype=DTYPE)
 
     pools = [padded_pool() for _ in tight]
     for pool, layer in zip(pools, tight, strict=True):
-        pool[:, :page].copy_(layer.reshape(NUM_BLOCKS, page))
+        pool[:, :, :plane].copy_(layer.reshape(NUM_BLOCKS, kv_size, plane))
     block_ids = [4, 1, 5, 0, 2, 3]
 
     def transfer(
@@ -188,3 +200,39 @@ def test_pointer_transfer_honours_a_padded_block_stride(
     transfer(pointers(loaded), stored, TransferDirection.H2D)
     for got_pool, want_pool in zip(loaded, pools, strict=True):
         assert torch.equal(got_pool, want_pool)
+
+
+def test_pointer_transfer_takes_a_tight_plane_stride_as_tight() -> None:
+    """A K/V-interleaved layer whose stride is one plane's ``bs * nh * hs``
+    (tight, as the CUDA kernel reads it) copies like a layer without one."""
+    gen = torch.Generator().manual_seed(1)
+    fmt = EngineKVFormat.NL_X_NB_TWO_BS_NH_HS
+    layers = [
+        torch.randn(
+            (NUM_BLOCKS, 2, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE),
+            generator=gen,
+            dtype=DTYPE,
+        )
+        for _ in range(NUM_LAYERS)
+    ]
+    pointers = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    block_ids = [4, 1, 5, 0, 2, 3]
+    stored = _chunks(fmt, NUM_HEADS, HEAD_SIZE)
+    expected = _chunks(fmt, NUM_HEADS, HEAD_SIZE)
+    for paged, chunks, stride in (
+        (pointers, stored, BLOCK_SIZE * NUM_HEADS * HEAD_SIZE),
+        (layers, expected, 0),
+    ):
+        multi_layer_block_kv_transfer(
+            paged,
+            chunks,
+            block_ids,
+            torch.device("cpu"),
+            TransferDirection.D2H,
+            _shape_desc(NUM_HEADS, HEAD_SIZE, stride),
+            CHUNK_TOKENS,
+            fmt,
+            0,
+        )
+    for got, want in zip(stored, expected, strict=True):
+        assert torch.equal(got, want)

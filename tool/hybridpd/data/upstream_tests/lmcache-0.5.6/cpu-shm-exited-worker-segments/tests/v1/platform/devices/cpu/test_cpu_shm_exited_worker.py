@@ -24,6 +24,7 @@ import torch
 from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmcache.v1.platform.cache_context import create_cache_context
 from lmcache.v1.platform.devices.cpu import shm as cpu_shm
+from lmcache.v1.platform.devices.cpu import shm_segments
 from lmcache.v1.platform.devices.cpu.shm import (
     CpuShmTensorWrapper,
     migrate_to_shm_and_wrap,
@@ -37,10 +38,11 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _fast_watcher(monkeypatch):
     """Poll often, and leave no watched segment to the next test."""
-    monkeypatch.setattr(cpu_shm, "_EXITED_CREATOR_POLL_S", 0.05)
+    monkeypatch.setattr(shm_segments, "_EXITED_CREATOR_POLL_S", 0.05)
     yield
-    with cpu_shm._PENDING_LOCK:
-        cpu_shm._PENDING_SEGMENTS.clear()
+    with shm_segments._PENDING_LOCK:
+        shm_segments._PENDING_SEGMENTS.clear()
+
 
 # A worker that shares vLLM-style KV tensors, prints their wire descriptors,
 # waits until the server has registered them (its stdin closes), then exits
@@ -135,7 +137,7 @@ def test_close_removes_a_live_workers_segments_once_it_exits() -> None:
         assert all(os.path.exists(_path(w)) for w in wrappers)
         worker.stdin.close()
         assert worker.wait(timeout=60) == 0
-        assert _gone_within(wrappers, 10 * cpu_shm._EXITED_CREATOR_POLL_S)
+        assert _gone_within(wrappers, 10 * shm_segments._EXITED_CREATOR_POLL_S)
     finally:
         _stop_worker(worker, wrappers)
 
@@ -154,10 +156,10 @@ def test_a_segment_removed_or_created_again_under_its_name_is_left_alone() -> No
         worker.stdin.close()
         assert worker.wait(timeout=60) == 0
 
-        time.sleep(3 * cpu_shm._EXITED_CREATOR_POLL_S)
+        time.sleep(3 * shm_segments._EXITED_CREATOR_POLL_S)
 
         assert os.path.exists(_path(recreated))
-        assert not cpu_shm._PENDING_SEGMENTS
+        assert not shm_segments._PENDING_SEGMENTS
         cpu_shm.shm_unlink(recreated.shm_name)
     finally:
         _stop_worker(worker, wrappers)
@@ -202,24 +204,29 @@ def test_close_keeps_a_segment_whose_creator_it_cannot_verify() -> None:
 def test_segment_creator_and_process_gone() -> None:
     worker, wrappers = _start_worker()
     try:
-        creator = cpu_shm.segment_creator(wrappers[0].shm_name)
+        creator = shm_segments.segment_creator(wrappers[0].shm_name)
         assert creator is not None and creator.pid == worker.pid
         assert creator.file_id == (
             os.stat(_path(wrappers[0])).st_dev,
             os.stat(_path(wrappers[0])).st_ino,
         )
-        assert not cpu_shm.process_gone(creator.pid, creator.start_time)
+        assert not shm_segments.process_gone(creator.pid, creator.start_time)
         # Another process with this PID (a reused one) is not the creator.
-        assert cpu_shm.process_gone(creator.pid, creator.start_time + 1)
+        assert shm_segments.process_gone(creator.pid, creator.start_time + 1)
     finally:
         _stop_worker(worker, wrappers)
-    assert cpu_shm.process_gone(creator.pid, creator.start_time)
+    assert shm_segments.process_gone(creator.pid, creator.start_time)
 
     # This process's own segment names no other creator.
     own = migrate_to_shm_and_wrap(torch.zeros(4))
-    assert cpu_shm.segment_creator(own.shm_name) is None
+    assert shm_segments.segment_creator(own.shm_name) is None
     prefix = CpuShmTensorWrapper.SHM_NAME_PREFIX
-    assert cpu_shm.segment_creator("%s%d_0" % (prefix, worker.pid)) is None
-    for name in ("/lmcache_test_1", "%s%d" % (prefix, os.getpid()), "%sx_0" % prefix,
-                 "%s\u00b2_0" % prefix, "%s%s_0" % (prefix, "9" * 20)):
-        assert cpu_shm.segment_creator(name) is None
+    assert shm_segments.segment_creator("%s%d_0" % (prefix, worker.pid)) is None
+    for name in (
+        "/lmcache_test_1",
+        "%s%d" % (prefix, os.getpid()),
+        "%sx_0" % prefix,
+        "%s\u00b2_0" % prefix,
+        "%s%s_0" % (prefix, "9" * 20),
+    ):
+        assert shm_segments.segment_creator(name) is None

@@ -86,9 +86,7 @@ def test_segment_is_released_with_the_last_view() -> None:
         lambda: torch.zeros(2, 3, 4, dtype=torch.int8, device="cpu"),
         lambda: torch.zeros((2, 3, 4), dtype=torch.int8, device="cpu"),
         lambda: torch.empty([2, 3, 4], dtype=torch.int8, device=torch.device("cpu")),
-        lambda: torch.zeros(
-            2, 3, 4, dtype=torch.int8, device="cpu", pin_memory=False
-        ),
+        lambda: torch.zeros(2, 3, 4, dtype=torch.int8, device="cpu", pin_memory=False),
     ],
     ids=["sizes", "tuple", "list", "default-kwargs"],
 )
@@ -115,6 +113,19 @@ def test_allocated_segment_pages_are_reserved() -> None:
     (segment,) = _segments() - before
     st = os.stat("/dev/shm" + segment)
     assert st.st_blocks * 512 >= kv_cache.numel() * kv_cache.element_size()
+
+
+def test_allocation_without_posix_fallocate(monkeypatch) -> None:
+    """Where ``os.posix_fallocate`` is missing (macOS), the segment is still
+    allocated, its pages on first write as without the reservation."""
+    monkeypatch.delattr(os, "posix_fallocate", raising=False)
+    before = _segments()
+    kv_cache = cpu_shm.allocate_in_shm((4, 16), torch.float32)
+    (segment,) = _segments() - before
+    assert torch.equal(kv_cache, torch.zeros(4, 16))
+    kv_cache.fill_(1.0)
+    wrapper = cpu_shm.migrate_to_shm_and_wrap(kv_cache)
+    assert wrapper.shm_name == segment
 
 
 def test_allocation_mode_leaves_other_calls_alone() -> None:
