@@ -38,16 +38,6 @@ OWN_TESTS = sorted({
 })
 NAMES_OWN_TEST = re.compile("|".join(map(re.escape, OWN_TESTS))) if OWN_TESTS else None
 
-#: Records whose texts other work is rewriting (issue 42, items 2 and 5); each still
-#: fails here, strictly: once its text is fixed the mark must go.
-STILL_FAILING = {
-    ("0.33.0", "divergent-hybrid-hit-per-request"),
-    *(("0.5.6", patch_id) for patch_id in (
-        "cpu-hybrid-kv-views",
-        "null-recurrent-slot-not-stored", "cpu-shm-kv-cache-allocation",
-        "cpu-shm-exited-worker-segments",
-    )),
-}
 
 
 def _commit(path: Path, patch_id: str, tests: tuple[str, ...]) -> PrCommit:
@@ -67,10 +57,7 @@ def _cases():
         series = load(path)
         pin = series.pin(version)
         for patch in series.carried(pin):
-            marks = ([pytest.mark.xfail(strict=True, reason="record text being rewritten")]
-                     if (version, patch.id) in STILL_FAILING else [])
-            yield pytest.param(path, version, patch.id, marks=marks,
-                               id=f"{version}-{patch.id}")
+            yield pytest.param(path, version, patch.id, id=f"{version}-{patch.id}")
 
 
 def test_own_test_names_are_known():

@@ -202,7 +202,8 @@ def lmcache_cases(tokens, max_tokens: int) -> list[dict]:
     leaves vLLM's null block in block 0's Mamba slot.
 
     - L: the state LMCache stores and loads must be the one vLLM computes with
-      (cpu-shm-vllm-state-binding): L2 takes a 256-token LMCache hit of L1's prefix.
+      (the registration must leave vLLM's views on the memory it registers): L2 takes a
+      256-token LMCache hit of L1's prefix.
       LMCache may decline to serve (its vLLM adapter skips stores and lookups while a
       heartbeat ping is unanswered), and then nothing was checked: a new L pair
       (``attempt`` 2, 3: new tokens, run only while no L2 took a hit) tries again,
