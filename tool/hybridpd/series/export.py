@@ -12,6 +12,8 @@ files exactly.
 
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -210,17 +212,12 @@ PROJECT_AUTHOR = f"{gitops.IDENTITY_NAME} <{gitops.IDENTITY_EMAIL}>"
 
 
 def _author(path: Path) -> str | None:
-    """The ``From:`` header of a patch file (folded lines joined), or None."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    for i, line in enumerate(lines[:20]):
-        if line.startswith("From: "):
-            value = line[len("From: ") :]
-            for cont in lines[i + 1 :]:
-                if not cont.startswith((" ", "\t")):
-                    break
-                value += " " + cont.strip()
-            return value
-    return None
+    """The ``From:`` header of a patch file (git's mbox), unfolded and decoded, or None."""
+    headers = email.parser.BytesHeaderParser(policy=email.policy.default).parsebytes(
+        path.read_bytes()
+    )
+    author = headers["From"]
+    return None if author is None else str(author)
 
 
 def _release_problems(patch_id: str, pin: Pin, release: str | None) -> list[str]:
