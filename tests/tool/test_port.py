@@ -394,12 +394,17 @@ def test_a_finished_port_directory_is_replaced_by_the_next_port(tmp_path: Path) 
     dest = tmp_path / "port"
     port_mod.start(series, "1.0", "2.0", dest)
     (dest / "scratch.txt").write_text("left by hand after the port\n")
+    # What the user made in it is never removed: refused, naming it.
+    with pytest.raises(HybridpdError, match=r"holds an ended port and changes it did not "
+                       r"make \(\?\? scratch.txt\)"):
+        port_mod.start(load(series.path), "1.0", "2.0", dest, replace=True)
+    assert (dest / "scratch.txt").read_text() == "left by hand after the port\n"
+    (dest / "scratch.txt").unlink()
     said: list[str] = []
     report = port_mod.start(load(series.path), "1.0", "2.0", dest, replace=True,
                             log=said.append)
     assert f"replacing the ended port in {dest}" in said
     assert results(report) == [("fix-add", "clean", None), ("feature", "clean", None)]
-    assert not (dest / "scratch.txt").exists()
 
 
 def test_abort_json_names_the_release_it_left(stopped: tuple[Series, Path, Result]) -> None:

@@ -590,6 +590,32 @@ def reset_hard(repo: Path, rev: str) -> None:
     check(repo, "reset", "--quiet", "--hard", rev)
 
 
+def reset_keep(repo: Path, rev: str) -> None:
+    """Point the current branch at ``rev``, updating only the files that differ between
+    HEAD and ``rev``; local changes to other files stay (git refuses, changing nothing,
+    when a file it must update has local changes)."""
+    check(repo, "reset", "--quiet", "--keep", rev)
+
+
+def restore_from_head(repo: Path, paths: Sequence[str]) -> None:
+    """Put ``paths`` back in the index and work tree as HEAD has them (conflicts
+    included); a path HEAD does not have is removed from both."""
+    present = sorted(tracked_at(repo, "HEAD", paths))
+    absent = sorted(set(paths) - set(present))
+    if present:
+        check(repo, "checkout", "--quiet", "HEAD", "--", *present)
+    if absent:
+        check(repo, "rm", "--quiet", "--cached", "--force", "--ignore-unmatch", "--", *absent)
+        for path in absent:
+            (repo / path).unlink(missing_ok=True)
+
+
+def am_quit(repo: Path) -> None:
+    """End the ``git am`` session in progress, if any, keeping HEAD, index and work tree."""
+    if am_in_progress(repo):
+        check(repo, "am", "--quit")
+
+
 def amend_trailer(repo: Path, key: str, value: str) -> str:
     """Add the trailer ``key: value`` to HEAD's message; return the new HEAD sha."""
     check(

@@ -8,6 +8,7 @@ import click
 
 from hybridpd.cli import jsonout
 from hybridpd.cli.options import State, dir_option, json_flag, log
+from hybridpd.porting import abort as abort_mod
 from hybridpd.porting import port as port_mod
 from hybridpd.progress import quiet
 from hybridpd.series.model import Series
@@ -27,7 +28,10 @@ from hybridpd.series.model import Series
     metavar="RELEASE",
     help="With --skip: the first release that has the change.",
 )
-@click.option("--abort", is_flag=True, help="Stop the port and restore TO stock in the directory.")
+@click.option(
+    "--abort", is_flag=True,
+    help="Stop the port and restore TO stock, keeping what the port did not make.",
+)
 @click.option(
     "--replace",
     is_flag=True,
@@ -60,7 +64,7 @@ def port(
         from_version, to_version, repo, go_on, skip, abort, release, replace
     )
     if request.action == "abort":
-        _echo_aborted(port_mod.abort(request.dir, log=log), request.dir, as_json)
+        _echo_aborted(abort_mod.abort(request.dir, log=log), request.dir, as_json)
         return
     report = port_mod.run(state.series, request, log=quiet if as_json else log)
     steps = port_mod.next_steps(report, state.series_arg, state.series)
@@ -87,11 +91,13 @@ def _emit_json(
     jsonout.emit(data)
 
 
-def _echo_aborted(stopped: port_mod.Aborted, repo: Path, as_json: bool) -> None:
+def _echo_aborted(stopped: abort_mod.Aborted, repo: Path, as_json: bool) -> None:
     if as_json:
         jsonout.emit(stopped.to_json())
-    else:
-        click.echo(f"aborted: {repo} is {stopped.to_version} stock ({stopped.stock[:12]})")
+        return
+    click.echo(f"aborted: {repo} is {stopped.to_version} stock ({stopped.stock[:12]})")
+    if stopped.kept:
+        click.echo(f"kept (not made by the port): {', '.join(s.strip() for s in stopped.kept)}")
 
 
 def _echo_report(

@@ -43,7 +43,7 @@ Invariants:
 * ``series.toml`` and ``patches/`` are touched only at the very end, once every patch
   is through: the patch files are exported to a staging directory first, then
   series.toml is edited (validated; on failure nothing is written), then the files
-  are moved into place. :func:`abort` never touches them.
+  are moved into place. ``--abort`` (:mod:`hybridpd.porting.abort`) never touches them.
 * A file in ``patches/<V2>/`` that neither a record nor a commit of the port names
   is the user's: a port keeps it, as ``export`` does, and reports it (``kept``).
 """
@@ -286,7 +286,16 @@ def start(
             f"a port is in progress in {dest}: use --continue, --skip --upstream RELEASE or --abort"
         )
     if (dest / ".git" / ENDED_FILE).is_file():
-        # A finished or aborted port's repository: nothing in it is pending.
+        # A finished or aborted port's repository: nothing of the port is pending, but
+        # what the user made in it since (an abort keeps it) is never removed.
+        changes = gitops.status(dest)
+        if changes:
+            shown = ", ".join(line.strip() for line in changes[:8])
+            more = f" and {len(changes) - 8} more" if len(changes) > 8 else ""
+            raise PortError(
+                f"{dest} holds an ended port and changes it did not make ({shown}{more}); "
+                "nothing was done: move them out of it, or pass another --dir"
+            )
         log(f"replacing the ended port in {dest}")
         shutil.rmtree(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -525,45 +534,6 @@ def _recorded_release(series: Series, patch_id: str, target: str) -> str | None:
     return str(min(releases)) if releases else None
 
 
-@dataclass(frozen=True)
-class Aborted:
-    """What ``port --abort`` left: ``repo`` back at ``to_version``'s release commit.
-    ``recovered``: the line saying it first undid a killed replay."""
-
-    repo: Path
-    to_version: str
-    stock: str
-    recovered: str | None = None
-
-    def to_json(self) -> dict:
-        data = {"to": self.to_version, "dir": str(self.repo), "stock": self.stock}
-        if self.recovered:
-            data["recovered"] = self.recovered
-        return data
-
-
-def abort(dest: Path, log: Log = quiet) -> Aborted:
-    """Stop the port in ``dest`` and put it back at V2 stock.
-
-    Aborts ``git am``, resets branch, index and work tree to the V2 release commit,
-    removes untracked files (not ignored ones), the V1 commit's ref and the state
-    file. series.toml and the patch files are never touched. A killed replay is
-    recovered first (and ``log`` says so), or refused with one line.
-    """
-    dest = dest.absolute()
-    state = PortState.load(dest)
-    with guard.operation(dest, "port --abort") as recovered:
-        if recovered:
-            log(recovered)
-        gitops.am_abort(dest)
-        gitops.reset_hard(dest, state.stock)
-        gitops.clean(dest)
-        _drop_base(dest)
-        PortState.path(dest).unlink()
-        _mark_ended(dest, "aborted")
-    return Aborted(dest, state.to_version, state.stock, recovered)
-
-
 # The replay -------------------------------------------------------------------
 
 
@@ -720,9 +690,9 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
             target = series.patch_path(v2, patch_id)
             shutil.copyfile(staging / f"{patch_id}.patch", target)
             written.append(series.relative(target))
-    _drop_base(dest)
+    drop_base(dest)
     PortState.path(dest).unlink()
-    _mark_ended(dest, "finished")
+    mark_ended(dest, "finished")
     report = _report(state, dest, written=(*written, series.relative(series.path)))
     return dataclasses.replace(report, kept=tuple(series.relative(p) for p in kept))
 
@@ -730,7 +700,7 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
 # Helpers ----------------------------------------------------------------------
 
 
-def _mark_ended(dest: Path, how: str) -> None:
+def mark_ended(dest: Path, how: str) -> None:
     guard.write_atomic(dest / ".git" / ENDED_FILE, how + "\n")
 
 
@@ -873,7 +843,7 @@ def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
         gitops.fetch_ref(dest, base, BASE_REF)
 
 
-def _drop_base(dest: Path) -> None:
+def drop_base(dest: Path) -> None:
     if gitops.resolve(dest, BASE_REF):
         gitops.delete_ref(dest, BASE_REF)
 
