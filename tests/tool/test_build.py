@@ -266,9 +266,9 @@ def test_a_truncated_cached_wheel_is_downloaded_again(tmp_path, monkeypatch):
 
 
 @pytest.mark.usefixtures("isolated")
-def test_build_recovers_a_killed_apply_first_and_says_so(tmp_path, monkeypatch):
-    # The case: build on a checkout whose apply was killed installed the
-    # half-applied HEAD without a word.
+def test_build_after_a_killed_apply_undoes_it_and_builds_nothing(tmp_path):
+    # The case: build on a checkout whose apply was killed undid the apply and
+    # installed the release as if it were the patched build.
     from builders import standard_project
     from click.testing import CliRunner
     from hybridpd import gitops, guard
@@ -279,19 +279,16 @@ def test_build_recovers_a_killed_apply_first_and_says_so(tmp_path, monkeypatch):
     stock = gitops.head(repo)
     killed_apply(series, repo)
     assert gitops.head(repo) != stock
-    read = []
-    patched_tree = b._Build.patched_tree
-
-    def read_then_stop(self):
-        read.append(patched_tree(self)[1])
-        raise b.BuildError("stopped by the test once the checkout is read")
-
-    monkeypatch.setattr(b._Build, "patched_tree", read_then_stop)
+    venv = tmp_path / "venv"
     result = CliRunner().invoke(main, ["--series", str(series.path), "build", "--dir", str(repo),
-                                       "--venv", str(tmp_path / "venv"), "--variant", "cpu"])
+                                       "--venv", str(venv), "--variant", "cpu"])
     assert result.exit_code == 1, result.output
-    recovered, error = result.stderr.strip().splitlines()
-    assert "recovered from an interrupted `hybridpd apply`" in recovered
-    assert error == "Error: stopped by the test once the checkout is read"
-    assert read == [stock] and gitops.head(repo) == stock
+    (error,) = result.stderr.strip().splitlines()
+    assert error.startswith(f"Error: {repo}: recovered from an interrupted `hybridpd apply`")
+    assert error.endswith(
+        f"restored to {stock[:12]}; nothing was built: apply the series again "
+        f"(hybridpd apply --dir {repo}), then build again"
+    )
+    assert not venv.exists()  # nothing installed
+    assert gitops.head(repo) == stock
     assert not (guard.git_dir(repo) / guard.JOURNAL).exists()

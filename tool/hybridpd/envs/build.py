@@ -14,9 +14,11 @@ overlay*, which needs no build toolchain and pins the exact release:
    keeping ``RECORD`` consistent, and record the overlay in ``hybridpd-overlay.json``;
 5. prove, in the venv, that the modules Python imports are the patched files.
 
-The checkout is read once, first, under its lock (:func:`hybridpd.guard.operation`),
-so a killed ``apply`` on it is recovered (or refused with one line) before anything is
-installed, never built half-applied.
+The checkout is read once, first, under its lock (:func:`hybridpd.guard.operation`).
+A killed ``apply`` on it is undone there (or refused with one line), and then nothing is
+installed: the undone tree is not the patched one that run was making, so build says so
+in one line and names the command that finishes the series; never a half-applied or a
+silently unpatched build.
 
 Everything that talks to pip runs the venv's own interpreter, so pip's configuration
 (index, find-links, constraints) applies unchanged.
@@ -632,6 +634,13 @@ def build(
     )
 
 
+def _finish(checkout: Path) -> str:
+    """The command that finishes what a killed run on ``checkout`` was making."""
+    if (guard.git_dir(checkout) / guard.PORT_STATE).is_file():
+        return f"finish the port (hybridpd port --continue --dir {checkout})"
+    return f"apply the series again (hybridpd apply --dir {checkout})"
+
+
 @dataclass
 class _Build:
     """One :func:`build`: what its steps share, their timings and warnings."""
@@ -671,15 +680,19 @@ class _Build:
     def patched_tree(self) -> tuple[str, str, list[wo.Change]]:
         """The checkout's stock commit, HEAD, and the files the patch commits change.
 
-        Read under the checkout's lock, once a killed apply (or port replay) on it is
-        recovered (said in one line), or refused with one line that says what to do
-        (:func:`hybridpd.guard.operation`): never a half-applied series."""
+        Read under the checkout's lock (:func:`hybridpd.guard.operation`). A killed apply
+        (or port replay) on it is undone there, and then nothing is built: one line says
+        so and names the command that finishes the series (never a half-applied or
+        silently unpatched tree)."""
         checkout = self.checkout
         if not checkout.is_dir() or not gitops.is_repo(checkout):
             raise BuildError(f"{checkout} is not a git checkout")
         with guard.operation(checkout, "build") as recovered:
             if recovered:
-                self.log(recovered)
+                # The tree is back before the killed run: not what that run was making
+                # (the series applied), so building it would install the wrong tree.
+                raise BuildError(f"{recovered}; nothing was built: {_finish(checkout)}, "
+                                 "then build again")
             return self._read_tree()
 
     def _read_tree(self) -> tuple[str, str, list[wo.Change]]:
