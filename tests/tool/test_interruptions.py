@@ -237,18 +237,120 @@ def test_a_git_am_that_is_not_ours_is_refused_and_kept(project, tmp_path: Path) 
     assert gitops.am_in_progress(repo)  # never aborted for the user
 
 
-def test_a_stale_index_lock_gets_one_line_that_says_what_to_do(project) -> None:
-    proj, series, _ = project
+@pytest.mark.parametrize("name", ["index.lock", "HEAD.lock", "refs/heads/hybridpd.lock"])
+def test_a_stale_git_lock_is_refused_up_front_with_one_line(project, name) -> None:
+    """Refused before anything: no journal, no am session (a later recovery would blame
+    a hybridpd run for it, and remove it); the line says a killed git left it."""
+    proj, series, full = project
     repo = proj.checkout("1.0")
-    lock = guard.git_dir(repo) / "index.lock"
+    lock = guard.git_dir(repo) / name
     lock.touch()
+    before = snapshot(repo)
     result = hybridpd(series, "apply", "--dir", str(repo))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        f"Error: {lock} exists: another git command is running on {repo}, or one crashed; "
-        "if none is running, remove the file and run again"
+        f"Error: {lock}: no git process is running on {repo}, so a git command that was "
+        f"killed or crashed left it; nothing was done: remove it (rm {lock}) and run again"
     ]
-    assert lock.exists()  # not ours to remove
+    assert snapshot(repo) == before and lock.exists()  # not ours to remove
+    shown = hybridpd(series, "status", "--dir", str(repo), "--json")
+    assert json.loads(shown.stdout)["interrupted"] is None  # no killed apply to blame
+    lock.unlink()  # as the line says
+    assert hybridpd(series, "apply", "--dir", str(repo)).returncode == 0
+    assert tree(repo) == full
+
+
+def _holding(repo: Path, lock: Path) -> subprocess.Popen:
+    """Another process that writes ``lock`` in ``repo`` as git does (open, not done)."""
+    code = ("import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY)\n"
+            "print('held', flush=True); time.sleep(120)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(lock)], cwd=repo,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_git_lock_a_live_process_writes_is_left_to_it(project) -> None:
+    proj, series, full = project
+    repo = proj.checkout("1.0")
+    lock = guard.git_dir(repo) / "index.lock"
+    holder = _holding(repo, lock)
+    try:
+        result = hybridpd(series, "apply", "--dir", str(repo))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {lock}: a git process (pid {holder.pid}) is running on {repo}; nothing was "
+        "done: run again when it ends"
+    ]
+    assert lock.exists() and not (guard.git_dir(repo) / guard.JOURNAL).exists()
+
+
+def test_recovery_never_removes_a_lock_another_git_process_made(project) -> None:
+    """A killed apply's journal, then another git process takes index.lock: the lock is
+    not the dead apply's, so the next run leaves it and says to wait."""
+    repo, series, stock = _killed_apply(project)
+    lock = guard.git_dir(repo) / "index.lock"
+    holder = _holding(repo, lock)
+    try:
+        result = hybridpd(series, "apply", "--dir", str(repo))
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines() == [
+            f"Error: {lock}: a git process (pid {holder.pid}) is running on {repo}; nothing "
+            "was done: run again when it ends"
+        ]
+        assert lock.exists() and (guard.git_dir(repo) / guard.JOURNAL).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock.unlink()  # the other git is done
+    again = hybridpd(series, "apply", "--dir", str(repo))
+    assert again.returncode == 0, again.stderr
+    assert f"restored to {stock[:12]}" in again.stderr
+
+
+def test_a_group_kill_inside_git_before_the_journal_gets_the_right_advice(
+    project, tmp_path: Path
+) -> None:
+    """The whole process group killed while a git child holds index.lock, before apply
+    wrote its journal (its `git status`): the next run says a killed git left the lock
+    (none is running), and once it is removed, apply runs."""
+    proj, series, full = project
+    repo = proj.checkout("1.0")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real = shutil.which("git")
+    (bin_dir / "git").write_text(
+        f"#!{sys.executable}\n"
+        "import os, signal, sys\n"
+        "if 'status' in sys.argv:\n"
+        "    open(os.path.join(sys.argv[sys.argv.index('-C') + 1] if '-C' in sys.argv\n"
+        "         else os.getcwd(), '.git', 'index.lock'), 'w').close()\n"
+        "    os.killpg(0, signal.SIGKILL)\n"
+        f"os.execv({real!r}, [{real!r}, *sys.argv[1:]])\n"
+    )
+    (bin_dir / "git").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != guard.FAULT_ENV}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    code = "import sys; from hybridpd.cli.main import main; sys.exit(main())"
+    killed = subprocess.run(
+        [sys.executable, "-c", code, "--series", str(series.path), "apply", "--dir", str(repo)],
+        env=env, capture_output=True, text=True, timeout=120, start_new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    lock = guard.git_dir(repo) / "index.lock"
+    assert lock.exists() and not (guard.git_dir(repo) / guard.JOURNAL).exists()
+    result = hybridpd(series, "apply", "--dir", str(repo))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {lock}: no git process is running on {repo}, so a git command that was "
+        f"killed or crashed left it; nothing was done: remove it (rm {lock}) and run again"
+    ]
+    lock.unlink()
+    assert hybridpd(series, "apply", "--dir", str(repo)).returncode == 0
+    assert tree(repo) == full
 
 
 def test_a_second_operation_on_a_busy_checkout_fails_with_one_line(project) -> None:

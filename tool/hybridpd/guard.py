@@ -23,9 +23,12 @@ Invariants:
   operation started (it refuses to start beside one). Otherwise it changes nothing
   and refuses with one line: what was interrupted, what changed since, and the
   commands that finish by hand (the reflog is named, never relied on).
-* Without a journal, git state that is not hybridpd's (a ``git am`` session, an
-  ``index.lock``) is refused with one line that says what to do; hybridpd never
-  aborts a ``git am`` it did not start.
+* Without a journal, git state that is not hybridpd's (a ``git am`` session, any git
+  lock file: ``index.lock``, ``HEAD.lock``, a ref's) is refused up front, before any
+  journal or am session exists, with one line that says what to do: wait for the git
+  process that holds it, or remove a lock no live process writes
+  (:func:`hybridpd.gitlocks.writer`). hybridpd never aborts a ``git am`` it did not
+  start, and recovery never removes a lock a live git process may be writing.
 * :func:`directory` holds an exclusive ``flock`` on a directory being created (a
   checkout or a port's new tree), so two hybridpd processes never write one
   directory at once: the second fails with one line and touches nothing.
@@ -45,7 +48,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridpd import gitops, proc
+from hybridpd import gitlocks, gitops, proc
 from hybridpd.errors import HybridpdError
 
 LOCK = "hybridpd.lock"
@@ -221,6 +224,14 @@ def recover(repo: Path, own: bool = False) -> str | None:
         return None
     data = _read_journal(repo, path)
     left = sorted(_git_locks(gdir) - set(data["locks"]))
+    writer = gitlocks.writer(repo, [gdir / lock for lock in left]) if left else None
+    if writer is not None:
+        # A lock made since the journal, but a live git may be writing it: not the
+        # dead operation's to remove.
+        raise InterruptedStateError(
+            f"{', '.join(str(gdir / lock) for lock in left)}: a git process (pid {writer}) "
+            f"is running on {repo}; nothing was done: run again when it ends"
+        )
     if not own:
         changes = _changed_since(repo, data)
         if changes:
@@ -414,12 +425,7 @@ def _journal_of(repo: Path) -> tuple[dict, Path]:
 
 def _git_locks(gdir: Path) -> set[str]:
     """git's lock files under ``gdir`` (relative paths), not counting hybridpd's."""
-    found = set()
-    for pattern in ("*.lock", "refs/**/*.lock"):
-        for path in gdir.glob(pattern):
-            if path.name != LOCK:
-                found.add(str(path.relative_to(gdir)))
-    return found
+    return gitlocks.found(gdir, {LOCK})
 
 
 def _refuse_foreign_state(repo: Path, gdir: Path) -> None:
@@ -428,8 +434,21 @@ def _refuse_foreign_state(repo: Path, gdir: Path) -> None:
             f"{repo} is in the middle of a `git am` that hybridpd did not start: finish it "
             f"(git -C {repo} am --continue) or abort it (git -C {repo} am --abort), then run again"
         )
-    if (gdir / "index.lock").exists():
+    locks = [gdir / lock for lock in sorted(_git_locks(gdir))]
+    if not locks:
+        return
+    # Refused before any journal or git am session exists: git would fail on the lock
+    # midway, and a journal written beside it would make a later recovery blame (and
+    # clean up after) a hybridpd run that never touched it.
+    names = ", ".join(str(lock) for lock in locks)
+    writer = gitlocks.writer(repo, locks)
+    if writer is not None:
         raise InterruptedStateError(
-            f"{gdir / 'index.lock'} exists: another git command is running on {repo}, or one "
-            "crashed; if none is running, remove the file and run again"
+            f"{names}: a git process (pid {writer}) is running on {repo}; nothing was done: "
+            "run again when it ends"
         )
+    raise InterruptedStateError(
+        f"{names}: no git process is running on {repo}, so a git command that was killed or "
+        f"crashed left it; nothing was done: remove it (rm {' '.join(str(lock) for lock in locks)}) "
+        "and run again"
+    )
