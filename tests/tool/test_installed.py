@@ -264,6 +264,40 @@ def test_a_killed_revert_is_finished_by_the_next_run(tmp_path: Path, point: str)
     assert snapshot(py) == before
 
 
+@pytest.mark.parametrize("revert", [False, True], ids=["apply", "revert"])
+def test_a_run_killed_writing_its_journal_leaves_no_temporary_file(
+    tmp_path: Path, revert: bool
+) -> None:
+    """Killed inside the atomic write of its journal (temporary file written, not yet
+    renamed): the next run removes that file, and --revert leaves the release's
+    dist-info byte for byte."""
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+    if revert:
+        installed.apply(series, py)
+    flags = ["--revert"] if revert else []
+    killed = hybridpd(series, "apply", "--installed", "--python", str(py), *flags,
+                      fault=f"write:{installed.JOURNAL}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    dist_info = locate_dist_info(py)
+    left = sorted(p.name for p in dist_info.glob("*.hybridpd-tmp"))
+    assert left == [f".{installed.JOURNAL}.{killed_pid(dist_info)}.hybridpd-tmp"]
+    again = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
+    assert again.returncode == 0, again.stderr
+    assert snapshot(py) == before
+
+
+def locate_dist_info(py: Path) -> Path:
+    (found,) = site_of(py).glob("*.dist-info")
+    return found
+
+
+def killed_pid(dist_info: Path) -> int:
+    (tmp,) = dist_info.glob("*.hybridpd-tmp")
+    return int(tmp.name.split(".")[-2])
+
+
 #: The points a killed ``apply --installed`` (and ``--revert``) stops at.
 APPLY_POINTS = ["installed:backed-up", "installed:file-1", "installed:file-2",
                 "installed:manifest", "installed:proven"]

@@ -172,6 +172,7 @@ def write_atomic(path: Path, data: str | bytes, mode: int | None = None) -> None
             os.fsync(fh.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
+        fault(f"write:{path.name}")  # killed with the temporary file written, not renamed
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

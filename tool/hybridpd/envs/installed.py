@@ -19,6 +19,9 @@ Everything hybridpd keeps lives in the distribution's ``*.dist-info`` folder, wh
 - ``hybridpd-installed.journal``: present from before the first change until the
   environment has imported the patched files. A run that finds it (the last one was
   killed) first puts the backup back, so an apply is all or nothing.
+- Each of the three is written atomically (:func:`hybridpd.guard.write_atomic`); the
+  temporary file a run killed inside that write leaves (``.<name>.<pid>.hybridpd-tmp``)
+  is removed by the next apply or revert before anything else.
 
 ``--revert`` puts the backup back and removes the three, so the files are byte for
 byte (and mtime for mtime: the release's bytecode stays valid) what they were. A file
@@ -346,6 +349,10 @@ def _restore(target: Target, journal: dict) -> None:
 
 
 def _recover(target: Target) -> str | None:
+    # A run killed inside guard.write_atomic of one of hybridpd's own files leaves its
+    # temporary file in the dist-info (then not the release's): gone before anything.
+    for name in (JOURNAL, MANIFEST, f"{BACKUP}/index.json"):
+        guard.remove_temporaries(target.dist_info / name)
     journal = _read_json(target, target.dist_info / JOURNAL)
     if journal is None:
         return None
@@ -630,10 +637,14 @@ def _overlay(
             for c in changes
         },
     }
-    # No journal and no manifest here (undone above): a backup folder is stale.
+    # The journal before the backup folder: a run killed in between leaves a journal,
+    # whose recovery removes the folder; one killed writing the journal leaves its
+    # temporary file only, which the next run's _recover removes.
+    _write_json(target.dist_info / JOURNAL, journal)
+    # No manifest here, and the journal is this run's (undone above): a backup folder
+    # is stale.
     shutil.rmtree(target.dist_info / BACKUP, ignore_errors=True)
     (target.dist_info / BACKUP).mkdir()
-    _write_json(target.dist_info / JOURNAL, journal)
     originals = [record]
     for change in changes:
         path = site / change.path
