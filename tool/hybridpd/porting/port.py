@@ -688,7 +688,9 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
         written = []
         for patch_id in carried:
             target = series.patch_path(v2, patch_id)
-            shutil.copyfile(staging / f"{patch_id}.patch", target)
+            # Atomic, as export writes: a kill leaves the old file or the new one.
+            guard.remove_temporaries(target)
+            guard.write_atomic(target, (staging / f"{patch_id}.patch").read_bytes())
             written.append(series.relative(target))
     drop_base(dest)
     PortState.path(dest).unlink()

@@ -168,6 +168,7 @@ def write_validated(path: Path, text: str, before: str) -> Series:
     if text == before:
         return load(path)
     series = parse(text, path)
+    guard.remove_temporaries(path)  # what a write killed before its rename left
     guard.write_atomic(path, text)
     return series
 

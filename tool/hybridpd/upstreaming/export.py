@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridpd import gitops
+from hybridpd import gitops, guard
 from hybridpd.progress import Log, quiet
 from hybridpd.series.checkout import checkout
 from hybridpd.series.model import Pin, Series
@@ -78,6 +78,7 @@ def export_prs(
                 target.mkdir(parents=True)
                 for commit, content in built:
                     (target / commit.filename).write_bytes(content)
+                guard.fault("export-pr:written")  # unsealed: the next run refuses it
                 export = PrExport(
                     patch_id,
                     pin,
@@ -98,6 +99,7 @@ def export_prs(
                     log(f"warning: {patch_id}: {line}")
                 write_pr(export, series, chosen, stale)
                 seal(target)
+                guard.fault("export-pr:sealed")
                 exports.append(export)
     return exports
 
