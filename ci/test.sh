@@ -26,8 +26,9 @@
 #      vLLM build, where it must go red at request C (`--fail-fast`); with `--full`, red
 #      with lmcache built without its allocation, state-binding or null-slot fixes).
 #
-# Tiers. Every run does steps 1, 2, 3 (the patch tests: red->green and the state-level
-# property, on every ported pin), 3b, 4 and 5 (the CPU e2e gates). vLLM's own tests of the
+# Tiers. Every run does steps 1 (the fault sweep at one kill point per command; `--full`
+# adds every point, HYBRIDPD_FAULT_SWEEP=full), 2, 3 (the patch tests: red->green and the
+# state-level property, on every ported pin), 3b, 4 and 5 (the CPU e2e gates). vLLM's own tests of the
 # touched modules are the upstream tier: `--upstream` runs the reduced selection on the
 # patched tree against the committed stock baseline (tool/hybridpd/data/upstream/), `--full`
 # the full selection on stock and patched and the LMCache gates' red runs without each
@@ -85,6 +86,14 @@ hpd="$venv/bin/hybridpd"
 # Two workers (pytest-xdist): the tool tests are independent (each its own tmp_path, cache
 # and ports), and half of their time is git and subprocess waits.
 step "tool tests" "$venv/bin/python" -m pytest tests/tool -q -p no:cacheprovider -n 2
+# The tool tests kill each command that writes into a user's directory at one point; the
+# full tier kills port, port --continue/--skip/--abort and export-pr at every state point,
+# each kind of user change on its own (tests/tool/test_fault_sweep.py).
+if [ "$full" = 1 ]; then
+  step "fault sweep, every state point (port, --continue/--skip/--abort, export-pr)" \
+    env HYBRIDPD_FAULT_SWEEP=full "$venv/bin/python" -m pytest tests/tool/test_fault_sweep.py \
+    -q -p no:cacheprovider -n 2
+fi
 step "hybridpd check" "$hpd" check
 step "hybridpd check (LMCache series)" "$hpd" --series patches/lmcache check
 

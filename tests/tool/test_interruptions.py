@@ -683,7 +683,8 @@ USER_CHANGES = {
 #: Per state-writing command: the named points it is killed at, and the commands
 #: run after the kill and the user's change ("any command": the same one, others).
 SWEEP = {
-    "apply": (["apply:patch-1", "apply:done"], ["status", "export", "apply", "apply"]),
+    # build right after the kill: it undoes the apply and builds nothing, in one line.
+    "apply": (["apply:patch-1", "apply:done"], ["status", "build", "export", "apply", "apply"]),
     "export": (["export:before-writes", "export:after-writes"], ["export", "apply", "status"]),
     "build": (["build:downloaded", "build:installed", "build:overlaid"], ["build", "status"]),
     "install": (["install:checked-out", "install:applied"], ["install", "status"]),
@@ -731,13 +732,15 @@ def test_sweep_a_killed_command_then_user_work_then_any_command(
     repo, venv = _before(command, proj, series, tmp_path)
     wip = series.patch_dir(series.pin("1.0")) / "my-wip.patch"
     wip.write_bytes(b"the user's patch in progress\n")
-    code = {"code": standins.command()} if command in ("build", "install") else {}
-    killed = hybridpd(series, *_args(command, repo, venv), fault=point, **code)
+    def code(name: str) -> dict:
+        return {"code": standins.command()} if name in ("build", "install") else {}
+
+    killed = hybridpd(series, *_args(command, repo, venv), fault=point, **code(command))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     kept = {**USER_CHANGES[change](repo), wip: wip.read_bytes()}
     commit = gitops.head(repo) if change == "commit" else None
     for then in SWEEP[command][1]:
-        result = hybridpd(series, *_args(then, repo, venv), **code)
+        result = hybridpd(series, *_args(then, repo, venv), **code(then))
         assert "Traceback" not in result.stderr
         errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
         assert result.returncode == 0 or (result.returncode == 1 and len(errors) == 1), (
