@@ -288,6 +288,24 @@ def test_a_run_killed_writing_its_journal_leaves_no_temporary_file(
     assert snapshot(py) == before
 
 
+def test_a_journal_temporary_file_a_dead_run_left_is_removed_by_the_next_run(
+    tmp_path: Path,
+) -> None:
+    """The same leftover as above, as the issue found it (any hybridpd version's write
+    killed before its rename): the pid in its name is gone; --revert removes it."""
+    _, series = standard_project(tmp_path)
+    py = make_env(tmp_path / "venv")
+    before = snapshot(py)
+    installed.apply(series, py)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    tmp = locate_dist_info(py) / f".{installed.JOURNAL}.{gone.pid}.hybridpd-tmp"
+    tmp.write_text('{"operation": "apply --installed --revert", "pid"')
+    again = hybridpd(series, "apply", "--installed", "--python", str(py), "--revert")
+    assert again.returncode == 0, again.stderr
+    assert not tmp.exists() and snapshot(py) == before
+
+
 def locate_dist_info(py: Path) -> Path:
     (found,) = site_of(py).glob("*.dist-info")
     return found
