@@ -18,10 +18,11 @@ Invariants:
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 
-def found(gdir: Path, own: set[str] = frozenset()) -> set[str]:  # type: ignore[assignment]
+def found(gdir: Path, own: Collection[str] = ()) -> set[str]:
     """git's lock files under ``gdir``, relative to it, except those in ``own`` (paths
     relative to ``gdir``: a branch may share a name with the caller's lock)."""
     locks = set()
