@@ -149,7 +149,7 @@ def test_only_the_store_and_guard_take_locks() -> None:
 # The floor plan: each wing imports only from the floors below it (and from itself); the
 # plumbing is the flat top level. A wing's rank is its floor; wings on one floor do not
 # import each other.
-PLUMBING = {"__init__", "cache", "connectors", "errors", "gitops", "guard", "pkgindex",
+PLUMBING = {"__init__", "cache", "connectors", "errors", "gitlocks", "gitops", "guard", "pkgindex",
             "proc", "progress"}
 FLOORS = {
     "series": 1,
