@@ -163,6 +163,21 @@ def test_refusals_are_one_line_and_write_nothing(
     assert not any((tmp_path / "cache" / "sdists").glob("proj-3*"))
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "https://[::1]x:y/", "notaurl"])
+def test_an_unusable_index_url_is_one_line_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    _, series = standard_project(tmp_path)
+    before = series.path.read_text()
+    monkeypatch.setenv("PIP_INDEX_URL", url)
+    result = run(series.path, "pin", "add", "2.1")
+    assert result.exit_code == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: proj-2.1.tar.gz not found") and "internal error" not in line
+    assert f"{url.rstrip('/')}/proj/ is not a usable index URL" in line, line
+    assert series.path.read_text() == before
+
+
 def test_commands_on_a_release_that_is_not_a_pin_say_how_to_add_it(tmp_path: Path) -> None:
     _, series = standard_project(tmp_path)
     result = run(series.path, "port", "--from", "2.0", "--to", "2.1")

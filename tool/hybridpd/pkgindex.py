@@ -276,14 +276,18 @@ def _files_from_html(html: str, base: str) -> list[IndexFile]:
 @contextlib.contextmanager
 def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Response]:
     """Open ``url``; a ``file://`` directory reads its ``index.html``, as pip does."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme == "file" and Path(urllib.request.url2pathname(parsed.path)).is_dir():
-        url = urllib.parse.urljoin(url.rstrip("/") + "/", "index.html")
 
     def unusable(exc: Exception) -> PackageIndexError:
         return PackageIndexError(
             f"{url} is not a usable index URL ({exc}); check PIP_INDEX_URL and pip's index-url"
         )
+
+    try:
+        parsed = urllib.parse.urlparse(url)
+    except ValueError as exc:  # "Invalid IPv6 URL": a host with an unclosed "["
+        raise unusable(exc) from None
+    if parsed.scheme == "file" and Path(urllib.request.url2pathname(parsed.path)).is_dir():
+        url = urllib.parse.urljoin(url.rstrip("/") + "/", "index.html")
 
     try:
         request = urllib.request.Request(
