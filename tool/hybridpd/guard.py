@@ -279,11 +279,8 @@ def _held(lock: Path) -> bool:
 def _read_journal(repo: Path, path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict):
+        if not _well_formed(data):
             raise ValueError
-        for key, kind in (("operation", str), ("pid", int), ("head", str), ("locks", list)):
-            if not isinstance(data.get(key), kind):
-                raise ValueError
     except (ValueError, UnicodeDecodeError):
         raise InterruptedStateError(
             f"{path} is not a hybridpd journal (corrupt); nothing was done. If no hybridpd "
@@ -291,6 +288,30 @@ def _read_journal(repo: Path, path: Path) -> dict:
             "run again"
         ) from None
     return data
+
+
+def _well_formed(data: object) -> bool:
+    """Whether ``data`` has the shape :func:`journal`, :func:`expect` and :func:`settle`
+    write, in every part that recovery reads."""
+    if not isinstance(data, dict) or not all(
+        isinstance(data.get(key), kind)
+        for key, kind in (("operation", str), ("pid", int), ("head", str), ("locks", list))
+    ):
+        return False
+    touching = data.get("touching", {})
+    return (
+        all(isinstance(lock, str) for lock in data["locks"])
+        and isinstance(touching, dict)
+        and all(
+            isinstance(contents, dict)
+            and all(
+                isinstance(contents.get(kind), list)
+                and all(blob is None or isinstance(blob, str) for blob in contents[kind])
+                for kind in ("work", "index")
+            )
+            for contents in touching.values()
+        )
+    )
 
 
 def _changed_since(repo: Path, data: dict) -> list[str]:
