@@ -55,14 +55,13 @@ import dataclasses
 import json
 import shlex
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from packaging.version import InvalidVersion
 
-from hybridpd import cache, gitops, guard
+from hybridpd import cache, gitops, guard, scratch
 from hybridpd.errors import ApplyError, CheckoutError, HybridpdError, UsageError
 from hybridpd.porting import apinames
 from hybridpd.porting import moves as moves_mod
@@ -688,8 +687,7 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
     v2 = series.pin(state.to_version)
     results = state.results()
     carried = [r.id for r in results if r.result in CARRIED_RESULTS]
-    with tempfile.TemporaryDirectory(prefix="hybridpd-port-") as tmp:
-        staging = Path(tmp)
+    with scratch.tree("port-") as staging:
         exported = [i for i, _ in patch_commits(dest, v2)]
         if exported != carried:
             raise PortError(
@@ -858,9 +856,10 @@ def _tree(dest: Path, rev: str) -> str:
 def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
     """Put V1's patched commits (and so every blob its patches name) into ``dest``
     under BASE_REF."""
-    with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
-        base = Path(tmp) / "src"
+    with scratch.tree("port-base-") as tmp:
+        base = tmp / "src"
         checkout_mod.checkout(series, v1, base, source="sdist")
+        guard.fault("port:base-checked-out")
         try:
             apply_mod.apply(series, base, v1)
         except ApplyError as exc:
