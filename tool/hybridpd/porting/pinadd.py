@@ -152,14 +152,26 @@ def _new_pin(series: Series, release: str) -> Pin:
     )
 
 
+def proposed_for(series: Series, pin: Pin) -> SourceCandidate | None:
+    """The source :func:`add_pin` proposed for ``pin`` (a pin not ported yet), computed
+    again from its sdist in the cache; without that copy (it is never downloaded here),
+    from the records and versions alone: the nearest pin that loses no fix."""
+    archive = cache.cache_dir() / "sdists" / pin.sdist
+    if not (archive.is_file() and cache.file_sha256(archive) == pin.sha256):
+        archive = None
+    candidates = propose_source(series, archive, pin.version)
+    return candidates[0] if candidates else None
+
+
 def propose_source(
-    series: Series, archive: Path, release: str
+    series: Series, archive: Path | None, release: str
 ) -> tuple[SourceCandidate, ...]:
-    """The ported pins, best source for ``release`` (whose sdist is ``archive``) first
-    (see the module docstring)."""
+    """The ported pins, best source for ``release`` (whose sdist is ``archive``; None:
+    no hunk counts as applying) first (see the module docstring)."""
     target = release_key(release)
     hunks = {pin.version: _hunks(series, pin) for pin in series.pins if pin.ported}
-    texts = _archive_texts(archive, {path for found in hunks.values() for path, _ in found})
+    texts = (_archive_texts(archive, {path for found in hunks.values() for path, _ in found})
+             if archive is not None else {})
     candidates = []
     for pin_version, found in hunks.items():
         lose = tuple(series.fixes_lost_on(pin_version, release))

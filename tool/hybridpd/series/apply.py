@@ -135,13 +135,21 @@ def apply(series: Series, repo: Path, pin: Pin | None = None) -> ApplyResult:
     """
     pin = pin or checkout_pin(series, repo)
     if not pin.ported:
-        ported = [p.version for p in series.pins if p.ported]
-        raise ApplyError(
-            f"the series is not ported to {pin.version} yet "
-            f"(hybridpd port --from {ported[-1]} --to {pin.version})"
-        )
+        raise ApplyError(not_ported(series, pin))
     with guard.operation(repo, "apply") as recovered:
         return _apply_locked(series, repo, pin, recovered)
+
+
+def not_ported(series: Series, pin: Pin) -> str:
+    """What to do about ``pin`` not being ported: port from the pin `pin add` proposes."""
+    # porting builds on this module; its proposal is needed only here, on refusal.
+    from hybridpd.porting.pinadd import proposed_for
+
+    proposed = proposed_for(series, pin)
+    if proposed is None:
+        return f"the series is not ported to {pin.version} yet, nor to any pin to port from"
+    return (f"the series is not ported to {pin.version} yet (hybridpd port --from "
+            f"{proposed.version} --to {pin.version}, the pin `hybridpd pin add` proposes)")
 
 
 def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -> ApplyResult:
