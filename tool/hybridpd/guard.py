@@ -443,6 +443,24 @@ def _git_locks(gdir: Path) -> set[str]:
     return found
 
 
+def port_in_progress(repo: Path) -> str | None:
+    """A line saying that ``repo`` holds a `hybridpd port` under way (its state file,
+    :data:`PORT_STATE`), and how to end it; None when it holds none."""
+    try:
+        path = git_dir(repo) / PORT_STATE
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (HybridpdError, OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    what = (f"from {data['from_version']} to {data['to_version']} "
+            if isinstance(data.get("from_version"), str) and isinstance(data.get("to_version"), str)
+            else "")
+    return (f"{repo} holds a `hybridpd port` {what}in progress: `hybridpd port --continue "
+            f"--dir {repo}` (or --skip --upstream RELEASE, or --abort) ends it, then status "
+            "and apply work on the checkout")
+
+
 def _refuse_foreign_state(repo: Path, gdir: Path) -> None:
     if (gdir / "rebase-apply").is_dir() and not (gdir / PORT_STATE).is_file():
         raise InterruptedStateError(

@@ -133,6 +133,8 @@ def apply(series: Series, repo: Path, pin: Pin | None = None) -> ApplyResult:
     whose change is already present is skipped and reported upstream. On any failure
     HEAD, index and work tree are restored and ApplyError names the patch and files.
     """
+    if port := guard.port_in_progress(repo):
+        raise ApplyError(port)
     pin = pin or checkout_pin(series, repo)
     if not pin.ported:
         raise ApplyError(not_ported(series, pin))
@@ -195,6 +197,8 @@ def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -
 
 def status(series: Series, repo: Path) -> Status:
     """Report applied, pending and upstream patches of ``repo`` (changes nothing)."""
+    if port := guard.port_in_progress(repo):
+        raise ApplyError(port)
     pin = checkout_pin(series, repo)
     plan = _plan(series, repo, pin)
     present: list[str] = []
