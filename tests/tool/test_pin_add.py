@@ -245,3 +245,35 @@ def test_a_yanked_release_is_pinned_only_when_asked(
     allowed = run(series.path, "pin", "add", "2.1", "--allow-yanked", "--json")
     assert allowed.exit_code == 0, allowed.output
     assert json.loads(allowed.stdout)["yanked"] == "broken wheel"
+
+
+@pytest.mark.parametrize("fault", ["missing", "not-a-hash", "other-hash"])
+def test_an_index_that_lists_a_file_wrongly_says_what_is_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """A file the index lists but does not have, and a hash on its page that is not one
+    or not the file's: one line that names the file, the URL and both hashes, and says
+    the expectation is the index's (pin add has no series.toml hash yet)."""
+    project, series = standard_project(tmp_path)
+    release = _publish(project, monkeypatch, "2.1")
+    files = project.root / "index" / "files"
+    page = project.root / "index" / "simple" / "proj" / "index.html"
+    url = (files / release.filename).as_uri()
+    if fault == "missing":
+        (files / release.filename).unlink()
+        error = (f"the index lists {release.filename} at {url}, but it is not there (no such "
+                 f"file: {files / release.filename})")
+    elif fault == "not-a-hash":
+        page.write_text(page.read_text().replace(release.sha256, "00"))
+        error = (f"the index lists {release.filename} with sha256 '00', which is not a sha256 "
+                 "(64 hex digits): the index's page is wrong")
+    else:
+        page.write_text(page.read_text().replace(release.sha256, "0" * 64))
+        error = (f"{release.filename} from {url} has sha256 {release.sha256}, the index "
+                 f"expects {'0' * 64}")
+    before = series.path.read_text()
+    result = run(series.path, "pin", "add", "2.1")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == f"Error: {error}"
+    assert series.path.read_text() == before
+    assert not (tmp_path / "cache" / "sdists" / release.filename).exists()
