@@ -276,7 +276,11 @@ def test_a_model_config_of_the_wrong_shape_is_one_usage_line(monkeypatch, tmp_pa
 _BAD_VALUES = [0, -1, "2", 2.5, True, None]
 
 
-@pytest.mark.parametrize("key", [*deployment._COUNTS, "full_attention_interval"])
+@pytest.mark.parametrize("key", [
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "vocab_size", "full_attention_interval"])
 def test_every_count_of_a_model_config_must_be_a_positive_integer(tmp_path, key) -> None:
     """A count of 0 (num_key_value_heads: 0 divided by zero in the plan) or of another
     type is one line about that key; plan() runs on whatever is accepted."""
