@@ -209,7 +209,7 @@ def test_a_pin_that_records_a_later_fix_upstream_is_not_proposed(
 
 
 def test_hunks_are_read_as_git_applies_them() -> None:
-    from hybridpd.porting.pinadd import _patch_hunks
+    from hybridpd.series.source import _patch_hunks
 
     text = "\n".join([
         "Subject: x", "", "---", "diff --git a/a.py b/a.py", "index 1..2 100644",

@@ -61,7 +61,7 @@ def test_check_flags_patch_files_of_an_unported_pin(project: Project) -> None:
 def test_apply_on_an_unported_pin_names_the_pin_pin_add_proposes(tmp_path: Path) -> None:
     """2.1 is nearer to 2.0, but records a fix upstream since 2.0.1, a release after 2.0:
     `pin add` proposes 1.0 (2.1 would lose the fix), and so does apply's advice."""
-    from hybridpd.porting.pinadd import proposed_for
+    from hybridpd.series.source import proposed_for
 
     project = Project(tmp_path)
     for version in ("1.0", "2.0", "2.1"):

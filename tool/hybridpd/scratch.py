@@ -7,27 +7,30 @@ Invariants:
 * A tree is ``<cache>/tmp/<prefix><pid>-<random>/``, created empty by :func:`tree`
   and removed when its block ends, by an exception or a signal (hybridpd turns SIGTERM
   and SIGHUP into KeyboardInterrupt) included.
-* Its process holds an exclusive ``flock`` on the tree's lock file
-  (``<tree>.lock``, beside it) for the tree's whole life; the kernel drops it when the
-  process dies, even by SIGKILL. A tree whose lock nobody holds is a dead process's:
-  every :func:`tree` first removes those (:func:`sweep`), and never a live one's.
-* Creating a tree and sweeping happen under ``<cache>/tmp/.lock``, so a sweep never
-  sees a tree between its creation and its lock.
+* Its process holds an exclusive ``flock`` on the tree directory itself
+  (:func:`hybridpd.guard.flocked`) for the tree's whole life; the kernel drops it when
+  the process dies, even by SIGKILL. A tree nobody holds is a dead process's: every
+  :func:`tree` first removes those (:func:`sweep`), and never a live one's.
+* Creating a tree and sweeping happen under the cache lock of ``<cache>/tmp``
+  (:func:`hybridpd.cache.lock`), so a sweep never sees a tree between its creation and
+  its lock.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridpd import cache
+from hybridpd import cache, guard, progress
+from hybridpd.errors import HybridpdError
 
-_LOCK_SUFFIX = ".lock"
+
+class _Held(HybridpdError):
+    """A tree whose process is alive (never shown to the user)."""
 
 
 def root() -> Path:
@@ -39,53 +42,30 @@ def tree(prefix: str) -> Iterator[Path]:
     """An empty temporary directory, removed when the block ends (see the module)."""
     base = root()
     base.mkdir(parents=True, exist_ok=True)
-    with _exclusive(base / ".lock"):
-        sweep(base)
-        path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
-        lock = os.open(path.with_name(path.name + _LOCK_SUFFIX), os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-        path.with_name(path.name + _LOCK_SUFFIX).unlink(missing_ok=True)
-        os.close(lock)
+    with contextlib.ExitStack() as held:
+        with cache.lock(base, progress.quiet):
+            sweep(base)
+            path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
+            held.enter_context(guard.flocked(path, _Held(str(path)), os.O_DIRECTORY))
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def sweep(base: Path | None = None) -> list[Path]:
-    """Remove the trees of processes that are gone; the removed ones. Call with
-    ``<base>/.lock`` held (:func:`tree` does)."""
-    base = base or root()
+    """Remove the trees of processes that are gone; the removed ones. Call under the
+    cache lock of ``base`` (:func:`tree` does)."""
     removed = []
-    for lock_file in sorted(base.glob(f"*{_LOCK_SUFFIX}")):
-        if lock_file.name == ".lock":
+    for path in sorted((base or root()).iterdir()):
+        if not path.is_dir() or path.is_symlink():
             continue
-        fd = os.open(lock_file, os.O_RDWR)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its process is alive
-            dead = lock_file.with_name(lock_file.name[: -len(_LOCK_SUFFIX)])
-            shutil.rmtree(dead, ignore_errors=True)
-            lock_file.unlink(missing_ok=True)
-            removed.append(dead)
-        finally:
-            os.close(fd)
-    # A process killed between creating its tree and its lock (under the tmp lock,
-    # so not a live one's): a tree without a lock file.
-    for path in base.iterdir():
-        if path.is_dir() and not path.with_name(path.name + _LOCK_SUFFIX).exists():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+            with guard.flocked(path, _Held(str(path)), os.O_DIRECTORY):
+                shutil.rmtree(path, ignore_errors=True)
+        except _Held:
+            continue  # its process is alive
+        except FileNotFoundError:
+            continue  # its process removed it meanwhile (it does so without the lock)
+        removed.append(path)
     return removed
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

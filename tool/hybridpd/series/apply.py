@@ -28,6 +28,7 @@ from hybridpd.errors import (
     UnknownPinError,
 )
 from hybridpd.series.model import Patch, Pin, Series
+from hybridpd.series.source import proposed_for
 
 TRAILER = "Hybridpd-Patch"
 _SHOWN_DIRTY = 5
@@ -144,9 +145,6 @@ def apply(series: Series, repo: Path, pin: Pin | None = None) -> ApplyResult:
 
 def not_ported(series: Series, pin: Pin) -> str:
     """What to do about ``pin`` not being ported: port from the pin `pin add` proposes."""
-    # porting builds on this module; its proposal is needed only here, on refusal.
-    from hybridpd.porting.pinadd import proposed_for
-
     proposed = proposed_for(series, pin)
     if proposed is None:
         return f"the series is not ported to {pin.version} yet, nor to any pin to port from"
