@@ -273,6 +273,59 @@ def test_a_model_config_of_the_wrong_shape_is_one_usage_line(monkeypatch, tmp_pa
     assert f"--model-config {config}: not a Qwen3.5-style hybrid model config" in result.stderr
 
 
+_BAD_VALUES = [0, -1, "2", 2.5, True, None]
+
+
+@pytest.mark.parametrize("key", [
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "vocab_size", "full_attention_interval"])
+def test_every_count_of_a_model_config_must_be_a_positive_integer(tmp_path, key) -> None:
+    """A count of 0 (num_key_value_heads: 0 divided by zero in the plan) or of another
+    type is one line about that key; plan() runs on whatever is accepted."""
+    path = tmp_path / "config.json"
+    for value in _BAD_VALUES:
+        path.write_text(json.dumps({**deployment.QWEN35_35B_A3B, key: value}))
+        with pytest.raises(UsageError) as caught:
+            deployment.load_model_config(path)
+        assert caught.value.message == (
+            f"--model-config {path}: not a Qwen3.5-style hybrid model config "
+            f"({key} is {json.dumps(value)}, not a positive integer)")
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"num_experts_per_tok": 300}, "num_experts_per_tok 300 is more than num_experts 256"),
+    ({"shared_expert_intermediate_size": -1},
+     "shared_expert_intermediate_size is -1, not a non-negative integer"),
+    ({"torch_dtype": "int8"}, 'torch_dtype is "int8", not one of bfloat16, float16, float32'),
+    ({"mamba_ssm_dtype": 4}, "mamba_ssm_dtype is 4, not one of bfloat16, float16, float32"),
+    ({"layer_types": "full_attention"},
+     "layer_types is not a list of 40 layer type names (num_hidden_layers)"),
+    ({"layer_types": ["linear_attention"] * 40}, "no full-attention layer"),
+    ({"full_attention_interval": 41}, "no full-attention layer"),
+])
+def test_other_fields_a_plan_cannot_use_are_one_line(tmp_path, change, why) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**deployment.QWEN35_35B_A3B, **change}))
+    with pytest.raises(UsageError) as caught:
+        deployment.load_model_config(path)
+    assert caught.value.message.endswith(f"({why})")
+
+
+def test_bench_replay_with_no_kv_heads_is_one_usage_line(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(State, "series", _repo_series())
+    monkeypatch.delenv("HYBRIDPD_DEBUG", raising=False)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**deployment.QWEN35_35B_A3B, "num_key_value_heads": 0}))
+    result = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2",
+                                                "--model-config", str(config), "--json"])
+    assert result.exit_code == 2, result.output
+    assert json.loads(result.stdout) == {"ok": False, "error": (
+        f"--model-config {config}: not a Qwen3.5-style hybrid model config "
+        "(num_key_value_heads is 0, not a positive integer)")}
+
+
 # -- running bench scripts -----------------------------------------------------------
 
 class _Env(env.BenchEnv):

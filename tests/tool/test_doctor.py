@@ -286,6 +286,35 @@ def test_disk_and_cache_lines(series, tmp_path, monkeypatch) -> None:
                                    cpuinfo=AVX2, root=tmp_path / "cache"))["disk"].status == "warn"
 
 
+@pytest.mark.parametrize("kind", ["file", "below-a-file", "symlink-to-a-file"])
+def test_a_cache_path_that_is_no_directory_fails(series, tmp_path, kind) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("not a cache\n")
+    root = {"file": file, "below-a-file": file / "cache",
+            "symlink-to-a-file": tmp_path / "link"}[kind]
+    if kind == "symlink-to-a-file":
+        root.symlink_to(file)
+    checks = by_name(doctor.diagnose(series, settings=settings(tmp_path), gpu_list=[],
+                                     cpuinfo=AVX2, root=root))
+    assert checks["cache"].status == "fail", checks["cache"]
+    assert checks["cache"].detail.startswith(f"the cache {root} cannot be a directory")
+    assert "HYBRIDPD_CACHE" in checks["cache"].fix
+    assert checks["disk"].status != "ok"
+    assert file.read_text() == "not a cache\n"
+
+
+def test_a_cache_hybridpd_may_not_write_fails(series, tmp_path, monkeypatch) -> None:
+    # Permissions as an unprivileged user sees them (root may write anywhere).
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(doctor.os, "access", lambda path, mode: Path(path) != locked)
+    checks = by_name(doctor.diagnose(series, settings=settings(tmp_path), gpu_list=[],
+                                     cpuinfo=AVX2, root=locked / "cache"))
+    assert checks["cache"].status == "fail"
+    assert checks["cache"].detail == (
+        f"{locked}, where the cache {locked / 'cache'} goes, is not writable")
+
+
 @needs_x86
 def test_cli_json_contract_and_exit_code(series, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(doctor.pkgindex, "pip_settings", lambda: settings(tmp_path))

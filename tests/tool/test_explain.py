@@ -319,7 +319,11 @@ def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypa
     out = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "Org/Name",
                                     "--connector", "nixl", "--block-size", "256",
                                     "--no-prefix-caching", "--json"])
-    assert out.exit_code == 0, out.output
+    # Neither side answered: the document is the answers, and the run failed.
+    assert out.exit_code == 1, out.output
+    assert out.stderr.splitlines() == [
+        "Error: no complete answer from the stock release or the release with the series "
+        "(stopped at --timeout or died; logs: s.log, p.log)"]
     assert json.loads(out.stdout) == {
         "version": "0.32.0", "model": "Org/Name",
         "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
@@ -332,7 +336,7 @@ def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypa
     spec = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
                                      "--num-speculative-tokens", "3",
                                      "--lmcache-version", "0.5.6", "--json"])
-    assert spec.exit_code == 0, spec.output
+    assert spec.exit_code == 1, spec.output
     # Matched against the risks only: the engine is built without a draft model.
     assert seen[-1][1][0].num_speculative_tokens == 3
     assert seen[-1][1][0].lmcache_version == "0.5.6"
@@ -342,6 +346,39 @@ def test_the_cli_prints_the_json_contract_and_one_line_errors(tmp_path, monkeypa
     assert bad.exit_code == 1
     assert bad.output.strip().splitlines() == [
         "Error: give --connector or --kv-transfer-config, not both"]
+
+
+@pytest.mark.parametrize(
+    "stock,patched,code",
+    [
+        ({"steps": {"start": START}}, {"steps": {"start": START, "groups": REFUSED}}, 0),
+        ({"steps": {"start": START, "scheduler": {"timeout": 1.0, "log": "s"}}},
+         {"steps": {"start": START}}, 1),
+        ({"steps": {"start": {"exited": 137, "log": "s"}}},
+         {"steps": {"start": START}}, 1),
+        ({"steps": {"start": START}},
+         {"failed": "no answer within 1 s; log p"}, 1),
+    ],
+    ids=["answered-and-refused", "stopped-at-timeout", "died", "no-answer"],
+)
+def test_explain_fails_when_a_side_did_not_answer(monkeypatch, stock, patched, code) -> None:
+    """What was answered is shown; a side stopped at --timeout or dead fails the run."""
+    from click.testing import CliRunner
+    from hybridpd.cli.main import main
+
+    def fake(series, pin, cases, log):
+        return [runner.Explained(pin, "m", None, None, {"stock": stock, "patched": patched},
+                                 1.0, {"stock": "s.log", "patched": "p.log"})]
+
+    monkeypatch.setattr(runner, "explain_cases", fake)
+    for as_json in ([], ["--json"]):
+        out = CliRunner().invoke(main, ["explain", "--pin", "0.32.0", "--model", "m",
+                                        "--timeout", "1", *as_json])
+        assert out.exit_code == code, out.output
+        assert out.stdout  # the answers, as far as they go
+        if as_json:
+            assert json.loads(out.stdout)["answers"]["patched"] == patched
+        assert ("Error: no complete answer" in out.stderr) == bool(code)
 
 
 # ---------------------------------------------------------------- question 3

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import standins
 from builders import Project, port_project, standard_project
-from hybridpd import gitops, guard
+from hybridpd import gitops, guard, scratch
 from hybridpd.series.model import Series
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -394,23 +394,26 @@ def test_sigterm_during_check_leaves_no_temporary_tree(project, tmp_path: Path) 
     result = hybridpd(series, "check", fault="check:round-trip:TERM", tmp=tmp)
     assert result.returncode == 130, result.stderr
     assert list(tmp.iterdir()) == []
+    assert list(scratch.root().iterdir()) == []
 
 
 def test_sigkill_during_check_changes_nothing_and_the_next_check_passes(
     project, tmp_path: Path
 ) -> None:
-    # A killed check cannot remove its temporary tree (kept in this test's own TMPDIR,
-    # not the machine's); it never writes the series.
+    # A killed check cannot remove its temporary tree, which is in the cache (not the
+    # temporary directory), where the next run removes it; it never writes the series.
     _, series, _ = project
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     before = {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()}
     killed = hybridpd(series, "check", fault="check:round-trip", tmp=tmp)
     assert killed.returncode == -signal.SIGKILL
-    assert [p.name.startswith("hybridpd-check-") for p in tmp.iterdir()] == [True]
+    assert list(tmp.iterdir()) == []
+    assert [p.name.startswith("check-") for p in scratch.root().iterdir() if p.is_dir()] == [True]
     assert {p: p.read_bytes() for p in sorted(series.dir.rglob("*")) if p.is_file()} == before
     again = hybridpd(series, "check")
     assert again.returncode == 0, again.stdout + again.stderr
+    assert list(scratch.root().iterdir()) == []
 
 
 # --------------------------------------------------------------------------- port

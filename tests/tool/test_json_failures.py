@@ -57,6 +57,28 @@ def test_a_parse_error_before_json_is_read_still_prints_the_document(
     assert f"Error: {error}" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "args,error",
+    [
+        (["--series", "patches/nonexistent", "list", "--json"],
+         "Invalid value for '--series': Path 'patches/nonexistent' does not exist."),
+        (["--bogus", "list", "--json"], "No such option '--bogus'."),
+    ],
+)
+def test_a_usage_error_in_the_groups_options_prints_the_document(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], error: str
+) -> None:
+    """The group's options are parsed before the command's: the command line says that
+    JSON was asked for."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert json.loads(result.stdout) == {"ok": False, "error": error}
+    assert f"Error: {error}" in result.stderr
+    result = CliRunner().invoke(main, args[:-1])
+    assert (result.exit_code, result.stdout) == (2, "")
+
+
 def test_a_parse_error_without_json_prints_nothing_on_stdout(tmp_path: Path) -> None:
     _, series = standard_project(tmp_path)
     result = run(series.path, "apply", "--bogus", "--", "--json")

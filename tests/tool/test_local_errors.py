@@ -276,7 +276,7 @@ def test_a_closed_stdout_is_not_a_local_file_error(
     assert "local file system" not in result.stderr and "Error" not in result.stderr
 
 
-@pytest.mark.parametrize("url", ["notaurl", "http://bad host/"])
+@pytest.mark.parametrize("url", ["notaurl", "http://bad host/", "http://[::1"])
 @pytest.mark.parametrize("command", ["checkout", "install"])
 def test_an_unusable_index_url_is_one_line(
     project: Project, tmp_path: Path, url: str, command: str

@@ -163,6 +163,21 @@ def test_refusals_are_one_line_and_write_nothing(
     assert not any((tmp_path / "cache" / "sdists").glob("proj-3*"))
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "https://[::1]x:y/", "notaurl"])
+def test_an_unusable_index_url_is_one_line_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    _, series = standard_project(tmp_path)
+    before = series.path.read_text()
+    monkeypatch.setenv("PIP_INDEX_URL", url)
+    result = run(series.path, "pin", "add", "2.1")
+    assert result.exit_code == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: proj-2.1.tar.gz not found") and "internal error" not in line
+    assert f"{url.rstrip('/')}/proj/ is not a usable index URL" in line, line
+    assert series.path.read_text() == before
+
+
 def test_commands_on_a_release_that_is_not_a_pin_say_how_to_add_it(tmp_path: Path) -> None:
     _, series = standard_project(tmp_path)
     result = run(series.path, "port", "--from", "2.0", "--to", "2.1")
@@ -194,7 +209,7 @@ def test_a_pin_that_records_a_later_fix_upstream_is_not_proposed(
 
 
 def test_hunks_are_read_as_git_applies_them() -> None:
-    from hybridpd.porting.pinadd import _patch_hunks
+    from hybridpd.series.source import _patch_hunks
 
     text = "\n".join([
         "Subject: x", "", "---", "diff --git a/a.py b/a.py", "index 1..2 100644",
@@ -230,3 +245,35 @@ def test_a_yanked_release_is_pinned_only_when_asked(
     allowed = run(series.path, "pin", "add", "2.1", "--allow-yanked", "--json")
     assert allowed.exit_code == 0, allowed.output
     assert json.loads(allowed.stdout)["yanked"] == "broken wheel"
+
+
+@pytest.mark.parametrize("fault", ["missing", "not-a-hash", "other-hash"])
+def test_an_index_that_lists_a_file_wrongly_says_what_is_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """A file the index lists but does not have, and a hash on its page that is not one
+    or not the file's: one line that names the file, the URL and both hashes, and says
+    the expectation is the index's (pin add has no series.toml hash yet)."""
+    project, series = standard_project(tmp_path)
+    release = _publish(project, monkeypatch, "2.1")
+    files = project.root / "index" / "files"
+    page = project.root / "index" / "simple" / "proj" / "index.html"
+    url = (files / release.filename).as_uri()
+    if fault == "missing":
+        (files / release.filename).unlink()
+        error = (f"the index lists {release.filename} at {url}, but it is not there (no such "
+                 f"file: {files / release.filename})")
+    elif fault == "not-a-hash":
+        page.write_text(page.read_text().replace(release.sha256, "00"))
+        error = (f"the index lists {release.filename} with sha256 '00', which is not a sha256 "
+                 "(64 hex digits): the index's page is wrong")
+    else:
+        page.write_text(page.read_text().replace(release.sha256, "0" * 64))
+        error = (f"{release.filename} from {url} has sha256 {release.sha256}, the index "
+                 f"expects {'0' * 64}")
+    before = series.path.read_text()
+    result = run(series.path, "pin", "add", "2.1")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == f"Error: {error}"
+    assert series.path.read_text() == before
+    assert not (tmp_path / "cache" / "sdists" / release.filename).exists()

@@ -158,8 +158,17 @@ def sdist_listed(package: str, found: pkgindex.IndexFile,
     the index's hash where it lists one, else the hash of the bytes downloaded (or of
     the copy the cache already has), which the caller records."""
     if found.sha256 is not None:
+        if not pkgindex.is_sha256(found.sha256):
+            raise ChecksumError(
+                f"the index lists {found.filename} with sha256 {found.sha256!r}, which is not "
+                "a sha256 (64 hex digits): the index's page is wrong"
+            )
         sha256 = found.sha256.lower()
-        return sdist(package, found.filename, sha256), sha256
+        path = cache_dir() / "sdists" / found.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with lock(path, progress.say):
+            return _verified_or_downloaded(package, path, found.filename, sha256,
+                                           "the index"), sha256
     path = cache_dir() / "sdists" / found.filename
     path.parent.mkdir(parents=True, exist_ok=True)
     with lock(path, progress.say):
@@ -168,7 +177,8 @@ def sdist_listed(package: str, found: pkgindex.IndexFile,
         return path, pkgindex.download(found.url, path, None, settings)
 
 
-def _verified_or_downloaded(package: str, path: Path, filename: str, sha256: str) -> Path:
+def _verified_or_downloaded(package: str, path: Path, filename: str, sha256: str,
+                            expected_by: str = "series.toml") -> Path:
     if path.exists() and not path.is_file():
         raise LocalFileError(f"cache entry {path} is not a file; remove it and run again")
     if path.is_file():
@@ -182,7 +192,7 @@ def _verified_or_downloaded(package: str, path: Path, filename: str, sha256: str
     # Fail before a long download when the index already tells us the hash is wrong.
     if found.sha256 is not None and found.sha256 != sha256:
         raise ChecksumError(
-            f"{filename} on the index has sha256 {found.sha256}, series.toml expects {sha256}"
+            f"{filename} on the index has sha256 {found.sha256}, {expected_by} expects {sha256}"
         )
-    pkgindex.download(found.url, path, sha256, settings)
+    pkgindex.download(found.url, path, sha256, settings, expected_by)
     return path

@@ -291,11 +291,8 @@ def _held(lock: Path) -> bool:
 def _read_journal(repo: Path, path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict):
+        if not _well_formed(data):
             raise ValueError
-        for key, kind in (("operation", str), ("pid", int), ("head", str), ("locks", list)):
-            if not isinstance(data.get(key), kind):
-                raise ValueError
     except (ValueError, UnicodeDecodeError):
         raise InterruptedStateError(
             f"{path} is not a hybridpd journal (corrupt); nothing was done. If no hybridpd "
@@ -303,6 +300,30 @@ def _read_journal(repo: Path, path: Path) -> dict:
             "run again"
         ) from None
     return data
+
+
+def _well_formed(data: object) -> bool:
+    """Whether ``data`` has the shape :func:`journal`, :func:`expect` and :func:`settle`
+    write, in every part that recovery reads."""
+    if not isinstance(data, dict) or not all(
+        isinstance(data.get(key), kind)
+        for key, kind in (("operation", str), ("pid", int), ("head", str), ("locks", list))
+    ):
+        return False
+    touching = data.get("touching", {})
+    return (
+        all(isinstance(lock, str) for lock in data["locks"])
+        and isinstance(touching, dict)
+        and all(
+            isinstance(contents, dict)
+            and all(
+                isinstance(contents.get(kind), list)
+                and all(blob is None or isinstance(blob, str) for blob in contents[kind])
+                for kind in ("work", "index")
+            )
+            for contents in touching.values()
+        )
+    )
 
 
 def _changed_since(repo: Path, data: dict) -> list[str]:
@@ -427,6 +448,24 @@ def _journal_of(repo: Path) -> tuple[dict, Path]:
 def _git_locks(gdir: Path) -> set[str]:
     """git's lock files under ``gdir`` (relative paths), not counting hybridpd's."""
     return gitlocks.found(gdir, {LOCK})
+
+
+def port_in_progress(repo: Path) -> str | None:
+    """A line saying that ``repo`` holds a `hybridpd port` under way (its state file,
+    :data:`PORT_STATE`), and how to end it; None when it holds none."""
+    try:
+        path = git_dir(repo) / PORT_STATE
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (HybridpdError, OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    what = (f"from {data['from_version']} to {data['to_version']} "
+            if isinstance(data.get("from_version"), str) and isinstance(data.get("to_version"), str)
+            else "")
+    return (f"{repo} holds a `hybridpd port` {what}in progress: `hybridpd port --continue "
+            f"--dir {repo}` (or --skip --upstream RELEASE, or --abort) ends it, then status "
+            "and apply work on the checkout")
 
 
 def _refuse_foreign_state(repo: Path, gdir: Path) -> None:

@@ -42,6 +42,10 @@ _CHUNK = 1 << 20
 class _NotFound(PackageIndexError):
     """The URL names nothing (HTTP 404, or a missing ``file://`` path)."""
 
+    def __init__(self, url: str, what: str) -> None:
+        super().__init__(f"{url}: {what}")
+        self.url, self.what = url, what
+
 
 class _Response(Protocol):
     """What both urllib's HTTP and file responses offer."""
@@ -276,14 +280,18 @@ def _files_from_html(html: str, base: str) -> list[IndexFile]:
 @contextlib.contextmanager
 def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Response]:
     """Open ``url``; a ``file://`` directory reads its ``index.html``, as pip does."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme == "file" and Path(urllib.request.url2pathname(parsed.path)).is_dir():
-        url = urllib.parse.urljoin(url.rstrip("/") + "/", "index.html")
 
     def unusable(exc: Exception) -> PackageIndexError:
         return PackageIndexError(
             f"{url} is not a usable index URL ({exc}); check PIP_INDEX_URL and pip's index-url"
         )
+
+    try:
+        parsed = urllib.parse.urlparse(url)
+    except ValueError as exc:  # "Invalid IPv6 URL": a host with an unclosed "["
+        raise unusable(exc) from None
+    if parsed.scheme == "file" and Path(urllib.request.url2pathname(parsed.path)).is_dir():
+        url = urllib.parse.urljoin(url.rstrip("/") + "/", "index.html")
 
     try:
         request = urllib.request.Request(
@@ -299,23 +307,42 @@ def _open(url: str, settings: PipSettings, accept: str = "*/*") -> Iterator[_Res
         raise unusable(exc) from None
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
-            raise _NotFound(url) from exc
+            raise _NotFound(url, "not found on the index (HTTP 404)") from exc
         raise PackageIndexError(f"HTTP {exc.code} for {url}") from exc
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, FileNotFoundError):
-            raise _NotFound(url) from exc
+            raise _NotFound(url, f"no such file: {reason.filename or parsed.path}") from exc
         raise PackageIndexError(f"cannot read {url}: {reason}") from exc
 
 
-def download(url: str, dest: Path, sha256: str | None, settings: PipSettings) -> str:
+def download(url: str, dest: Path, sha256: str | None, settings: PipSettings,
+             expected_by: str = "series.toml") -> str:
     """Download ``url`` to ``dest``, which appears only if its sha256 is ``sha256``
     (any, for None: an index that lists the file without a hash); returns the sha256.
+    ``expected_by``: where ``sha256`` comes from, for the error when it differs.
 
     The file is streamed to a temporary file next to ``dest`` and moved into place
     after verification, so ``dest`` is never partial; on any failure the temporary
     file is removed.
     """
+    try:
+        with _download(url, dest, sha256, settings, expected_by) as digest:
+            return digest
+    except _NotFound as exc:  # listed on the index, but not there
+        raise PackageIndexError(
+            f"the index lists {dest.name} at {url}, but it is not there ({exc.what})"
+        ) from None
+
+
+def is_sha256(value: str) -> bool:
+    """Whether ``value`` is a sha256 as indexes write it (64 hex digits)."""
+    return re.fullmatch(r"[0-9a-fA-F]{64}", value) is not None
+
+
+@contextlib.contextmanager
+def _download(url: str, dest: Path, sha256: str | None, settings: PipSettings,
+              expected_by: str) -> Iterator[str]:
     with _open(url, settings) as response:
         size = int(response.headers.get("Content-Length") or 0)
         # Local errors (no space, no permission) are LocalFileError, not OSError:
@@ -348,7 +375,7 @@ def download(url: str, dest: Path, sha256: str | None, settings: PipSettings) ->
             if sha256 is not None and digest.hexdigest() != sha256:
                 raise ChecksumError(
                     f"{dest.name} from {url} has sha256 {digest.hexdigest()}, "
-                    f"series.toml expects {sha256}"
+                    f"{expected_by} expects {sha256}"
                 )
             try:
                 os.replace(tmp, dest)
@@ -357,7 +384,7 @@ def download(url: str, dest: Path, sha256: str | None, settings: PipSettings) ->
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-    return digest.hexdigest()
+    yield digest.hexdigest()
 
 
 @contextlib.contextmanager

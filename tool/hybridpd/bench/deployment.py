@@ -109,17 +109,49 @@ def load_model_config(path: Path | None) -> dict[str, Any]:
         raise UsageError(str(exc)) from None
     if isinstance(config, dict):
         config = config.get("text_config", config)
-    # Valid JSON of another shape: what shape() and plan() read must be there.
-    try:
-        if not isinstance(config, dict):
-            raise TypeError(f"a JSON object, not {type(config).__name__}")
-        if shape(config)["full_attention_layers"] < 1:
-            raise ValueError("no full-attention layer")
-    except KeyError as exc:
-        raise UsageError(_not_a_config(path, f"no {exc.args[0]}")) from None
-    except (TypeError, ValueError, ArithmeticError) as exc:
-        raise UsageError(_not_a_config(path, str(exc))) from None
+    # Valid JSON of another shape: what shape() and plan() read must be there, each
+    # of a kind they can compute with (a count of 0 would divide by zero in plan()).
+    problem = (f"a JSON object, not {type(config).__name__}" if not isinstance(config, dict)
+               else _config_problem(config))
+    if problem is not None:
+        raise UsageError(_not_a_config(path, problem))
     return config
+
+
+#: The counts shape() and plan() read: each a positive integer.
+_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+           "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+           "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+           "num_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
+
+
+def _config_problem(config: dict[str, Any]) -> str | None:
+    """What makes ``config`` one that shape() and plan() cannot size, or None."""
+    for key in _COUNTS:
+        if key not in config:
+            return f"no {key}"
+    least = {**dict.fromkeys(_COUNTS, 1), "full_attention_interval": 1,
+             "shared_expert_intermediate_size": 0}
+    for key, low in least.items():
+        value = config.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            kind = "a positive" if low else "a non-negative"
+            return f"{key} is {json.dumps(value)}, not {kind} integer"
+    if config["num_experts_per_tok"] > config["num_experts"]:
+        return (f"num_experts_per_tok {config['num_experts_per_tok']} is more than "
+                f"num_experts {config['num_experts']}")
+    for key in ("torch_dtype", "mamba_ssm_dtype"):
+        if config.get(key) is not None and config[key] not in _DTYPE_BYTES:
+            return f"{key} is {json.dumps(config[key])}, not one of {', '.join(_DTYPE_BYTES)}"
+    types = config.get("layer_types")
+    if types is not None and (not isinstance(types, list)
+                              or len(types) != config["num_hidden_layers"]
+                              or not all(isinstance(t, str) for t in types)):
+        return (f"layer_types is not a list of {config['num_hidden_layers']} layer type "
+                "names (num_hidden_layers)")
+    if _layers(config)[0] < 1:
+        return "no full-attention layer"
+    return None
 
 
 def _not_a_config(path: Path, why: str) -> str:

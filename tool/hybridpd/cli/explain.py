@@ -75,6 +75,7 @@ def explain(state: State, pin: Pin, model: str, connector: str | None,
     result = runner.explain(state.series, pin, opts, log=quiet if as_json else log)
     if as_json:
         jsonout.emit(result.to_json())
-        return
-    for line in render.lines(result):
-        click.echo(line)
+    else:
+        for line in render.lines(result):
+            click.echo(line)
+    result.require_answers()

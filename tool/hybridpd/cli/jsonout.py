@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 
+from hybridpd.cli import signals
 from hybridpd.cli.argv import wants_json
 from hybridpd.errors import HybridpdError, Interrupted, LocalFileError, UsageError
 
@@ -91,6 +92,21 @@ class JsonGroup(UsageGroup):
     with ``HYBRIDPD_DEBUG=1``.
     """
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # The group's own options (`--series`, an unknown one) are parsed before any
+        # command's --json callback: the command line says whether JSON was asked for.
+        asked = wants_json(list(args))
+        try:
+            try:
+                with signals.armed():
+                    return super().parse_args(ctx, args)
+            except KeyboardInterrupt:
+                raise _Failed(Interrupted("interrupted")) from None
+        except click.ClickException as exc:
+            if asked:
+                click.echo(json.dumps({"ok": False, "error": exc.format_message()}))
+            raise
+
     def invoke(self, ctx: click.Context) -> Any:
         # A usage error that click's parser raises (an unknown option, an option without
         # its value) comes before the subcommand's --json callback has run: its own
@@ -99,7 +115,8 @@ class JsonGroup(UsageGroup):
         try:
             try:
                 try:
-                    return super().invoke(ctx)
+                    with signals.armed():
+                        return super().invoke(ctx)
                 except OSError as exc:
                     # A closed stdout (`hybridpd list | head`) is click's to handle
                     # quietly, and a network error is not a local one.

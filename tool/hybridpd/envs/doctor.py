@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import platform
 import re
 import shutil
@@ -318,13 +319,36 @@ def diagnose(
     for package, spec, release, what in KNOWN_TRAPS:
         if release in {p.version for p in series.pins}:
             checks.append(_trap_check(found.get(package, set()), package, spec, release, what))
-    checks.append(_disk_check(root))
-    if size is None:
-        checks.append(Check("cache", "warn", f"{root}: size not counted within "
-                                             f"{PROCESS_TIMEOUT:g} s"))
+    problem = cache_path_problem(root)
+    if problem is not None:
+        fix = f"remove it, or set {cache.CACHE_ENV} to a directory hybridpd may write"
+        checks.append(Check("disk", "warn", f"not measured: {problem}", fix))
+        checks.append(Check("cache", "fail", problem, fix))
     else:
-        checks.append(Check("cache", "ok", f"{root}: " + (_gb(size) if size else "empty")))
+        checks.append(_disk_check(root))
+        if size is None:
+            checks.append(Check("cache", "warn", f"{root}: size not counted within "
+                                                 f"{PROCESS_TIMEOUT:g} s"))
+        else:
+            checks.append(Check("cache", "ok", f"{root}: " + (_gb(size) if size else "empty")))
     return Report(tuple(checks), tuple(pins))
+
+
+def cache_path_problem(root: Path) -> str | None:
+    """Why hybridpd cannot keep its cache at ``root``, or None: a path that is not a
+    directory, or below one that is not, or where it may not write."""
+    existing = root if os.path.lexists(root) else next(
+        (p for p in root.parents if os.path.lexists(p)), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        kind = "a file" if existing.is_file() else "not a directory"
+        where = "" if existing == root else f" (its parent {existing})"
+        return f"the cache {root} cannot be a directory{where}: {existing} is {kind}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the cache" if existing == root else f"{existing}, where the cache {root} goes,"
+        return f"{what} is not writable"
+    return None
 
 
 def _pin(

@@ -82,11 +82,34 @@ class Explained:
     #: Question 5: the records' risks that apply (:func:`.risks.assess`).
     risks: list[dict] = field(default_factory=list)
 
+    def unanswered(self) -> list[str]:
+        """The sides whose driver did not answer every step it reached: it died, or
+        stopped at the time limit (a refusal by vLLM is an answer)."""
+        return [side for side in SIDES if _incomplete(self.answers.get(side, {}))]
+
+    def require_answers(self) -> None:
+        """Raise :class:`Unanswered` where a side did not answer (once shown: what
+        was answered stands, but the run failed)."""
+        if missing := self.unanswered():
+            names = {"stock": "the stock release", "patched": "the release with the series"}
+            raise Unanswered(f"no complete answer from {' or '.join(names[s] for s in missing)}"
+                             f" (stopped at --timeout or died; logs: "
+                             f"{', '.join(self.logs.get(s, '?') for s in missing)})")
+
     def to_json(self) -> dict:
         return {"version": self.pin.version, "model": self.model,
                 "kv_transfer_config": self.kv_transfer_config, "note": self.note,
                 "answers": self.answers, "risks": self.risks,
                 "seconds": round(self.seconds, 1), "logs": self.logs}
+
+
+def _incomplete(answer: dict) -> bool:
+    return "failed" in answer or not answer or any(
+        "timeout" in step or "exited" in step for step in answer.get("steps", {}).values())
+
+
+class Unanswered(ExplainError):
+    """A side of ``explain`` gave no complete answer (after the answers were shown)."""
 
 
 def explain(series: Series, pin: Pin, opts: ExplainOptions, log: Log = quiet) -> Explained:

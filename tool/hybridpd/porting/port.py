@@ -55,14 +55,13 @@ import dataclasses
 import json
 import shlex
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from packaging.version import InvalidVersion
 
-from hybridpd import cache, gitops, guard
+from hybridpd import cache, gitops, guard, scratch
 from hybridpd.errors import ApplyError, CheckoutError, HybridpdError, UsageError
 from hybridpd.porting import apinames
 from hybridpd.porting import moves as moves_mod
@@ -78,6 +77,9 @@ STATE_FILE = guard.PORT_STATE
 #: Left in ``.git/`` by a port that finished or was aborted: ``start`` may replace
 #: such a directory (its results are in the series, or were dropped on purpose).
 ENDED_FILE = "hybridpd-port-ended"
+#: Written once the port's checkout exists, until its state file does: a port killed in
+#: between (fetching the base) leaves only the checkout, which the next port clears.
+STARTING_FILE = "hybridpd-port-starting.json"
 #: Where the V1 release commit is kept in the port directory while a port runs.
 BASE_REF = "refs/hybridpd/port-from"
 STATE_SCHEMA = 1
@@ -281,6 +283,7 @@ def start(
         )
     _refuse_lost_fixes(series, v1, v2)
     dest = (dest or default_dir(v2.version)).absolute()
+    other = "--dir" if dest == default_dir(v2.version).absolute() else "another --dir"
     if PortState.path(dest).is_file():
         raise PortError(
             f"a port is in progress in {dest}: use --continue, --skip --upstream RELEASE or --abort"
@@ -298,8 +301,10 @@ def start(
             )
         log(f"replacing the ended port in {dest}")
         shutil.rmtree(dest)
+    if (dest / ".git" / STARTING_FILE).is_file():
+        _clear_killed_start(dest, other, log)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise PortError(f"{dest} already exists and is not empty; remove it or pass --dir")
+        raise PortError(f"{dest} already exists and is not empty; remove it or pass {other}")
     missing = [
         series.relative(series.patch_path(v1, p.id))
         for p in series.carried(v1)
@@ -311,6 +316,10 @@ def start(
         with cache.owned(dest, CheckoutError):
             log(f"checking out {v2.version} (sdist) into {dest}")
             checkout_mod.checkout(series, v2, dest, source="sdist")
+            starting = dest / ".git" / STARTING_FILE
+            guard.write_atomic(starting, json.dumps(
+                {"from_version": v1.version, "to_version": v2.version,
+                 "head": gitops.head(dest)}) + "\n")
             # The port's lock from the moment the repository exists until the run
             # ends: a `port --continue` started meanwhile is refused, never let in
             # between the state file and the first patch.
@@ -326,7 +335,31 @@ def start(
                 replace=replace,
             )
             state.save(dest)
+            starting.unlink()
         return _run(series, dest, state, log)
+
+
+def _clear_killed_start(dest: Path, other: str, log: Log) -> None:
+    """Remove the checkout a port killed before its state file left in ``dest``, if
+    nothing changed in it since (HEAD, index, work tree, untracked files); else refuse,
+    naming what changed. A port still starting there holds the directory: busy."""
+    with guard.directory(dest):
+        try:
+            start = json.loads((dest / ".git" / STARTING_FILE).read_text(encoding="utf-8"))
+            head = start["head"] if isinstance(start, dict) else None
+        except (OSError, ValueError, KeyError):
+            head = None
+        changed = gitops.status(dest)
+        moved = head is None or gitops.head(dest) != head
+        if changed or moved:
+            what = ", ".join([*(["HEAD moved"] if moved else []),
+                              *(line[3:] for line in changed[:5])])
+            raise PortError(
+                f"{dest} holds the checkout of a port killed before its first patch, changed "
+                f"since ({what}{', ...' if len(changed) > 5 else ''}); remove it, or pass {other}"
+            )
+        log(f"removing the checkout a killed port left in {dest} (unchanged since)")
+        shutil.rmtree(dest)
 
 
 def _refuse_lost_fixes(series: Series, v1: Pin, v2: Pin) -> None:
@@ -658,8 +691,7 @@ def finish(series: Series, dest: Path, state: PortState) -> PortReport:
     v2 = series.pin(state.to_version)
     results = state.results()
     carried = [r.id for r in results if r.result in CARRIED_RESULTS]
-    with tempfile.TemporaryDirectory(prefix="hybridpd-port-") as tmp:
-        staging = Path(tmp)
+    with scratch.tree("port-") as staging:
         exported = [i for i, _ in patch_commits(dest, v2)]
         if exported != carried:
             raise PortError(
@@ -830,9 +862,10 @@ def _tree(dest: Path, rev: str) -> str:
 def _fetch_base(series: Series, v1: Pin, dest: Path) -> None:
     """Put V1's patched commits (and so every blob its patches name) into ``dest``
     under BASE_REF."""
-    with tempfile.TemporaryDirectory(prefix="hybridpd-port-base-") as tmp:
-        base = Path(tmp) / "src"
+    with scratch.tree("port-base-") as tmp:
+        base = tmp / "src"
         checkout_mod.checkout(series, v1, base, source="sdist")
+        guard.fault("port:base-checked-out")
         try:
             apply_mod.apply(series, base, v1)
         except ApplyError as exc:

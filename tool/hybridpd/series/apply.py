@@ -28,6 +28,7 @@ from hybridpd.errors import (
     UnknownPinError,
 )
 from hybridpd.series.model import Patch, Pin, Series
+from hybridpd.series.source import proposed_for
 
 TRAILER = "Hybridpd-Patch"
 _SHOWN_DIRTY = 5
@@ -133,15 +134,22 @@ def apply(series: Series, repo: Path, pin: Pin | None = None) -> ApplyResult:
     whose change is already present is skipped and reported upstream. On any failure
     HEAD, index and work tree are restored and ApplyError names the patch and files.
     """
+    if port := guard.port_in_progress(repo):
+        raise ApplyError(port)
     pin = pin or checkout_pin(series, repo)
     if not pin.ported:
-        ported = [p.version for p in series.pins if p.ported]
-        raise ApplyError(
-            f"the series is not ported to {pin.version} yet "
-            f"(hybridpd port --from {ported[-1]} --to {pin.version})"
-        )
+        raise ApplyError(not_ported(series, pin))
     with guard.operation(repo, "apply") as recovered:
         return _apply_locked(series, repo, pin, recovered)
+
+
+def not_ported(series: Series, pin: Pin) -> str:
+    """What to do about ``pin`` not being ported: port from the pin `pin add` proposes."""
+    proposed = proposed_for(series, pin)
+    if proposed is None:
+        return f"the series is not ported to {pin.version} yet, nor to any pin to port from"
+    return (f"the series is not ported to {pin.version} yet (hybridpd port --from "
+            f"{proposed.version} --to {pin.version}, the pin `hybridpd pin add` proposes)")
 
 
 def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -> ApplyResult:
@@ -187,6 +195,8 @@ def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -
 
 def status(series: Series, repo: Path) -> Status:
     """Report applied, pending and upstream patches of ``repo`` (changes nothing)."""
+    if port := guard.port_in_progress(repo):
+        raise ApplyError(port)
     pin = checkout_pin(series, repo)
     plan = _plan(series, repo, pin)
     present: list[str] = []

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.version import InvalidVersion
 
-from hybridpd import gitops, guard
+from hybridpd import gitops, guard, scratch
 from hybridpd.errors import ApplyError, ExportError
 from hybridpd.progress import Log, quiet
 from hybridpd.series import checkout as checkout_mod
@@ -235,8 +234,8 @@ def _release_problems(patch_id: str, pin: Pin, release: str | None) -> list[str]
 
 
 def _round_trip_problems(series: Series, pin: Pin, fresh_checkout: FreshCheckout) -> list[str]:
-    with tempfile.TemporaryDirectory(prefix="hybridpd-check-") as tmp:
-        repo, out_dir = Path(tmp) / "src", Path(tmp) / "export"
+    with scratch.tree("check-") as tmp:
+        repo, out_dir = tmp / "src", tmp / "export"
         fresh_checkout(series, pin, repo)
         guard.fault("check:round-trip")
         try:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridpd import gitops, guard
+from hybridpd import gitops, guard, scratch
 from hybridpd.progress import Log, quiet
 from hybridpd.series.checkout import checkout
 from hybridpd.series.model import Pin, Series
@@ -61,8 +60,8 @@ def export_prs(
             )
             raise ExportPrError(f"{patch_id} is {why} on {pin.version}: nothing to export")
     exports = []
-    with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
-        work = Path(tmp) / "work"
+    with scratch.tree("export-pr-") as tmp:
+        work = tmp / "work"
         base = gitops.resolve(stock, pin.tag) or gitops.head(stock)
         with gitops.worktree(stock, base, work):
             for patch_id in patch_ids:
@@ -139,10 +138,11 @@ def run(
     configured here; with neither, UsageError before anything is written."""
     submitter = resolve_author(author)
     ids = [patch_id] if patch_id else [p.id for p in series.carried(pin)]
-    with tempfile.TemporaryDirectory(prefix="hybridpd-export-pr-") as tmp:
-        stock = Path(tmp) / "stock"
+    with scratch.tree("export-pr-") as tmp:
+        stock = tmp / "stock"
         log(f"export-pr: checking out stock {pin.version}")
         checkout(series, pin, stock, source="sdist")
+        guard.fault("export-pr:checked-out")
         exports = export_prs(
             series, pin, ids, stock, out_dir, log=log, force=force, author=submitter
         )

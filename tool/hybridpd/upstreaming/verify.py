@@ -7,13 +7,12 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from hybridpd import gitops
+from hybridpd import gitops, scratch
 from hybridpd.progress import Log, quiet
 from hybridpd.proof.pytestrun import FINISHED, Counts
 from hybridpd.series.model import Pin, Series
@@ -111,8 +110,8 @@ def verify(
     logs = export.dir / "verify-logs"
     if logs.exists():
         shutil.rmtree(logs)
-    with tempfile.TemporaryDirectory(prefix="hybridpd-verify-") as tmp:
-        tree = Path(tmp) / series.package
+    with scratch.tree("verify-") as tmp:
+        tree = tmp / series.package
         with gitops.worktree(stock, base, tree):
 
             def place(paths: Sequence[str]) -> None:
