@@ -426,6 +426,41 @@ def test_verify_red_on_stock_green_after_am(tmp_path):
     assert "Not ready" not in results
 
 
+def _collection_error_runner(calls: list, interrupted: tuple[str, ...]):
+    """The fake runner, except that the runs named in ``interrupted`` end as pytest
+    ends on a test module that cannot import (one error per file, interrupted)."""
+    fake = _fake_runner(calls)
+
+    def run(tree: Path, files, label: str) -> SuiteResult:
+        result = fake(tree, files, label)
+        if label in interrupted:
+            result.outcomes = {rel: "error" for rel in files}
+            result.status, result.reason = "interrupted", "interrupted: 1 error during collection"
+        return result
+
+    return run
+
+
+def test_verify_counts_a_collection_error_without_the_patch_as_red(tmp_path):
+    project, material = _project(tmp_path)
+    series, stock, (result,), _ = _export(project, material, ["follow-up"], tmp_path)
+
+    report = verify.verify(result, stock, _collection_error_runner([], ("stock", "without")),
+                           series, series.pin("1.0"))
+
+    assert report["ok"], report["problems"]
+    assert report["stock"]["errors"] == 2 and report["without"]["errors"] == 1
+
+
+def test_verify_refuses_an_interrupted_run_after_am(tmp_path):
+    project, material = _project(tmp_path)
+    series, stock, (result,), _ = _export(project, material, ["follow-up"], tmp_path)
+
+    with pytest.raises(layout.ExportPrError, match="patched: pytest did not finish"):
+        verify.verify(result, stock, _collection_error_runner([], ("patched",)),
+                      series, series.pin("1.0"))
+
+
 def test_verify_fails_when_nothing_is_red_on_stock(tmp_path):
     project, material = _project(tmp_path)
     # A test that passes without the patch proves nothing.

@@ -362,3 +362,128 @@ def test_tool_environment_is_cached_by_its_requirements(tmp_path, monkeypatch):
     assert first.parent == tmp_path / "cache" / "tools"
     installs = [c for c in made if "install" in c]
     assert [c[-1] for c in installs] == ["ruff==0.14.0", "ruff==0.11.7"]  # built once each
+
+
+# LMCache's hook shapes: its local hooks (a Python script, a bash grep), ruff under its
+# older hook id ``ruff``, and mypy through mirrors-mypy with LMCache's arguments. The
+# remote hooks' revs are the pins this environment holds (ruff 0.14.0, mypy 1.20.2), so
+# that they run offline; LMCache 0.5.6 pins ruff 0.11.7 and mypy 1.17.1.
+
+LMCACHE_TOOLS_CONFIG = """\
+repos:
+- repo: local
+  hooks:
+  - id: check-spdx-header
+    name: Check SPDX headers
+    entry: python tools/check_spdx_header.py
+    language: python
+    types: [python]
+  - id: ban-raw-timeout-error
+    name: Ban raw raise of builtin TimeoutError
+    entry: >-
+      bash -c '
+      matches=$(grep -rHnE "raise[[:space:]]+(asyncio\\\\.)?TimeoutError\\\\b" "$@");
+      if [ -n "$matches" ]; then
+        echo "  BANNED: raw raise of builtin TimeoutError";
+        echo "$matches";
+        exit 1;
+      fi' --
+    language: system
+    types: [python]
+    files: ^lmcache/
+- repo: https://github.com/astral-sh/ruff-pre-commit
+  rev: v0.14.0
+  hooks:
+  - id: ruff
+    args: [--output-format, github, --fix]
+  - id: ruff-format
+- repo: https://github.com/pre-commit/mirrors-mypy
+  rev: 'v1.20.2'
+  hooks:
+  - id: mypy
+    args: [--config-file=pyproject.toml]
+"""
+
+SPDX_SCRIPT = '''\
+"""Shaped like LMCache's tools/check_spdx_header.py (which also adds the header)."""
+import sys
+
+PREFIX = "# SPDX-License-Identifier:"
+
+
+def main():
+    print("Running checker")
+    missing = [p for p in sys.argv[1:]
+               if not any(ln.startswith(PREFIX) for ln in open(p, encoding="utf-8"))]
+    if missing:
+        print("The following files are missing the SPDX header:")
+        for path in missing:
+            print(f"  {path}")
+    sys.exit(1 if missing else 0)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+LMCACHE_CLEAN = "# SPDX-License-Identifier: Apache-2.0\n" + CLEAN + '''
+
+def wait(done: bool) -> None:
+    if not done:
+        raise RuntimeError("not done")
+'''
+
+
+def _lmcache_tree(tmp_path: Path, source: str) -> Path:
+    tree = tmp_path / "lmcache-proj"
+    (tree / "tools").mkdir(parents=True)
+    (tree / "tools" / "check_spdx_header.py").write_text(SPDX_SCRIPT)
+    (tree / "lmcache").mkdir()
+    (tree / "lmcache" / "__init__.py").write_text("")
+    (tree / "lmcache" / "sched.py").write_text(source)
+    (tree / ".pre-commit-config.yaml").write_text(LMCACHE_TOOLS_CONFIG)
+    (tree / "pyproject.toml").write_text(
+        "[tool.ruff]\nline-length = 88\n[tool.mypy]\nignore_missing_imports = true\n"
+    )
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    return tree
+
+
+def _run_lmcache(tree: Path) -> dict:
+    return checks.run_checks(tree, ["lmcache/sched.py"], _pinned_here)
+
+
+def test_clean_code_passes_lmcache_shaped_checks(tmp_path):
+    report = _run_lmcache(_lmcache_tree(tmp_path, LMCACHE_CLEAN))
+
+    assert report["findings"] == []
+    assert [(c["hook"], c["ok"]) for c in report["checks"]] == [
+        ("check-spdx-header", True), ("ban-raw-timeout-error", True), ("ruff", True),
+        ("ruff-format", True), ("mypy", True)]
+    assert report["checks"][4]["command"] == (
+        "mypy --config-file=pyproject.toml lmcache/sched.py")
+
+
+@pytest.mark.parametrize(
+    ("planted", "hook", "tail"),
+    [
+        (lambda s: s.replace("# SPDX-License-Identifier: Apache-2.0\n", ""),
+         "check-spdx-header", "lmcache/sched.py"),
+        (lambda s: s.replace('RuntimeError("not done")', "TimeoutError"),
+         "ban-raw-timeout-error", "raise TimeoutError"),
+        (lambda s: s.replace("class Connector", "import os\n\n\nclass Connector"),
+         "ruff", "`os` imported but unused"),
+        (lambda s: s.replace("connector.supports()", "connector.supports( )"),
+         "ruff-format", "Would reformat: lmcache/sched.py"),
+        (lambda s: s.replace("    if connector is None:\n        return False\n", ""),
+         "mypy", "[union-attr]"),
+    ],
+    ids=["spdx", "timeout-error", "ruff", "ruff-format", "mypy"],
+)
+def test_a_planted_finding_makes_lmcache_shaped_checks_red(tmp_path, planted, hook, tail):
+    report = _run_lmcache(_lmcache_tree(tmp_path, planted(LMCACHE_CLEAN)))
+
+    assert report["findings"], "a planted finding passed"
+    assert {f.split(":", 1)[0] for f in report["findings"]} == {hook}
+    assert any(f.endswith(tail) for f in report["findings"]), report["findings"]
+    assert [c["hook"] for c in report["checks"] if not c["ok"]] == [hook]

@@ -6,8 +6,9 @@ registers its KV cache for (LMCacheMPConnector); network I/O is stubbed.
 The allocation (``get_mem_pool_context``) counts the engine's KV cache
 groups, registration LMCache's engine groups, which may differ (one engine
 group split by physical identity): registration refuses a mode other than
-the one the KV cache was allocated for, which would move it away from a
-connector that registered it first.
+the one the KV cache was allocated for only where that would move it (an
+engine-memory KV cache registered for the LMCache-driven path); a KV cache
+allocated in shared memory keeps the LMCache-driven mode.
 """
 
 # Standard
@@ -35,6 +36,7 @@ from lmcache.integration.vllm.lmcache_mp_connector import (  # noqa: E402
 )
 from lmcache.v1.multiprocess.transfer_context.worker_transfer import (  # noqa: E402
     ENV_MP_TRANSFER_MODE,
+    MPTransferMode,
 )
 from lmcache.v1.platform.devices.cpu import shm as cpu_shm  # noqa: E402
 
@@ -127,9 +129,36 @@ def test_registration_in_the_allocations_mode_is_accepted(
     try:
         context = worker.worker_adapter.kv_cache_allocation_context("cpu", 2)
         assert isinstance(context, cpu_shm.ShmAllocationMode)
+        with context:
+            kv_cache = torch.zeros(2, 4, device="cpu")
         worker.worker_adapter.register_kv_caches(
-            {"layer": torch.zeros(2, 4)}, cast(list, _groups(3))
+            {"layer": kv_cache}, cast(list, _groups(3))
         )
         transfer.register.assert_called_once()
+    finally:
+        worker.shutdown()
+
+
+def test_registration_keeps_the_lmcache_driven_mode_of_the_allocation(
+    transfer: MagicMock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two KV cache groups at allocation (LMCache-driven, in shared memory)
+    but one engine group at registration (a scratch group dropped), which
+    alone would resolve engine-driven: the KV cache already lives where an
+    LMCache-driven registration shares it in place, so registration keeps
+    that mode, also when it re-registers."""
+    create = MagicMock(return_value=transfer)
+    monkeypatch.setattr(adapter_mod, "create_transfer_context", create)
+    worker = _worker("cpu")
+    try:
+        context = worker.worker_adapter.kv_cache_allocation_context("cpu", 2)
+        assert isinstance(context, cpu_shm.ShmAllocationMode)
+        with context:
+            kv_cache = torch.zeros(2, 4, device="cpu")
+        worker.worker_adapter.register_kv_caches(
+            {"layer": kv_cache}, cast(list, _groups(1))
+        )
+        transfer.register.assert_called_once()
+        assert create.call_args.kwargs["mode"] is MPTransferMode.LMCACHE_DRIVEN
     finally:
         worker.shutdown()

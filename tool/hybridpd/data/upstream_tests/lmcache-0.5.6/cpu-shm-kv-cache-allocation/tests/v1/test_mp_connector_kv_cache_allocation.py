@@ -148,3 +148,34 @@ def test_other_workers_keep_the_engine_memory(
         assert worker.worker_adapter.kv_cache_allocation_context(device_type) is None
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("outside", ["after the context", "with out="])
+def test_kv_cache_not_allocated_in_the_context_is_refused_not_moved(
+    transfer: MagicMock, outside: str
+) -> None:
+    """A KV cache tensor the context did not serve (allocated outside it, or
+    by a call it leaves alone) would be moved away from its address by an
+    LMCache-driven registration: refused with one error, nothing moved."""
+    worker = _worker("cpu", mode="lmcache_driven")
+    try:
+        context = worker.get_mem_pool_context()
+        assert isinstance(context, cpu_shm.ShmAllocationMode)
+        if outside == "with out=":
+            kv_cache = torch.empty(0)
+            with context:
+                torch.zeros(2, 8, 4, 1, 8, out=kv_cache)
+        else:
+            with context:
+                pass
+            kv_cache = torch.zeros(2, 8, 4, 1, 8, device="cpu")
+        address = kv_cache.data_ptr()
+
+        with pytest.raises(ValueError, match="would move it away from its address"):
+            worker.register_kv_caches({"layer": kv_cache})
+
+        transfer.register.assert_not_called()
+        assert kv_cache.data_ptr() == address
+        assert not cpu_shm.is_shm_backed(kv_cache)
+    finally:
+        worker.shutdown()

@@ -342,7 +342,7 @@ def test_store_skips_shared_chunk_whose_recurrent_slot_is_null(
             num_chunks_in_sw=[-1], group_kinds=("attention",)
         ),
     )
-    module.context.resolve_obj_keys.return_value = [["g0c0", "g0c1"]]
+    cast(MagicMock, module.context.resolve_obj_keys).return_value = [["g0c0", "g0c1"]]
 
     _handle, ok = module.store(
         SimpleNamespace(request_id="req", worker_id=1),

@@ -236,3 +236,26 @@ def test_pointer_transfer_takes_a_tight_plane_stride_as_tight() -> None:
         )
     for got, want in zip(stored, expected, strict=True):
         assert torch.equal(got, want)
+
+
+def test_pointer_transfer_refuses_a_padded_stride_of_partial_planes() -> None:
+    """An MLA descriptor whose ``nh`` is not 1 gives a block of fewer elements
+    than one ``bs * nh * hs`` plane: no K/V plane count fits the padded
+    stride, so the transfer is refused rather than read at a wrong span."""
+    pools = [
+        torch.zeros((NUM_BLOCKS, BLOCK_SIZE * NUM_HEADS * HEAD_SIZE + 16))
+        for _ in range(NUM_LAYERS)
+    ]
+    pointers = torch.tensor([t.data_ptr() for t in pools], dtype=torch.int64)
+    with pytest.raises(NotImplementedError, match="one or two K/V planes"):
+        multi_layer_block_kv_transfer(
+            pointers,
+            _chunks(EngineKVFormat.NL_X_NB_BS_HS, NUM_HEADS, HEAD_SIZE),
+            [4, 1, 5, 0, 2, 3],
+            torch.device("cpu"),
+            TransferDirection.D2H,
+            _shape_desc(NUM_HEADS, HEAD_SIZE, BLOCK_SIZE * NUM_HEADS * HEAD_SIZE + 16),
+            CHUNK_TOKENS,
+            EngineKVFormat.NL_X_NB_BS_HS,
+            0,
+        )

@@ -65,6 +65,13 @@ def _path(wrapper: CpuShmTensorWrapper) -> str:
     return "/dev/shm/" + wrapper.shm_name.lstrip("/")
 
 
+def _received(line: str) -> CpuShmTensorWrapper:
+    """A wire descriptor as the server receives it."""
+    wrapper = DeviceIPCWrapper.Deserialize(bytes.fromhex(line))
+    assert isinstance(wrapper, CpuShmTensorWrapper)
+    return wrapper
+
+
 def test_close_removes_an_exited_workers_segments() -> None:
     worker = subprocess.Popen(
         [sys.executable, "-c", _WORKER],
@@ -72,13 +79,14 @@ def test_close_removes_an_exited_workers_segments() -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
-    wrappers: list[DeviceIPCWrapper] = []
+    assert worker.stdin is not None and worker.stdout is not None
+    wrappers: list[CpuShmTensorWrapper] = []
     try:
         for line in iter(worker.stdout.readline, "\n"):
-            wrappers.append(DeviceIPCWrapper.Deserialize(bytes.fromhex(line)))
+            wrappers.append(_received(line))
         assert wrappers
         # Registered while the worker runs, as the server registers it.
-        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        context = create_cache_context(list(wrappers), lmcache_tokens_per_chunk=16)
         worker.stdin.close()
         assert worker.wait(timeout=60) == 0
         assert all(os.path.exists(_path(w)) for w in wrappers)
@@ -94,21 +102,21 @@ def test_close_removes_an_exited_workers_segments() -> None:
                 os.unlink(_path(w))
 
 
-def _start_worker() -> tuple[subprocess.Popen, list[DeviceIPCWrapper]]:
+def _start_worker() -> tuple[subprocess.Popen[str], list[CpuShmTensorWrapper]]:
     worker = subprocess.Popen(
         [sys.executable, "-c", _WORKER],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    wrappers = [
-        DeviceIPCWrapper.Deserialize(bytes.fromhex(line))
-        for line in iter(worker.stdout.readline, "\n")
-    ]
+    assert worker.stdout is not None
+    wrappers = [_received(line) for line in iter(worker.stdout.readline, "\n")]
     return worker, wrappers
 
 
-def _stop_worker(worker: subprocess.Popen, wrappers: list[DeviceIPCWrapper]) -> None:
+def _stop_worker(
+    worker: subprocess.Popen[str], wrappers: list[CpuShmTensorWrapper]
+) -> None:
     worker.kill()
     worker.wait()
     for w in wrappers:
@@ -116,7 +124,7 @@ def _stop_worker(worker: subprocess.Popen, wrappers: list[DeviceIPCWrapper]) -> 
             os.unlink(_path(w))
 
 
-def _gone_within(wrappers: list[DeviceIPCWrapper], seconds: float) -> bool:
+def _gone_within(wrappers: list[CpuShmTensorWrapper], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while any(os.path.exists(_path(w)) for w in wrappers):
         if time.monotonic() > deadline:
@@ -130,11 +138,12 @@ def test_close_removes_a_live_workers_segments_once_it_exits() -> None:
     worker, wrappers = _start_worker()
     try:
         assert wrappers
-        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        context = create_cache_context(list(wrappers), lmcache_tokens_per_chunk=16)
 
         context.close()
 
         assert all(os.path.exists(_path(w)) for w in wrappers)
+        assert worker.stdin is not None
         worker.stdin.close()
         assert worker.wait(timeout=60) == 0
         assert _gone_within(wrappers, 10 * shm_segments._EXITED_CREATOR_POLL_S)
@@ -147,12 +156,13 @@ def test_a_segment_removed_or_created_again_under_its_name_is_left_alone() -> No
     worker with the same PID, or the same worker again): that file stays."""
     worker, wrappers = _start_worker()
     try:
-        context = create_cache_context(wrappers, lmcache_tokens_per_chunk=16)
+        context = create_cache_context(list(wrappers), lmcache_tokens_per_chunk=16)
         context.close()
         recreated = wrappers[0]
         for w in wrappers:
             cpu_shm.shm_unlink(w.shm_name)
         cpu_shm.shm_create_readwrite(recreated.shm_name, 4096)
+        assert worker.stdin is not None
         worker.stdin.close()
         assert worker.wait(timeout=60) == 0
 
