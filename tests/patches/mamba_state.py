@@ -11,6 +11,11 @@ the Mamba state at p is available:
   the prefiller's running state, which belongs where the prefiller stopped
   (the prompt less NIXL's back-off), so a NIXL load must end exactly there.
 
+A prefill instance's request (``do_remote_decode``: it computes the prompt and
+keeps its KV for the decode instance to pull) is loaded by no NIXL pull, so it
+takes exactly the local hit every KV cache group agrees on, as stock vLLM does
+(:func:`prefill_side`); a load by another connector may then start there.
+
 Breaking this is silent in a real engine: the linear-attention layers read a
 state that belongs to no prefix of the request and the request returns wrong
 tokens.
@@ -54,10 +59,28 @@ class Admission:
     # later ones copy its state into a fresh block)
     cached_states: list[dict[int, Any]] = dataclasses.field(default_factory=list)
     resume_point: int | None = None
+    # for a prefill instance's request (prefill_side), the local hit every KV
+    # cache group agreed on when the connector was asked; else None
+    agreed_hit: int | None = None
 
 
 class MambaStateViolation(AssertionError):
     pass
+
+
+class AgreedHitViolation(AssertionError):
+    """A prefill instance's request took a local hit other than the one every KV
+    cache group agrees on (stock's): nothing it is owed restores a deeper one."""
+
+
+def prefill_side(request: Any) -> bool:
+    """Whether ``request`` is a prefill instance's request of a PD pair: it
+    computes its prompt and keeps the KV for the decode instance to pull
+    (``do_remote_decode``). One that also pulls KV the decode instance holds
+    (NIXL's bidirectional transfer, ``remote_block_ids``) is not."""
+    params = request.kv_transfer_params or {}
+    return bool(params.get("do_remote_decode") and not params.get("do_remote_prefill")
+                and not params.get("remote_block_ids"))
 
 
 class Deadlock(AssertionError):
@@ -181,6 +204,7 @@ class MambaStateChecker:
         # local hit alone against what is cached after allocate_slots.
         self._at_match: dict[str, list[dict[int, Any]]] = {}
         self._prefiller_end: dict[str, int | None] = {}
+        self._agreed: dict[str, int] = {}
         connector = sched.connector
         if connector is not None:
             original_match = connector.get_num_new_matched_tokens
@@ -191,6 +215,11 @@ class MambaStateChecker:
                 self._prefiller_end[request.request_id] = _prefiller_end(
                     connector, request
                 )
+                if prefill_side(request):
+                    # The lookup stock makes (a lookup only: nothing is allocated).
+                    self._agreed[request.request_id] = (
+                        sched.kv_cache_manager.get_computed_blocks(request)[1]
+                    )
                 return original_match(request, num_computed_tokens)
 
             def update_state_after_alloc(request, blocks, num_external_tokens):
@@ -209,6 +238,7 @@ class MambaStateChecker:
                     ),
                     prefiller_end=self._prefiller_end.pop(request.request_id, None),
                     cached_states=cached,
+                    agreed_hit=self._agreed.pop(request.request_id, None),
                 )
                 return original(request, blocks, num_external_tokens)
 
@@ -269,6 +299,15 @@ class MambaStateChecker:
         assert adm.resume_point is not None
         first = req.request_id not in self.admitted
         self.admitted.add(req.request_id)
+        if adm.agreed_hit is not None:
+            local = adm.resume_point - adm.external_tokens
+            if local != adm.agreed_hit:
+                raise AgreedHitViolation(
+                    f"{req.request_id} (do_remote_decode) resumes at "
+                    f"{adm.resume_point} on a local hit of {local} "
+                    f"({adm.external_tokens} external from {adm.serving_connector}), "
+                    f"not on the hit every group agrees on ({adm.agreed_hit})"
+                )
         if self.check_recompute and first:
             problem = self.recompute_problem(adm)
             if problem:
@@ -435,6 +474,14 @@ class Driver:
     (:class:`~.hash_stores.OffloadingWorker`, which completes the transfer jobs
     of each batch in that batch's output, or :class:`~.hash_stores.LMCacheWorker`,
     which completes the stores of finished requests).
+
+    On a prefill instance, a finished :func:`prefill_side` request keeps its
+    blocks (NIXL's ``request_finished`` holds them for the decode instance's
+    pull) until the worker reports it in ``finished_sending``: the pull
+    completes a random number of steps later (``rng``), and the report of a
+    MultiConnector waits for it (a request is reported once, when every child
+    is done with it). The scheduler runs steps while blocks are held, as
+    vLLM's engine core does for a connector's delayed frees.
     """
 
     def __init__(self, sched: Any, checker: MambaStateChecker, failing=frozenset(),
@@ -452,9 +499,15 @@ class Driver:
         # is scheduled), and a request may start another (a failed load recomputed
         # from a hit another connector then loads, even within one schedule()).
         self.reported: dict[str, int] = {}
+        # Prefill-side requests whose decode instance's pull completed.
+        self.pulled: set[str] = set()
+
+    def held(self) -> set[str]:
+        """Finished requests whose blocks a connector still holds."""
+        return {rid for rid, r in self.sched.requests.items() if r.is_finished()}
 
     def step(self) -> None:
-        if self.sched.has_requests():
+        if self.sched.has_requests() or self.held():
             output = checked_schedule(self.sched, self.checker)
             self.in_flight.appendleft((output, self._worker_output(output)))
             if self.async_scheduling and len(self.in_flight) < 2:
@@ -493,7 +546,25 @@ class Driver:
         )
         if self.worker is not None:
             self.worker.report(output, result)
+        self._report_pulls(result)
         return result
+
+    def _report_pulls(self, result: Any) -> None:
+        """Complete the decode instance's pull of some held prefill-side requests
+        (each at most once) in ``result``; one not pulled yet is not reported
+        finished by any other child's report either."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        waiting = {rid for rid in self.held() - self.pulled
+                   if prefill_side(self.sched.requests[rid])}
+        if not waiting:
+            return
+        pulled = {rid for rid in sorted(waiting) if self.rng.random() < 0.5}
+        self.pulled |= pulled
+        if result.kv_connector_output is None:
+            result.kv_connector_output = KVConnectorOutput()
+        out = result.kv_connector_output
+        out.finished_sending = (set(out.finished_sending or ()) - waiting) | pulled
 
     def _propose_drafts(self) -> None:
         if not self.num_spec:
