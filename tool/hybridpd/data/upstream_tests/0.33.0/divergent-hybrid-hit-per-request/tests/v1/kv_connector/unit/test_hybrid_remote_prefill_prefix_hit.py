@@ -356,6 +356,20 @@ def test_nixl_resume_point_for_pull_from_decoder():
     assert one_way.get_divergent_hit_resume_point(request) is None
 
 
+def test_nixl_push_resume_point():
+    """In push mode the prefiller writes a remote prefill's blocks up to the
+    prompt less NIXL's back-off, with the Mamba state there; push mode has no
+    pull from the decoder, so a prefill instance's request gets no point."""
+    push = _connector(["NixlPushConnector"])
+    remote = make_request(PROMPT_TOKENS, remote_prefill=True)
+    plain = make_request(PROMPT_TOKENS, remote_prefill=False)
+    prefill_side = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
+
+    assert push.get_divergent_hit_resume_point(remote) == PROMPT_TOKENS - 1
+    assert push.get_divergent_hit_resume_point(plain) is None
+    assert push.get_divergent_hit_resume_point(prefill_side) is None
+
+
 @pytest.mark.parametrize("is_producer", [False, True])
 def test_moriio_read_resume_point_only_for_remote_prefill(is_producer):
     """MoRIIO's READ path reads a consumer's remote prefill up to the prompt
