@@ -122,8 +122,15 @@ def _serving_connector(connector: Any, request_id: str) -> str | None:
 def _prefiller_end(connector: Any, request: Any) -> int | None:
     """Where the Mamba state of ``request``'s remote prefill belongs: the
     prefiller computes the prompt less NIXL's back-off (one token on releases
-    without ``_prefill_backoff``) and transfers its running state there."""
+    without ``_prefill_backoff``) and transfers its running state there; or,
+    for a prefill instance's request with the decoder's blocks, where NIXL's
+    pull of them ends."""
     params = request.kv_transfer_params
+    if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
+        # A prefill instance's pull of the decoder's blocks (bidirectional KV
+        # transfer) ends at the decoder's tokens, at most the prompt: the
+        # decoder's Mamba state there comes with it.
+        return min(params.get("remote_num_tokens") or 0, len(request.prompt_token_ids))
     if not (params and params.get("do_remote_prefill")):
         return None
     nixl = next(

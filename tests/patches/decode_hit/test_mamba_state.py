@@ -149,6 +149,64 @@ def test_prefill_side_request_takes_the_agreed_hit(kind):
     assert adm.resume_point - adm.external_tokens == agreed
 
 
+def _decoder_blocks_params(decoder_tokens: int) -> dict:
+    """kv_transfer_params of a prefill instance's request whose decoder already
+    holds blocks for ``decoder_tokens`` of its prompt (bidirectional KV
+    transfer: NIXL pulls them instead of computing them)."""
+    return {
+        **prefill_side_params(),
+        "remote_engine_id": "decode-engine",
+        "remote_request_id": f"decode-{decoder_tokens}",
+        "remote_block_ids": list(range(-(-decoder_tokens // BLOCK_SIZE))),
+        "remote_host": "127.0.0.1",
+        "remote_port": 1234,
+        "remote_num_tokens": decoder_tokens,
+        "tp_size": 1,
+    }
+
+
+def _bidirectional(kind: str) -> dict:
+    """``connectors(kind, "kv_both")`` with NIXL pulling a decoder's blocks
+    for a prefill request (``bidirectional_kv_xfer``), however few."""
+    args = connectors(kind, "kv_both")
+    children = (args["kv_connector_extra_config"]["connectors"]
+                if args["kv_connector"] == "MultiConnector" else [args])
+    for c in children:
+        if c["kv_connector"] == "NixlConnector":
+            c.setdefault("kv_connector_extra_config", {}).update(
+                bidirectional_kv_xfer=True, kv_recompute_threshold=0)
+    return args
+
+
+# Bidirectional KV transfer's fields (remote_num_tokens) are v0.32+'s.
+@pytest.mark.vllm_versions(">=0.32")
+@pytest.mark.parametrize("kind", kinds("nixl", "nixl+decodebench"))
+def test_prefill_side_pull_from_the_decoder_keeps_the_attention_hit(kind):
+    # A prefill instance holding PREFIX's attention blocks without the Mamba
+    # state inside it gets a request whose decoder holds blocks for PREFIX and
+    # one block more. NIXL pulls them with the decoder's Mamba state at their
+    # end, so the request keeps the attention hit on PREFIX and NIXL pulls the
+    # block after it. NIXL alone: upstream's behaviour (before the fix NIXL
+    # gave no point for any do_remote_decode request, and the request pulled
+    # the whole of it again); with DecodeBench configured too, stock has no
+    # hit and pulls everything.
+    sched = scheduler(vllm_config(**_bidirectional(kind)),
+                      hybrid_kv_cache_config(num_blocks=1000))
+    checker = MambaStateChecker(sched)
+    first = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
+                    kv_transfer_params=remote_prefill_params(6))
+    _serve(sched, checker, first)
+    decoder_tokens = len(PREFIX) + BLOCK_SIZE
+    req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=10),
+                  kv_transfer_params=_decoder_blocks_params(decoder_tokens))
+    assert cached_hit_tokens(sched, req) < len(PREFIX)  # the hit diverges
+    _serve(sched, checker, req)
+    adm = _admission(checker, req)
+    assert adm.serving_connector in NIXL_CONNECTORS
+    assert adm.resume_point == decoder_tokens
+    assert adm.resume_point - adm.external_tokens == len(PREFIX)
+
+
 # Past upstream's gate with NIXL alone too: stock v0.28+ takes the hit whole.
 @proves(past_upstream=True)
 @pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])

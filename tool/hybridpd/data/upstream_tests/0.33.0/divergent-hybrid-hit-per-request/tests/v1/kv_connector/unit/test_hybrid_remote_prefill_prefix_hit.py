@@ -13,6 +13,7 @@ the connector that matched restores the Mamba groups
 (``get_loaded_kv_cache_group_ids``).
 """
 
+import importlib
 from unittest.mock import patch
 
 import pytest
@@ -68,19 +69,29 @@ class DivergentHitCapableConnector(DecodeBenchConnector):
         return True
 
 
-def _connector_config(name: str) -> dict:
-    config = {"kv_connector": name, "kv_role": "kv_consumer"}
+def _connector_config(name: str, kv_role: str) -> dict:
+    config: dict = {"kv_connector": name, "kv_role": kv_role}
     if name in TEST_CONNECTORS:
         config["kv_connector_module_path"] = __name__
+    if name == NIXL and kv_role == "kv_both":
+        # The prefill instance pulls the blocks a decoder holds for a prompt,
+        # however few.
+        config["kv_connector_extra_config"] = {
+            "bidirectional_kv_xfer": True,
+            "kv_recompute_threshold": 0,
+        }
     return config
 
 
-def create_hybrid_scheduler(connectors: list[str]) -> Scheduler:
-    """A decode instance of a full attention + Mamba ("align") model whose KV
-    connector is ``connectors[0]``, or a MultiConnector of ``connectors`` in
+def create_hybrid_scheduler(
+    connectors: list[str], kv_role: str = "kv_consumer"
+) -> Scheduler:
+    """A decode instance (``kv_role="kv_both"``: a prefill instance with
+    bidirectional KV transfer) of a full attention + Mamba ("align") model whose
+    KV connector is ``connectors[0]``, or a MultiConnector of ``connectors`` in
     that order."""
     if len(connectors) == 1:
-        kwargs = _connector_config(connectors[0])
+        kwargs = _connector_config(connectors[0], kv_role)
         vllm_config = create_vllm_config(
             block_size=BLOCK_SIZE,
             max_num_batched_tokens=1024,
@@ -94,7 +105,7 @@ def create_hybrid_scheduler(connectors: list[str]) -> Scheduler:
             disable_hybrid_kv_cache_manager=False,
             kv_connector="MultiConnector",
             kv_connector_extra_config={
-                "connectors": [_connector_config(name) for name in connectors]
+                "connectors": [_connector_config(name, kv_role) for name in connectors]
             },
         )
     vllm_config.cache_config.mamba_cache_mode = "align"
@@ -246,7 +257,9 @@ def test_load_not_restoring_mamba_falls_back_to_agreed_hit():
     """A child whose load writes the attention groups only matches a divergent
     hit first. Its load would resume the request without a Mamba state, so the
     request starts from the hit every group agrees on (none here), without
-    that load."""
+    that load. For a remote prefill that recomputes the whole prompt and drops
+    the prefiller's work (its blocks are released): acceptable for such a
+    connector only, none shipped in vLLM answers so."""
     scheduler = create_hybrid_scheduler([ATTENTION_ONLY, NIXL])
     request = make_request(PROMPT_TOKENS, remote_prefill=True)
 
@@ -255,8 +268,139 @@ def test_load_not_restoring_mamba_falls_back_to_agreed_hit():
     assert (num_local, num_external) == (0, 0)
 
 
-def _connector(connectors: list[str]) -> KVConnectorBase_V1:
-    connector = create_hybrid_scheduler(connectors).connector
+def make_prefill_side_request(
+    num_tokens: int, decoder_tokens: int | None = None
+) -> Request:
+    """A prefill instance's request that a decoder will continue; with
+    ``decoder_tokens``, the decoder holds blocks for that many of its prompt
+    tokens (bidirectional KV transfer)."""
+    request = create_request(
+        num_tokens=num_tokens,
+        common_prefix_len=PREFIX_TOKENS,
+        do_remote_decode=True,
+        block_size=BLOCK_SIZE,
+    )
+    if decoder_tokens is not None:
+        assert request.kv_transfer_params is not None
+        request.kv_transfer_params.update(
+            remote_engine_id="decode-engine-id",
+            remote_request_id=f"decode-{request.request_id}",
+            remote_block_ids=list(range(-(-decoder_tokens // BLOCK_SIZE))),
+            remote_host="decode-host",
+            remote_port=1234,
+            remote_num_tokens=decoder_tokens,
+        )
+    return request
+
+
+DECODER_TOKENS = PROMPT_TOKENS - BLOCK_SIZE
+
+
+@pytest.mark.parametrize(
+    "connectors,expected",
+    [
+        ([NIXL], (PREFIX_TOKENS, DECODER_TOKENS - PREFIX_TOKENS)),
+        ([NIXL, DECODE_BENCH], (PREFIX_TOKENS, DECODER_TOKENS - PREFIX_TOKENS)),
+    ],
+    ids=["nixl", "nixl+decodebench"],
+)
+def test_prefill_side_pull_from_decoder_keeps_local_hit(connectors, expected):
+    """With bidirectional KV transfer, a prefill instance pulls the blocks the
+    decoder holds for the prompt, with the Mamba state at their end: the cached
+    prefix comes from the local cache and NIXL pulls the rest of what the
+    decoder holds, also with a child beside NIXL that cannot complete a
+    divergent hit."""
+    scheduler = create_hybrid_scheduler(connectors, kv_role="kv_both")
+    request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
+
+    assert admit(scheduler, request) == expected
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+@pytest.mark.parametrize(
+    "connectors",
+    [[NIXL], [NIXL, DECODE_BENCH], [DECODE_BENCH, NIXL]],
+    ids=["nixl", "nixl+decodebench", "decodebench+nixl"],
+)
+def test_prefill_side_request_without_pull_gets_no_resume_point(connectors):
+    """NIXL loads nothing for a prefill instance's request unless it pulls the
+    decoder's blocks, so no child may serve a local hit deeper than the Mamba
+    groups' hit for it."""
+    connector = _connector(connectors, kv_role="kv_both")
+
+    assert (
+        connector.get_divergent_hit_resume_point(
+            make_prefill_side_request(PROMPT_TOKENS)
+        )
+        is None
+    )
+
+
+def test_nixl_resume_point_for_pull_from_decoder():
+    """The pull from the decoder ends at the decoder's tokens, capped by the
+    prompt; none is given once the pull is registered, or without
+    bidirectional KV transfer."""
+    nixl = _connector([NIXL], kv_role="kv_both")
+    request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
+    assert nixl.get_divergent_hit_resume_point(request) == DECODER_TOKENS
+
+    longer = make_prefill_side_request(PROMPT_TOKENS, PROMPT_TOKENS + BLOCK_SIZE)
+    assert nixl.get_divergent_hit_resume_point(longer) == PROMPT_TOKENS
+
+    assert request.kv_transfer_params is not None
+    request.kv_transfer_params["_remote_blocks_processed"] = True
+    assert nixl.get_divergent_hit_resume_point(request) is None
+
+    one_way = _connector([NIXL])
+    request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
+    assert one_way.get_divergent_hit_resume_point(request) is None
+
+
+def test_nixl_push_resume_point():
+    """In push mode the prefiller writes a remote prefill's blocks up to the
+    prompt less NIXL's back-off, with the Mamba state there; push mode has no
+    pull from the decoder, so a prefill instance's request gets no point."""
+    push = _connector(["NixlPushConnector"])
+    remote = make_request(PROMPT_TOKENS, remote_prefill=True)
+    plain = make_request(PROMPT_TOKENS, remote_prefill=False)
+    prefill_side = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
+
+    assert push.get_divergent_hit_resume_point(remote) == PROMPT_TOKENS - 1
+    assert push.get_divergent_hit_resume_point(plain) is None
+    assert push.get_divergent_hit_resume_point(prefill_side) is None
+
+
+@pytest.mark.parametrize("is_producer", [False, True])
+def test_moriio_read_resume_point_only_for_remote_prefill(is_producer):
+    """MoRIIO's READ path reads a consumer's remote prefill up to the prompt
+    less the last token, with the recurrent state; it loads nothing for any
+    other request."""
+    moriio = importlib.import_module(
+        "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+    )
+    scheduler = object.__new__(moriio.MoRIIOConnectorScheduler)
+    scheduler.mode = moriio.MoRIIOMode.READ
+    scheduler.is_producer = is_producer
+    connector = object.__new__(moriio.MoRIIOConnector)
+    connector.connector_scheduler = scheduler
+    connector.mode = moriio.MoRIIOMode.READ
+    connector._transfers_mamba_state = True
+    assert connector.supports_divergent_local_hybrid_hits
+
+    remote = make_request(PROMPT_TOKENS, remote_prefill=True)
+    plain = make_request(PROMPT_TOKENS, remote_prefill=False)
+    prefill_side = make_prefill_side_request(PROMPT_TOKENS)
+
+    expected = None if is_producer else PROMPT_TOKENS - 1
+    assert connector.get_divergent_hit_resume_point(remote) == expected
+    assert connector.get_divergent_hit_resume_point(plain) is None
+    assert connector.get_divergent_hit_resume_point(prefill_side) is None
+
+
+def _connector(
+    connectors: list[str], kv_role: str = "kv_consumer"
+) -> KVConnectorBase_V1:
+    connector = create_hybrid_scheduler(connectors, kv_role).connector
     assert connector is not None
     return connector
 
