@@ -24,7 +24,7 @@
 #      of NIXL and LMCacheMP, both child orders, on the decode instance and its own
 #      tool-started lmcache server, patched lmcache green; the same scenario on a mutant
 #      vLLM build, where it must go red at request C (`--fail-fast`); with `--full`, red
-#      with lmcache built without its allocation, state-binding or null-slot fixes).
+#      with lmcache built without its allocation, null-slot or exited-worker segment fixes).
 #
 # Tiers. Every run does steps 1 (the fault sweep at one kill point per command; `--full`
 # adds every point, HYBRIDPD_FAULT_SWEEP=full), 2, 3 (the patch tests: red->green and the
@@ -180,7 +180,7 @@ if [ "$e2e" = 1 ]; then
     red="red on a vLLM mutant"
     if [ "$full" = 1 ]; then
       gates+=(--full)
-      red+=", red without the allocation, state-binding or null-slot fixes"
+      red+=", red without the allocation, null-slot or exited-worker segment fixes"
     fi
     step "LMCache gates: MultiConnector of NIXL and LMCacheMP (both orders) with a tool-started lmcache server; $red" \
       "${gates[@]}" "$hpd" "${HYBRIDPD_E2E_LMCACHE_OUT:-out/e2e-lmcache}"
