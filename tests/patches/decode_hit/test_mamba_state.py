@@ -1,8 +1,9 @@
 """Decode-side hits of hybrid models keep the Mamba-state invariant.
 
-Patches: coordinator-consumer-skips-mamba-hit and
+Patches: coordinator-consumer-skips-mamba-hit, divergent-hybrid-hit-resume-point and
 divergent-hybrid-hit-per-request, one per case and release (``decode_hit_patch``:
-upstream's gate keeps the cases of NIXL alone from v0.28). A decode instance that served a
+upstream's gate keeps the cases of NIXL alone from v0.28, but for a prompt one token
+past the cached prefix: the resume point's cap). A decode instance that served a
 remote-prefill request holds the attention blocks of its prefix but no Mamba
 state inside it. A later request sharing the prefix may take the attention
 hit only if its KV load restores the Mamba state at the end (NIXL does);
@@ -208,8 +209,10 @@ def test_prefill_side_pull_from_the_decoder_keeps_the_attention_hit(kind):
 
 
 # Past upstream's gate with NIXL alone too: stock v0.28+ takes the hit whole.
-@proves(past_upstream=True)
-@pytest.mark.parametrize("kind", ["nixl", "nixl+decodebench"])
+@pytest.mark.parametrize("kind", [
+    pytest.param("nixl", marks=proves(past_upstream=True, nixl_alone=True)),
+    pytest.param("nixl+decodebench", marks=proves(past_upstream=True)),
+])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_prompt_one_token_past_the_cached_prefix_pulls_the_last_block(kind, kv_role):
     # The attention hit reaches NIXL's load target (prompt length - 1), so

@@ -1,53 +1,50 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Divergent local hybrid hits (full attention + Mamba "align") decided per
-request, behind a single connector and behind a MultiConnector.
+request behind a MultiConnector.
 
 A decode instance caches every full-attention block of a prefix it received
 from a prefiller, but no Mamba state inside it. A later request sharing the
 prefix may start at the deeper full-attention hit only if the KV load that
 serves it restores the Mamba groups at its end. The scheduler asks the
 connector, before the lookup, where its load would resume the request
-(``get_divergent_hit_resume_point``) and, after the query, whether the load of
-the connector that matched restores the Mamba groups
-(``get_loaded_kv_cache_group_ids``).
+(``get_divergent_hit_resume_point``: a MultiConnector gives the nearest point
+of any child) and, after the query, whether the load of the child that matched
+restores the Mamba groups (``get_loaded_kv_cache_group_ids``).
 """
-
-import importlib
-from unittest.mock import patch
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
     DecodeBenchConnector,
 )
-from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request, RequestStatus
 
-from .utils import (
-    create_request,
-    create_scheduler,
-    create_vllm_config,
-    make_kv_cache_config,
+from .test_divergent_hit_resume_point import (
+    BLOCK_SIZE,
+    CAPABLE,
+    DECODE_BENCH,
+    DECODER_TOKENS,
+    NIXL,
+    PREFIX_TOKENS,
+    PROMPT_TOKENS,
+    DivergentHitCapableConnector,
+    admit,
+    hybrid_connector,
+    make_prefill_side_request,
+    make_request,
+)
+from .test_divergent_hit_resume_point import (
+    create_hybrid_scheduler as _create_hybrid_scheduler,
 )
 
 pytestmark = pytest.mark.cpu_test
 
-BLOCK_SIZE = 16
-NUM_BLOCKS = 100
-PREFIX_BLOCKS = 4
-PREFIX_TOKENS = PREFIX_BLOCKS * BLOCK_SIZE
-# A request that extends the cached prefix by two blocks.
-PROMPT_TOKENS = PREFIX_TOKENS + 2 * BLOCK_SIZE
-
-NIXL = "NixlConnector"
-DECODE_BENCH = "DecodeBenchConnector"
 ATTENTION_ONLY = "AttentionOnlyLoadConnector"
-CAPABLE = "DivergentHitCapableConnector"
-TEST_CONNECTORS = (ATTENTION_ONLY, CAPABLE)
+# The test connectors resolve in this module.
+__all__ = ["AttentionOnlyLoadConnector", "DivergentHitCapableConnector"]
 
 
 class AttentionOnlyLoadConnector(DecodeBenchConnector):
@@ -63,140 +60,24 @@ class AttentionOnlyLoadConnector(DecodeBenchConnector):
         )
 
 
-class DivergentHitCapableConnector(DecodeBenchConnector):
-    @property
-    def supports_divergent_local_hybrid_hits(self) -> bool:
-        return True
-
-
-def _connector_config(name: str, kv_role: str) -> dict:
-    config: dict = {"kv_connector": name, "kv_role": kv_role}
-    if name in TEST_CONNECTORS:
-        config["kv_connector_module_path"] = __name__
-    if name == NIXL and kv_role == "kv_both":
-        # The prefill instance pulls the blocks a decoder holds for a prompt,
-        # however few.
-        config["kv_connector_extra_config"] = {
-            "bidirectional_kv_xfer": True,
-            "kv_recompute_threshold": 0,
-        }
-    return config
-
-
 def create_hybrid_scheduler(
     connectors: list[str], kv_role: str = "kv_consumer"
 ) -> Scheduler:
-    """A decode instance (``kv_role="kv_both"``: a prefill instance with
-    bidirectional KV transfer) of a full attention + Mamba ("align") model whose
-    KV connector is ``connectors[0]``, or a MultiConnector of ``connectors`` in
-    that order."""
-    if len(connectors) == 1:
-        kwargs = _connector_config(connectors[0], kv_role)
-        vllm_config = create_vllm_config(
-            block_size=BLOCK_SIZE,
-            max_num_batched_tokens=1024,
-            disable_hybrid_kv_cache_manager=False,
-            **kwargs,
-        )
-    else:
-        vllm_config = create_vllm_config(
-            block_size=BLOCK_SIZE,
-            max_num_batched_tokens=1024,
-            disable_hybrid_kv_cache_manager=False,
-            kv_connector="MultiConnector",
-            kv_connector_extra_config={
-                "connectors": [_connector_config(name, kv_role) for name in connectors]
-            },
-        )
-    vllm_config.cache_config.mamba_cache_mode = "align"
-    kv_cache_config = make_kv_cache_config(
-        block_size=BLOCK_SIZE,
-        mamba_enabled=True,
-        mamba_cache_mode="align",
-        num_blocks=NUM_BLOCKS,
-    )
-    return create_scheduler(
-        vllm_config, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config
-    )
-
-
-def seed_decode_side_prefix(scheduler: Scheduler) -> None:
-    """Cache the prefix as a decode instance holds it after a transfer: every
-    full-attention block, and no Mamba state inside the prefix."""
-    manager = scheduler.kv_cache_manager
-    fill = create_request(
-        num_tokens=PREFIX_TOKENS,
-        common_prefix_len=PREFIX_TOKENS,
-        block_size=BLOCK_SIZE,
-    )
-    computed_blocks, num_computed, _ = manager.get_computed_blocks(fill)
-    assert num_computed == 0
-    mamba_block_ids = []
-    for i in range(PREFIX_BLOCKS):
-        manager.allocate_slots(
-            fill, BLOCK_SIZE, new_computed_blocks=computed_blocks if i == 0 else None
-        )
-        fill.num_computed_tokens += BLOCK_SIZE
-        _, group_mamba_ids = manager.get_block_ids(fill.request_id)
-        mamba_block_ids.append(group_mamba_ids[i])
-    manager.free(fill)
-    manager.block_pool.evict_blocks(set(mamba_block_ids))
-
-
-def make_request(num_tokens: int, remote_prefill: bool) -> Request:
-    """A request whose prompt starts with the seeded prefix."""
-    return create_request(
-        num_tokens=num_tokens,
-        common_prefix_len=PREFIX_TOKENS,
-        do_remote_prefill=remote_prefill,
-        num_remote_blocks=-(-num_tokens // BLOCK_SIZE),
-        block_size=BLOCK_SIZE,
-    )
-
-
-def admit(scheduler: Scheduler, request: Request) -> tuple[int, int]:
-    """Seed the prefix, schedule ``request`` and return what it starts with:
-    (local prefix-cache hit, tokens the connector loads)."""
-    seed_decode_side_prefix(scheduler)
-    coordinator = scheduler.kv_cache_manager.coordinator
-    assert isinstance(coordinator, HybridKVCacheCoordinator)
-    _, per_group_hits = coordinator.find_longest_cache_hit_per_group(
-        request.block_hashes, request.num_tokens - 1
-    )
-    # The hit diverges: full attention holds the prefix, Mamba nothing in it.
-    assert per_group_hits == (PREFIX_TOKENS, 0)
-    scheduler.add_request(request)
-    return schedule_and_measure(scheduler, request)
-
-
-def schedule_and_measure(scheduler: Scheduler, request: Request) -> tuple[int, int]:
-    connector = scheduler.connector
-    assert connector is not None
-    with patch.object(
-        connector, "update_state_after_alloc", wraps=connector.update_state_after_alloc
-    ) as update_state_after_alloc:
-        output = scheduler.schedule()
-    update_state_after_alloc.assert_called_once()
-    _, _, num_external = update_state_after_alloc.call_args.args
-    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-        num_computed = request.num_computed_tokens
-    else:
-        [new_req] = output.scheduled_new_reqs
-        num_computed = new_req.num_computed_tokens
-    return num_computed - num_external, num_external
+    return _create_hybrid_scheduler(connectors, kv_role, module=__name__)
 
 
 NIXL_SETS = pytest.mark.parametrize(
-    "connectors", [[NIXL], [NIXL, DECODE_BENCH]], ids=["nixl", "nixl+decodebench"]
+    "connectors",
+    [[NIXL, DECODE_BENCH], [DECODE_BENCH, NIXL]],
+    ids=["nixl+decodebench", "decodebench+nixl"],
 )
 
 
-@NIXL_SETS
-def test_remote_prefill_keeps_local_hit_and_loads_the_rest(connectors):
+def test_remote_prefill_keeps_local_hit_and_loads_the_rest():
     """The cached prefix comes from the local cache and NIXL loads the rest of
     the prompt with the Mamba state at its end, also with a child that cannot
     complete a divergent hit configured beside NIXL."""
-    scheduler = create_hybrid_scheduler(connectors)
+    scheduler = create_hybrid_scheduler([NIXL, DECODE_BENCH])
     request = make_request(PROMPT_TOKENS, remote_prefill=True)
 
     num_local, num_external = admit(scheduler, request)
@@ -206,35 +87,30 @@ def test_remote_prefill_keeps_local_hit_and_loads_the_rest(connectors):
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
-@NIXL_SETS
-def test_plain_request_keeps_agreed_hit(connectors):
+def test_plain_request_keeps_agreed_hit():
     """NIXL loads nothing for a plain request, so no load restores a Mamba
     state: it starts at the hit every group agrees on (none here), and from
-    there DecodeBench, when configured, loads all but the last token."""
-    scheduler = create_hybrid_scheduler(connectors)
+    there DecodeBench loads all but the last token."""
+    scheduler = create_hybrid_scheduler([NIXL, DECODE_BENCH])
     request = make_request(PROMPT_TOKENS, remote_prefill=False)
 
     num_local, num_external = admit(scheduler, request)
 
-    assert num_local == 0
-    assert num_external == (PROMPT_TOKENS - 1 if DECODE_BENCH in connectors else 0)
+    assert (num_local, num_external) == (0, PROMPT_TOKENS - 1)
     assert request.status == RequestStatus.RUNNING
 
 
-@NIXL_SETS
-def test_prompt_one_token_past_cached_prefix_loads_last_block(connectors):
-    """The full-attention hit reaches NIXL's load target (prompt - 1), where NIXL
-    would load nothing and no Mamba state. The local hit stops one block short
-    and NIXL loads that block with the state, instead of the decode instance
-    recomputing the whole prompt."""
-    scheduler = create_hybrid_scheduler(connectors)
+def test_prompt_one_token_past_cached_prefix_loads_last_block():
+    """The resume point is kept below with a child beside NIXL too: the local
+    hit stops one block short of NIXL's load target and NIXL loads that block
+    with the state."""
+    scheduler = create_hybrid_scheduler([NIXL, DECODE_BENCH])
     request = make_request(PREFIX_TOKENS + 1, remote_prefill=True)
 
     num_local, num_external = admit(scheduler, request)
 
     assert num_local == PREFIX_TOKENS - BLOCK_SIZE
     assert num_external == BLOCK_SIZE
-    assert num_local + num_external == request.num_tokens - 1
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
@@ -268,65 +144,23 @@ def test_load_not_restoring_mamba_falls_back_to_agreed_hit():
     assert (num_local, num_external) == (0, 0)
 
 
-def make_prefill_side_request(
-    num_tokens: int, decoder_tokens: int | None = None
-) -> Request:
-    """A prefill instance's request that a decoder will continue; with
-    ``decoder_tokens``, the decoder holds blocks for that many of its prompt
-    tokens (bidirectional KV transfer)."""
-    request = create_request(
-        num_tokens=num_tokens,
-        common_prefix_len=PREFIX_TOKENS,
-        do_remote_decode=True,
-        block_size=BLOCK_SIZE,
-    )
-    if decoder_tokens is not None:
-        assert request.kv_transfer_params is not None
-        request.kv_transfer_params.update(
-            remote_engine_id="decode-engine-id",
-            remote_request_id=f"decode-{request.request_id}",
-            remote_block_ids=list(range(-(-decoder_tokens // BLOCK_SIZE))),
-            remote_host="decode-host",
-            remote_port=1234,
-            remote_num_tokens=decoder_tokens,
-        )
-    return request
-
-
-DECODER_TOKENS = PROMPT_TOKENS - BLOCK_SIZE
-
-
-@pytest.mark.parametrize(
-    "connectors,expected",
-    [
-        ([NIXL], (PREFIX_TOKENS, DECODER_TOKENS - PREFIX_TOKENS)),
-        ([NIXL, DECODE_BENCH], (PREFIX_TOKENS, DECODER_TOKENS - PREFIX_TOKENS)),
-    ],
-    ids=["nixl", "nixl+decodebench"],
-)
-def test_prefill_side_pull_from_decoder_keeps_local_hit(connectors, expected):
-    """With bidirectional KV transfer, a prefill instance pulls the blocks the
-    decoder holds for the prompt, with the Mamba state at their end: the cached
-    prefix comes from the local cache and NIXL pulls the rest of what the
-    decoder holds, also with a child beside NIXL that cannot complete a
-    divergent hit."""
-    scheduler = create_hybrid_scheduler(connectors, kv_role="kv_both")
+def test_prefill_side_pull_from_decoder_keeps_local_hit():
+    """With bidirectional KV transfer and a child beside NIXL that cannot
+    complete a divergent hit, a prefill instance still takes the cached prefix
+    from the local cache and NIXL pulls the rest of what the decoder holds."""
+    scheduler = create_hybrid_scheduler([NIXL, DECODE_BENCH], kv_role="kv_both")
     request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
 
-    assert admit(scheduler, request) == expected
+    assert admit(scheduler, request) == (PREFIX_TOKENS, DECODER_TOKENS - PREFIX_TOKENS)
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
-@pytest.mark.parametrize(
-    "connectors",
-    [[NIXL], [NIXL, DECODE_BENCH], [DECODE_BENCH, NIXL]],
-    ids=["nixl", "nixl+decodebench", "decodebench+nixl"],
-)
+@NIXL_SETS
 def test_prefill_side_request_without_pull_gets_no_resume_point(connectors):
     """NIXL loads nothing for a prefill instance's request unless it pulls the
     decoder's blocks, so no child may serve a local hit deeper than the Mamba
     groups' hit for it."""
-    connector = _connector(connectors, kv_role="kv_both")
+    connector = hybrid_connector(connectors, kv_role="kv_both", module=__name__)
 
     assert (
         connector.get_divergent_hit_resume_point(
@@ -334,86 +168,6 @@ def test_prefill_side_request_without_pull_gets_no_resume_point(connectors):
         )
         is None
     )
-
-
-def test_nixl_resume_point_for_pull_from_decoder():
-    """The pull from the decoder ends at the decoder's tokens, capped by the
-    prompt; none is given once the pull is registered, or without
-    bidirectional KV transfer."""
-    nixl = _connector([NIXL], kv_role="kv_both")
-    request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
-    assert nixl.get_divergent_hit_resume_point(request) == DECODER_TOKENS
-
-    longer = make_prefill_side_request(PROMPT_TOKENS, PROMPT_TOKENS + BLOCK_SIZE)
-    assert nixl.get_divergent_hit_resume_point(longer) == PROMPT_TOKENS
-
-    assert request.kv_transfer_params is not None
-    request.kv_transfer_params["_remote_blocks_processed"] = True
-    assert nixl.get_divergent_hit_resume_point(request) is None
-
-    one_way = _connector([NIXL])
-    request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
-    assert one_way.get_divergent_hit_resume_point(request) is None
-
-
-def test_nixl_push_resume_point():
-    """In push mode the prefiller writes a remote prefill's blocks up to the
-    prompt less NIXL's back-off, with the Mamba state there; push mode has no
-    pull from the decoder, so a prefill instance's request gets no point."""
-    push = _connector(["NixlPushConnector"])
-    remote = make_request(PROMPT_TOKENS, remote_prefill=True)
-    plain = make_request(PROMPT_TOKENS, remote_prefill=False)
-    prefill_side = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
-
-    assert push.get_divergent_hit_resume_point(remote) == PROMPT_TOKENS - 1
-    assert push.get_divergent_hit_resume_point(plain) is None
-    assert push.get_divergent_hit_resume_point(prefill_side) is None
-
-
-@pytest.mark.parametrize("is_producer", [False, True])
-def test_moriio_read_resume_point_only_for_remote_prefill(is_producer):
-    """MoRIIO's READ path reads a consumer's remote prefill up to the prompt
-    less the last token, with the recurrent state; it loads nothing for any
-    other request."""
-    moriio = importlib.import_module(
-        "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
-    )
-    scheduler = object.__new__(moriio.MoRIIOConnectorScheduler)
-    scheduler.mode = moriio.MoRIIOMode.READ
-    scheduler.is_producer = is_producer
-    connector = object.__new__(moriio.MoRIIOConnector)
-    connector.connector_scheduler = scheduler
-    connector.mode = moriio.MoRIIOMode.READ
-    connector._transfers_mamba_state = True
-    assert connector.supports_divergent_local_hybrid_hits
-
-    remote = make_request(PROMPT_TOKENS, remote_prefill=True)
-    plain = make_request(PROMPT_TOKENS, remote_prefill=False)
-    prefill_side = make_prefill_side_request(PROMPT_TOKENS)
-
-    expected = None if is_producer else PROMPT_TOKENS - 1
-    assert connector.get_divergent_hit_resume_point(remote) == expected
-    assert connector.get_divergent_hit_resume_point(plain) is None
-    assert connector.get_divergent_hit_resume_point(prefill_side) is None
-
-
-def _connector(
-    connectors: list[str], kv_role: str = "kv_consumer"
-) -> KVConnectorBase_V1:
-    connector = create_hybrid_scheduler(connectors, kv_role).connector
-    assert connector is not None
-    return connector
-
-
-def test_nixl_resume_point():
-    """A remote prefill resumes where the prefiller's Mamba state belongs (the
-    prompt less NIXL's back-off); NIXL loads nothing for a plain request."""
-    nixl = _connector([NIXL])
-    remote = make_request(PROMPT_TOKENS, remote_prefill=True)
-    plain = make_request(PROMPT_TOKENS, remote_prefill=False)
-
-    assert nixl.get_divergent_hit_resume_point(remote) == PROMPT_TOKENS - 1
-    assert nixl.get_divergent_hit_resume_point(plain) is None
 
 
 @pytest.mark.parametrize(
@@ -436,7 +190,7 @@ def test_nixl_resume_point():
 def test_multi_connector_resume_point_is_nearest_child_point(connectors, remote, plain):
     """The child that serves the request is known only after the lookup, so a
     MultiConnector gives the nearest point any child gives."""
-    multi = _connector(connectors)
+    multi = hybrid_connector(connectors, module=__name__)
     remote_request = make_request(PROMPT_TOKENS, remote_prefill=True)
     plain_request = make_request(PROMPT_TOKENS, remote_prefill=False)
 
@@ -455,16 +209,5 @@ def test_multi_connector_resume_point_is_nearest_child_point(connectors, remote,
 )
 def test_multi_connector_capability_stays_all_children(connectors, capable):
     """The capability stays the AND over the children."""
-    assert _connector(connectors).supports_divergent_local_hybrid_hits is capable
-
-
-@pytest.mark.parametrize(
-    "name,expected", [(DECODE_BENCH, None), (CAPABLE, PROMPT_TOKENS)]
-)
-def test_default_resume_point_follows_capability(name, expected):
-    """Single connectors behave as before: no bound for a capable connector,
-    no divergent hit for any other."""
-    connector = _connector([name])
-    request = make_request(PROMPT_TOKENS, remote_prefill=True)
-
-    assert connector.get_divergent_hit_resume_point(request) == expected
+    connector = hybrid_connector(connectors, module=__name__)
+    assert connector.supports_divergent_local_hybrid_hits is capable
