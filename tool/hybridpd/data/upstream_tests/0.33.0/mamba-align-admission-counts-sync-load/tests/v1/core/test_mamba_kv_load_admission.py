@@ -31,9 +31,9 @@ BLOCK_SIZE = 16
 
 
 def test_sync_kv_load_waits_for_mamba_state_block_on_full_pool():
-    # The null block and 12 usable blocks, shared by the attention group and
+    # The null block and 11 usable blocks, shared by the attention group and
     # the Mamba group.
-    num_blocks = 13
+    num_blocks = 12
     vllm_config = create_vllm_config(
         kv_connector="DecodeBenchConnector",
         kv_role="kv_both",
@@ -90,7 +90,8 @@ def test_sync_kv_load_waits_for_mamba_state_block_on_full_pool():
         scheduler.update_from_output(output, create_model_runner_output([holder]))
 
         # `holder` decodes (one more attention block and Mamba block), `filler`
-        # prefills (4 attention blocks and 1 Mamba block): 3 blocks stay free.
+        # prefills its first 48 tokens (3 attention blocks and 1 Mamba block):
+        # 3 blocks stay free.
         # `req` hits `holder`'s block locally (16 tokens), DecodeBenchConnector
         # loads tokens 16-31 and token 32 is computed, so it needs 2 attention
         # blocks and 2 Mamba blocks (the state at token 32 that the load
@@ -104,13 +105,18 @@ def test_sync_kv_load_waits_for_mamba_state_block_on_full_pool():
         }
         assert req.status == RequestStatus.WAITING
         assert block_pool.get_num_free_blocks() == 3
-        scheduler.update_from_output(
-            output, create_model_runner_output([holder, filler])
-        )
-
-        # `holder` and `filler` are done and their blocks free: `req` is
+        # Once `holder` and `filler` are done and their blocks free, `req` is
         # admitted with its local hit and its load, and runs to completion.
-        output = scheduler.schedule()
+        for _ in range(3):
+            scheduler.update_from_output(
+                output,
+                create_model_runner_output(
+                    [scheduler.requests[i] for i in output.num_scheduled_tokens]
+                ),
+            )
+            output = scheduler.schedule()
+            if output.scheduled_new_reqs:
+                break
         (new_req,) = output.scheduled_new_reqs
         assert new_req.req_id == req.request_id
         assert new_req.num_computed_tokens == 2 * BLOCK_SIZE
