@@ -921,6 +921,9 @@ def _with_thread(project: Project, patch_id: str, thread: str) -> None:
 def test_a_change_for_an_open_prs_thread_is_a_comment_not_a_pr(tmp_path):
     project, material = _project(tmp_path)
     _with_thread(project, "fix-add", "example/proj#7")
+    (material / f"{PACKAGE}-1.0" / "fix-add" / layout.COMMENT_TEXT_FILE).write_text(
+        "The exact sum: `total = a + b`, where the PR returns `a + b`.\n"
+    )
     series, stock, (result,), _ = _export(project, material, ["fix-add"], tmp_path)
 
     assert series.patch("fix-add").upstream_thread == "example/proj#7"
@@ -936,6 +939,13 @@ def test_a_change_for_an_open_prs_thread_is_a_comment_not_a_pr(tmp_path):
     assert "+    total = a + b" in change and "tests/" not in change
     test = comment.split("The test (added to vLLM's tests, CPU):\n\n```diff\n", 1)[1]
     assert test.startswith("diff --git a/tests/test_add.py b/tests/test_add.py")
+    # The kept comment text before the change; the command that runs the test after it.
+    assert comment.index("The exact sum: `total = a + b`, where the PR returns `a + b`.") < (
+        comment.index("The exact change, on v1.0:"))
+    run = test.split("```\n\n", 1)[1]
+    assert run.startswith("To run it from the vLLM tree root, without and with the change:\n"
+                          "\n```bash\npytest -v tests/test_add.py\n```\n")
+    assert "Not measured yet: run the tests above on the release and with the change" in run
     assert "hybridpd" not in comment
     notes = (result.dir / layout.NOTES_FILE).read_text()
     assert "goes to example/proj#7's thread as a comment, not as a PR" in notes

@@ -69,8 +69,9 @@ def test_the_admission_fix_is_a_comment_for_vllm_46892():
     assert patch.upstream_thread == "vllm-project/vllm#46892"
 
 
-@pytest.mark.parametrize(("series_path", "version", "patch_id"), list(_cases()))
-def test_pr_text_is_in_the_upstream_projects_words(series_path, version, patch_id, tmp_path):
+def _text(series_path: Path, version: str, patch_id: str, tmp_path: Path) -> str:
+    """The text export-pr writes for a committed patch (no verification): the PR body,
+    or the comment for an open PR's thread."""
     series = load(series_path)
     pin = series.pin(version)
     kept = material(series.slug(pin), patch_id)
@@ -78,10 +79,34 @@ def test_pr_text_is_in_the_upstream_projects_words(series_path, version, patch_i
     patch = series.patch(patch_id)
     export = PrExport(patch_id, pin, tmp_path, [commit], [], thread=patch.upstream_thread)
     (tmp_path / commit.filename).write_bytes(series.patch_path(pin, patch_id).read_bytes())
-
-    # The text export-pr writes: the PR body, or the comment for an open PR's thread.
-    text = (render.render_comment(export, patch, series) if patch.upstream_thread
+    return (render.render_comment(export, patch, series) if patch.upstream_thread
             else render.render_pr(export, patch, [], [], series))
+
+
+def test_the_admission_comment_gives_the_count_and_a_scheduler_level_test(tmp_path):
+    """The comment for vllm#46892: the exact count, and a scheduler-level full-pool
+    test in vLLM's own style (its helpers, no hybridpd code), described."""
+    patch_id = "mamba-align-admission-counts-sync-load"
+    series = load(SERIES["0.33.0"])
+    scheduler_test = "tests/v1/core/test_mamba_kv_load_admission.py"
+    source = material(series.slug(series.pin("0.33.0")), patch_id).tests[scheduler_test]
+    for used in (b"from tests.v1.kv_connector.unit.utils import", b"DecodeBenchConnector",
+                 b'mamba_cache_mode="align"', b"scheduler.schedule()"):
+        assert used in source, used
+    assert b"hybridpd" not in source.lower()
+
+    text = _text(SERIES["0.33.0"], "0.33.0", patch_id, tmp_path)
+    assert ("int(loaded > held) + min(required - max(held, loaded), physical_block_cap)"
+            in text)
+    # The comment describes the test (the diff and the command that runs it are the
+    # exported commit's; test_exportpr.py checks those).
+    assert f"`{scheduler_test}` (new) runs the crash through a real\n  `Scheduler`" in text
+    assert "`ValueError: Cannot get 1 free blocks from the pool`" in text
+
+
+@pytest.mark.parametrize(("series_path", "version", "patch_id"), list(_cases()))
+def test_pr_text_is_in_the_upstream_projects_words(series_path, version, patch_id, tmp_path):
+    text = _text(series_path, version, patch_id, tmp_path)
 
     def said(line: str) -> list[str]:
         found = [m.group(0) for m in FORBIDDEN.finditer(line)]

@@ -28,7 +28,10 @@ The upstream-style tests are data, kept per pin and patch in
 for vLLM, ``lmcache-<version>`` for LMCache): the files under ``tests/`` there land at
 the same paths in the project's tree (a file the tree already has is replaced: the PR
 edits it); ``alternatives.md`` holds the PR's "Alternatives considered" and
-``test_plan.md``, where present, more of its test plan. ``--verify`` runs them in the
+``test_plan.md``, where present, more of its test plan (notes to the submitter);
+``comment.md``, for a change that goes to an open PR's thread, what the comment says
+besides the record's why and design (the exact count compared with that PR's, what
+the tests show). ``--verify`` runs them in the
 test environment ``hybridpd test`` gives the series (:func:`hybridpd.proof.testrun.pin_environment`).
 """
 
@@ -47,6 +50,8 @@ from hybridpd.series.model import Pin
 UPSTREAM_TESTS_DIR = Path(__file__).parents[1] / "data" / "upstream_tests"
 ALTERNATIVES_FILE = "alternatives.md"
 TEST_PLAN_FILE = "test_plan.md"
+#: What a comment for an open PR's thread says besides the record's why and design.
+COMMENT_TEXT_FILE = "comment.md"
 VERIFY_FILE = "verify.json"
 #: Notes to the submitter (how the directory was made, DCO, GPU plan, hybridpd's own
 #: measurements): what the PR text, ``PR.md``, must not carry.
@@ -73,11 +78,12 @@ class Material:
     tests: dict[str, bytes]  # path in the project's tree -> content
     alternatives: str | None
     test_plan: str | None = None
+    comment: str | None = None
 
 
 def material(key: str, patch_id: str, root: Path | None = None) -> Material:
-    """The tests (files under ``tests/``), alternatives and test plan of ``patch_id``
-    on the pin whose series slug is ``key``."""
+    """The tests (files under ``tests/``), alternatives, test plan and comment text of
+    ``patch_id`` on the pin whose series slug is ``key``."""
     base = (root or UPSTREAM_TESTS_DIR) / key / patch_id
     tests = {}
     if (base / "tests").is_dir():
@@ -91,7 +97,9 @@ def material(key: str, patch_id: str, root: Path | None = None) -> Material:
             return None
         return path.read_text(encoding="utf-8").strip() or None
 
-    return Material(tests, text(ALTERNATIVES_FILE), text(TEST_PLAN_FILE))
+    return Material(
+        tests, text(ALTERNATIVES_FILE), text(TEST_PLAN_FILE), text(COMMENT_TEXT_FILE)
+    )
 
 
 def pytest_command(files: list[str] | tuple[str, ...]) -> str:

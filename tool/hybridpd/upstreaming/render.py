@@ -103,15 +103,30 @@ def _diff(export: PrExport) -> tuple[list[str], list[str]]:
 def render_comment(export: PrExport, patch: Patch, series: Series) -> str:
     """``COMMENT.md`` of a change that goes to an open upstream PR's thread
     (``upstream_thread``) instead of a PR of its own: the problem, the exact count
-    (the diff), the test with the command and what it measured, in the project's words."""
+    (the kept comment text and the diff), the tests with the command that runs them
+    and what it measured, in the project's words."""
     pin, upstream = export.pin, upstream_of(series)
     source, tests = _diff(export)
     out = [f"<!-- A comment for {patch.upstream_thread} -->", ""]
     out += [_text(patch.why), "", _text(patch.design), ""]
+    kept = material(series.slug(pin), export.patch_id, export.material_root)
+    if kept.comment:
+        out += [kept.comment, ""]
     out += [f"The exact change, on v{pin.version}:", "", "```diff", *source, "```", ""]
     if tests:
-        out += [f"The test ({'edited in' if export.own.edited else 'added to'} "
-                f"{upstream.name}'s tests, CPU):", "", "```diff", *tests, "```", ""]
+        own = export.own
+        how = " and ".join(
+            verb for verb, files in (
+                ("added to", [t for t in own.tests if t not in own.edited]),
+                ("edited in", own.edited),
+            ) if files
+        )
+        them = "tests" if len(tests) > 1 else "test"
+        out += [f"The {them} ({how} {upstream.name}'s tests, CPU):", "",
+                "```diff", *tests, "```", ""]
+        out += [f"To run {'them' if len(tests) > 1 else 'it'} from the {upstream.name} "
+                "tree root, without and with the change:", "",
+                "```bash", pytest_command(export.tests), "```", ""]
     out += _results(export, upstream, pin)[2:]
     out += ["AI assistance was used to prepare this comment; before posting it, the "
             "poster ticks:", "", CHECKLIST.split("\n- [ ] The `Assisted-by:`")[0], ""]
@@ -262,10 +277,11 @@ def _results(export: PrExport, upstream: Upstream, pin: Pin) -> list[str]:
     the checks' verdict; nothing when it has not run."""
     out = ["## Results", ""]
     verification = export.verification
-    if not verification:
-        return out + ["Not measured yet: run the test plan on the release and with this "
-                      "PR and paste the counts here.", ""]
     this = "the change" if export.thread else "this PR"
+    if not verification:
+        plan = "the tests above" if export.thread else "the test plan"
+        return out + [f"Not measured yet: run {plan} on the release and with {this} "
+                      "and paste the counts here.", ""]
     rows = {
         "stock": f"v{pin.version}, without {this}",
         "without": f"v{pin.version} with only the PRs {this} depends on",
