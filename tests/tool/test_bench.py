@@ -528,8 +528,9 @@ def test_table_shows_tokens_per_child_the_store_and_the_hit_given_up() -> None:
     assert row.split()[-3:] == ["32,256", "0", "0.00x"]
     assert next(x for x in lines if "store capacity" in x).split()[-3:-1] == ["64", "64"]
     assert any("drops the last matched block" in x for x in lines)
-    given = next(x for x in lines if x.strip().startswith("patched: hit given up"))
+    given = next(x for x in lines if x.strip().startswith("patched: hit below the limit"))
     assert "40 tokens over 4 requests, 1.00 blocks per request" in given
+    assert any("drop_eagle_block" in x for x in lines)
 
 
 def test_lmcache_stand_in_server_holds_its_capacity_least_recently_used_first(monkeypatch) -> None:

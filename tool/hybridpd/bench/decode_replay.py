@@ -178,7 +178,9 @@ def worker_output(sched_output, requests, finished_recving: set[str]):
 def nixl_scheduler(connector):
     """NIXL's scheduler side in ``connector`` (itself or a MultiConnector's child)."""
     for child in [connector, *getattr(connector, "_connectors", ())]:
-        if type(child).__name__ == "NixlConnector":
+        # NixlConnector, or its pull/push classes (0.33: NixlPullConnector).
+        if type(child).__name__.startswith("Nixl") and getattr(
+                child, "connector_scheduler", None) is not None:
             return child.connector_scheduler
     return None
 

@@ -98,8 +98,13 @@ def speculative_lines(report: ReplayReport) -> list[str]:
         given = r["limit_tokens"] - r["hit_tokens"]
         n = r.get("limited_requests") or 0
         per = f", {given / n / block:.2f} blocks per request" if n else ""
-        lines.append(f"  {build}: hit given up against the limit: {given:,} tokens over "
-                     f"{n} requests{per}")
+        lines.append(f"  {build}: hit below the limit: {given:,} tokens over {n} "
+                     f"requests{per}")
+    if spec["drops_last_matched_block"]:
+        lines.append("  under MTP vLLM drops the last matched block of a hit (drop_eagle_block: "
+                     "the drafter's KV at a block's last slot was written with the next prompt "
+                     "token, which another prompt may not share): 1 block per request is what "
+                     "speculative decoding gives up")
     return lines
 
 
