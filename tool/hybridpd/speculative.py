@@ -33,6 +33,17 @@ class Speculative:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
 
 
+def load(config_json: str) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` JSON object, as it is; bad input is one line."""
+    try:
+        data = json.loads(config_json)
+    except ValueError as exc:
+        raise UsageError(f"--speculative-config: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UsageError("--speculative-config: a JSON object, as vLLM's own option takes")
+    return data
+
+
 def parse(config_json: str | None, num_speculative_tokens: int | None) -> Speculative | None:
     """The speculative decoding the options ask for, or None; bad input is one line."""
     if config_json is not None and num_speculative_tokens is not None:
@@ -43,12 +54,7 @@ def parse(config_json: str | None, num_speculative_tokens: int | None) -> Specul
         return Speculative("mtp", num_speculative_tokens)
     if config_json is None:
         return None
-    try:
-        data = json.loads(config_json)
-    except ValueError as exc:
-        raise UsageError(f"--speculative-config: not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise UsageError("--speculative-config: a JSON object, as vLLM's own option takes")
+    data = load(config_json)
     method = data.get("method")
     if method not in METHODS:
         raise UsageError(f"--speculative-config: method {method!r} is not modelled "
