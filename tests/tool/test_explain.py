@@ -760,11 +760,11 @@ def test_speculative_config_builds_the_engine_with_it(monkeypatch) -> None:
 
 def test_the_scheduler_line_says_what_speculative_decoding_set() -> None:
     step = {"class": "Scheduler", "connector": "NixlPullConnector", "children": [],
-            "speculative": {"method": "mtp", "num_speculative_tokens": 3, "mtp_modules": 1,
+            "speculative": {"method": "mtp", "num_speculative_tokens": 3, "multi_module_mtp": False,
                             "lookahead_slots": 3, "prefill_lookahead_tokens": 1,
                             "nixl_prefill_backoff": 1, "drops_last_matched_block": True}}
     text = render.verdict({"steps": {"scheduler": step}}, "scheduler")
     assert text == (
         "Scheduler built, scheduler-side connector NixlPullConnector; speculative decoding "
-        "mtp, 3 tokens (1 draft module(s)): 3 lookahead slot(s) per request, prefill "
+        "mtp, 3 tokens (one draft module, reused): 3 lookahead slot(s) per request, prefill "
         "lookahead 1, NIXL backs off 1 prompt token(s), a hit drops its last matched block")

@@ -190,11 +190,13 @@ def _speculative(sched) -> dict:
                                                                       ())]
                  if type(c).__name__.startswith("Nixl")
                  and getattr(c, "connector_scheduler", None) is not None), None)
-    draft = getattr(spec, "draft_model_config", None)
+    multi = getattr(spec, "use_multi_module_mtp", None)
     return {
         "method": spec.method,
         "num_speculative_tokens": spec.num_speculative_tokens,
-        "mtp_modules": getattr(getattr(draft, "hf_config", None), "n_predict", None),
+        # vLLM's own reading: one draft module per token, or one reused (None: the
+        # release does not tell them apart).
+        "multi_module_mtp": multi() if callable(multi) else None,
         "lookahead_slots": getattr(sched, "num_lookahead_tokens", None),
         "prefill_lookahead_tokens": getattr(sched.vllm_config,
                                             "num_prefill_lookahead_tokens", None),

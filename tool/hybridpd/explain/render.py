@@ -71,8 +71,10 @@ def _scheduler(step: dict) -> str:
             else f"{built}, no KV connector")
     spec = step.get("speculative")
     if spec:
+        modules = {True: " (one draft module per token)",
+                   False: " (one draft module, reused)"}.get(spec.get("multi_module_mtp"), "")
         text += (f"; speculative decoding {spec['method']}, {spec['num_speculative_tokens']} "
-                 f"tokens ({spec['mtp_modules'] or '?'} draft module(s)): "
+                 f"tokens{modules}: "
                  f"{spec['lookahead_slots']} lookahead slot(s) per request, prefill lookahead "
                  f"{spec['prefill_lookahead_tokens']}"
                  + (f", NIXL backs off {spec['nixl_prefill_backoff']} prompt token(s)"
