@@ -148,6 +148,15 @@ if [[ ( "$full" = 1 || "$upstream" = 1 ) && " $pins " == *" 0.32.0 "* && " $pins
     -q -p no:cacheprovider
 fi
 
+# hybridpd bench replay on 0.33.0's real classes: the connector sets with a store child
+# (LMCacheMP, Offloading, both orders) and MTP on the decode instance, 8 prompts each
+# (the full tier: six replays of two builds, about 10 minutes on 2 cores).
+if [[ "$full" = 1 && " $pins " == *" 0.33.0 "* ]]; then
+  step "hybridpd bench replay, store sets and MTP (0.33.0, real test environment)" \
+    env HYBRIDPD_BENCH_REAL=1 "$venv/bin/python" -m pytest tests/tool/test_bench_real.py \
+    -q -p no:cacheprovider
+fi
+
 # vllm#42524's workload, scaled down (64 prompts, output 128, concurrency 32) on the
 # default H20-sized pool; docs/benchmarks.md has the full-scale runs. Both pins run
 # whatever --pins says: the gate is about the bench, not the pin list.

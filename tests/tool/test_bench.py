@@ -128,6 +128,9 @@ def test_step_cost_counts_context_requests_and_extra_tokens() -> None:
 
 def _result(**over) -> dict:
     base = {k: 1 for k in replay.RESULT_KEYS}
+    # NIXL alone, no store, no speculative decoding (their keys are not counts).
+    base.update(served_by={"NixlPullConnector": 1}, store_blocks=None,
+                store_evicted_chunks=None, speculative=None)
     base.update(over)
     return base
 
@@ -417,3 +420,134 @@ def test_lookup_worker_that_dies_is_one_error(tmp_path, monkeypatch) -> None:
     _fake_lookup_env(tmp_path, monkeypatch, worker)
     with pytest.raises(env.BenchError, match=r"lookup worker \(stock\) stopped answering; log "):
         lookup.run(None, lookup.LookupOptions(stub_pin("0.0.0"), repeats=1, calls=1))
+
+
+# -- connector sets with a store child, speculative decoding ------------------------
+
+def test_every_set_operators_deploy_is_offered_and_lmcache_is_lmcache_mp() -> None:
+    assert set(replay.CONNECTORS) >= {"nixl", "nixl+decodebench", "nixl+lmcache",
+                                      "lmcache+nixl", "nixl+offloading", "offloading+nixl"}
+    # The builders' nixl+lmcache is LMCacheConnectorV1; the replay builds LMCacheMP.
+    from hybridpd.bench import replay_stores
+    assert replay_stores.BUILDERS_KIND == {"nixl+lmcache": "nixl+lmcachemp",
+                                           "lmcache+nixl": "lmcachemp+nixl"}
+    assert replay.store_child("offloading+nixl") == "OffloadingConnector"
+    assert replay.store_child("nixl+decodebench") is None
+
+
+@pytest.mark.parametrize("connector", ["nixl+lmcache", "lmcache+nixl", "nixl+offloading",
+                                       "offloading+nixl"])
+def test_store_sets_on_0_20_2_are_one_line(monkeypatch, connector) -> None:
+    monkeypatch.setattr(State, "series", _repo_series())
+    monkeypatch.setattr(replay, "prepared", lambda *a, **k: pytest.fail("must not prepare"))
+    result = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.20.2",
+                                                "--connector", connector])
+    assert result.exit_code == 2, result.output
+    line = [x for x in result.stderr.splitlines() if "needs vLLM 0.32" in x]
+    assert len(line) == 1 and "hybrid KV cache manager" in line[0], result.stderr
+
+
+def test_store_capacity_and_speculative_options_reach_the_spec(monkeypatch) -> None:
+    seen = {}
+
+    def run(series, options, log, status):
+        seen["o"] = options
+        return _report()
+
+    monkeypatch.setattr(replay, "run", run)
+    monkeypatch.setattr(State, "series", _repo_series())
+    runner = CliRunner()
+    out = runner.invoke(cli_main.main, [
+        "bench", "replay", "--pin", "0.33.0", "--connector", "lmcache+nixl",
+        "--store-blocks", "100", "--num-speculative-tokens", "3"])
+    assert out.exit_code == 0, out.output
+    o = seen["o"]
+    assert (o.connector, o.store_blocks, o.speculative.to_json()) == (
+        "lmcache+nixl", 100, {"method": "mtp", "num_speculative_tokens": 3})
+    plan = deployment.plan(o.workload, o.hardware, deployment.load_model_config(None))
+    spec = replay.spec(o, plan, env.BenchEnv(o.pin, Path("."), Path("."), {}, Path("b")), "stock")
+    assert spec["store_blocks"] == 100
+    # Qwen3.5's one MTP module, reused for the 3 tokens.
+    assert spec["speculative"] == {"method": "mtp", "num_speculative_tokens": 3,
+                                   "mtp_modules": 1}
+    out = runner.invoke(cli_main.main, [
+        "bench", "replay", "--pin", "0.33.0", "--speculative-config",
+        '{"method": "mtp", "num_speculative_tokens": 2}'])
+    assert out.exit_code == 0, out.output
+    assert seen["o"].speculative.num_speculative_tokens == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--speculative-config", "{"], "not JSON"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "not modelled"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'],
+     "positive integer"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+      "--num-speculative-tokens", "1"], "not both"),
+    (["--num-speculative-tokens", "0"], "at least 1"),
+])
+def test_bad_speculative_options_are_one_line(monkeypatch, args, message) -> None:
+    monkeypatch.setattr(replay, "run", lambda *a, **k: pytest.fail("must not run"))
+    monkeypatch.setattr(State, "series", _repo_series())
+    result = CliRunner().invoke(cli_main.main, ["bench", "replay", "--pin", "0.33.0", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+
+
+def test_mtp_cost_adds_drafting_and_verification_to_a_step() -> None:
+    cost = {"step_overhead_ms": 1.0, "weights_read_ms": 10.0, "kv_read_ms_per_token": 0.01,
+            "state_read_ms_per_request": 0.5, "prefill_ms_per_token": 0.1}
+    requests = {"a": _Req(100, 101), "b": _Req(50, 60)}
+    plain = decode_replay.step_ms(cost, _Out({"a": 1, "b": 1}), requests)
+    mtp = dict(cost, draft_ms_per_step=0.75, verify_tokens_per_request=3)
+    got = decode_replay.step_ms(mtp, _Out({"a": 1, "b": 1}), requests)
+    assert got == pytest.approx(plain + 0.75 + 2 * 3 * 0.1)
+    options = replay.ReplayOptions(stub_pin("0.33.0"))
+    options.speculative = replay.Speculative("mtp", 3)
+    plan = deployment.plan(options.workload, options.hardware, deployment.load_model_config(None))
+    lines = replay.speculative_cost(plan, options)
+    assert plan.cost["draft_ms_per_step"] == pytest.approx(3 * plan.cost["weights_read_ms"] / 40)
+    assert "acceptance is not modelled" in lines[0]
+
+
+def test_table_shows_tokens_per_child_the_store_and_the_hit_given_up() -> None:
+    report = _report()
+    for build, lm, nixl in (("stock", 32256, 56058), ("patched", 0, 42488)):
+        report.results[build].update(
+            served_by={"LMCacheMPConnector": lm, "NixlPullConnector": nixl},
+            store_blocks=64, store_evicted_chunks=0, limited_requests=4,
+            speculative={"method": "mtp", "num_speculative_tokens": 3, "mtp_modules": 1,
+                         "lookahead_slots": 3, "prefill_lookahead_tokens": 1,
+                         "nixl_prefill_backoff": 1, "drops_last_matched_block": True})
+    report.results["patched"].update(hit_tokens=60, limit_tokens=100)
+    report.cost_model["block_size"] = 10
+    lines = render.replay_table(report).splitlines()
+    assert any(x.startswith("loaded by the connectors") for x in lines)
+    row = next(x for x in lines if "loaded by LMCacheMPConnector" in x)
+    assert row.split()[-3:] == ["32,256", "0", "0.00x"]
+    assert next(x for x in lines if "store capacity" in x).split()[-3:-1] == ["64", "64"]
+    assert any("drops the last matched block" in x for x in lines)
+    given = next(x for x in lines if x.strip().startswith("patched: hit below the limit"))
+    assert "40 tokens over 4 requests, 1.00 blocks per request" in given
+    assert any("drop_eagle_block" in x for x in lines)
+
+
+def test_lmcache_stand_in_server_holds_its_capacity_least_recently_used_first(monkeypatch) -> None:
+    import importlib.util
+
+    from hybridpd.bench import replay_stores
+
+    path = Path(__file__).resolve().parents[1] / "patches" / "hash_stores.py"
+    module = importlib.util.spec_from_file_location("hash_stores_for_bench", path)
+    hash_stores = importlib.util.module_from_spec(module)
+    monkeypatch.setitem(sys.modules, module.name, hash_stores)  # its dataclasses need it
+    module.loader.exec_module(hash_stores)
+    server = replay_stores.capped_server(hash_stores, chunk_tokens=4, capacity=3)
+    a, b = list(range(10, 22)), list(range(10, 18)) + [99, 98, 97, 96]
+    server.store(a)  # 3 chunks
+    assert server.lookup(a, 12) == 12 and server.lookup(a, 11) == 8
+    assert server.holds(a, 8) and not server.holds(a, 6)
+    server.store(b)  # shares a's first 2 chunks; its third evicts a's third
+    assert server.evicted == 1
+    assert server.lookup(b, 12) == 12 and server.lookup(a, 12) == 8

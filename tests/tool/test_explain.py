@@ -726,3 +726,45 @@ def test_a_risk_naming_an_unknown_connector_is_refused_in_one_line(tmp_path) -> 
                          "NixlPullConnector (known: DecodeBenchConnector, LMCacheConnectorV1, "
                          'LMCacheMPConnector, MultiConnector, NixlConnector, '
                          'OffloadingConnector, or "*")'), line
+
+
+def test_speculative_config_builds_the_engine_with_it(monkeypatch) -> None:
+    from click.testing import CliRunner
+    from hybridpd.cli.main import main
+
+    seen = []
+
+    def fake(series, pin, cases, log):
+        seen.append(cases[0])
+        return [runner.Explained(pin, cases[0].model, None, None,
+                                 {"stock": {"steps": {"start": START}},
+                                  "patched": {"steps": {"start": START}}}, 1.0, {})]
+
+    monkeypatch.setattr(runner, "explain_cases", fake)
+    config = {"method": "mtp", "num_speculative_tokens": 3}
+    out = CliRunner().invoke(main, ["explain", "--pin", "0.33.0", "--model", "m",
+                                    "--speculative-config", json.dumps(config), "--json"])
+    assert out.exit_code == 0, out.output
+    # vLLM's own option, as given: the engine is built with it; the risks see its tokens.
+    assert seen[-1].engine_args()["speculative_config"] == config
+    assert seen[-1].speculative_tokens() == 3
+    for args, message in (
+            (["--speculative-config", "{"], "--speculative-config: not JSON"),
+            (["--speculative-config", "[3]"], "a JSON object"),
+            (["--speculative-config", json.dumps(config), "--num-speculative-tokens", "3"],
+             "not both")):
+        bad = CliRunner().invoke(main, ["explain", "--pin", "0.33.0", "--model", "m", *args])
+        assert bad.exit_code == 2, bad.output
+        assert len([x for x in bad.output.splitlines() if message in x]) == 1, bad.output
+
+
+def test_the_scheduler_line_says_what_speculative_decoding_set() -> None:
+    step = {"class": "Scheduler", "connector": "NixlPullConnector", "children": [],
+            "speculative": {"method": "mtp", "num_speculative_tokens": 3, "multi_module_mtp": False,
+                            "lookahead_slots": 3, "prefill_lookahead_tokens": 1,
+                            "nixl_prefill_backoff": 1, "drops_last_matched_block": True}}
+    text = render.verdict({"steps": {"scheduler": step}}, "scheduler")
+    assert text == (
+        "Scheduler built, scheduler-side connector NixlPullConnector; speculative decoding "
+        "mtp, 3 tokens (one draft module, reused): 3 lookahead slot(s) per request, prefill "
+        "lookahead 1, NIXL backs off 1 prompt token(s), a hit drops its last matched block")

@@ -38,6 +38,8 @@ CASES = {
     "lmcache-v1": ("lmcache-v1", {}),
     "nixl, no HMA": ("nixl", {"disable_hybrid_kv_cache_manager": True}),
     "nixl, TP 2": ("nixl", {"tensor_parallel_size": 2}),
+    "nixl, MTP 3": ("nixl", {"speculative_config": {"method": "mtp",
+                                                    "num_speculative_tokens": 3}}),
 }
 
 
@@ -192,3 +194,21 @@ def test_the_risks_come_from_the_records_with_their_fix_state(answers) -> None:
     assert offload["sync-load-admission-crash"]["fixed"] == {
         "stock": None, "patched": "fixed by mamba-align-admission-counts-sync-load"}
     assert "speculative-decoding-prefix-cache-gdn" not in offload
+
+
+def test_mtp_builds_the_scheduler_with_vllms_settings_and_drops_a_block_of_the_hit(
+        answers) -> None:
+    """--speculative-config: vLLM's MTP on the shipped config (one module, reused 3
+    times): 3 lookahead slots, a prefill lookahead of 1 (NIXL backs off 1 token, as for
+    Mamba alone), and a hit that drops its last matched block, which the decode-side
+    hit measured on that scheduler shows: one block less than without MTP."""
+    result = answers["nixl, MTP 3"]
+    assert _both(result, "scheduler").endswith(
+        "speculative decoding mtp, 3 tokens (one draft module, reused): 3 lookahead slot(s) "
+        "per request, prefill lookahead 1, NIXL backs off 1 prompt token(s), a hit drops "
+        "its last matched block")
+    mtp, plain = _followers(result), _followers(answers["nixl"])
+    block = result.answers["stock"]["steps"]["decode_hit"]["block_size"]
+    for side in runner.SIDES:
+        assert (mtp[side]["remote_prefill"]["local_hit_tokens"]
+                == plain[side]["remote_prefill"]["local_hit_tokens"] - block), side

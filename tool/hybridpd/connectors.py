@@ -5,8 +5,8 @@ taken as it is).
 A set is the decode instance's connectors, in MultiConnector order (the first child that
 reports tokens serves a request); one name each, older spellings kept as aliases. Which
 commands offer a set is a property of the set: ``e2e`` runs real engines (a set must start
-on one), ``bench`` replays the scheduler with the connectors its builders construct,
-``explain`` asks vLLM whether the set starts and what it serves.
+on one), ``bench`` times the lookup and ``replay`` (``bench replay``) replays the
+scheduler with the connectors the patch tests' builders construct, ``explain`` asks vLLM whether the set starts and what it serves.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ CHILD_EXTRA: dict[str, dict] = {
     "DecodeBenchConnector": {},
 }
 
-_ALL = frozenset({"e2e", "bench", "explain"})
+_ALL = frozenset({"e2e", "bench", "replay", "explain"})
 
 #: The named sets, in the order commands list them.
 SETS: dict[str, ConnectorSet] = {s.name: s for s in (
@@ -52,16 +52,19 @@ SETS: dict[str, ConnectorSet] = {s.name: s for s in (
     # declare divergent local hybrid hits, so upstream's capability gate
     # (``supports_divergent_local_hybrid_hits``) gives D no local hit.
     ConnectorSet("nixl+decodebench", ("NixlConnector", "DecodeBenchConnector"),
-                 frozenset({"e2e", "bench"})),
+                 frozenset({"e2e", "bench", "replay"})),
     # The production pairing; OffloadingConnector refuses to start on a CPU engine.
     ConnectorSet("nixl+offloading", ("NixlConnector", "OffloadingConnector"),
-                 frozenset({"e2e", "explain"}), cpu=False, aliases=("nixl+offload",)),
+                 frozenset({"e2e", "replay", "explain"}), cpu=False, aliases=("nixl+offload",)),
+    # The other order: the CPU tier serves a request before NIXL is asked.
+    ConnectorSet("offloading+nixl", ("OffloadingConnector", "NixlConnector"),
+                 frozenset({"replay"}), cpu=False),
     # NIXL and LMCacheMPConnector in both child orders, the decode instance with its own
     # `lmcache server`.
     ConnectorSet("nixl+lmcache", ("NixlConnector", "LMCacheMPConnector"),
-                 frozenset({"e2e", "explain"})),
+                 frozenset({"e2e", "replay", "explain"})),
     ConnectorSet("lmcache+nixl", ("LMCacheMPConnector", "NixlConnector"),
-                 frozenset({"e2e", "explain"})),
+                 frozenset({"e2e", "replay", "explain"})),
     # vLLM refuses a hybrid Mamba model with it at start-up (see the dropped record of
     # lmcache-connector-hma): explain says so, e2e cannot run it.
     ConnectorSet("lmcache-v1", ("LMCacheConnectorV1",), frozenset({"explain"})),

@@ -34,14 +34,14 @@ SAMPLED_TOKEN = 7
 TRACE_POINTS = 2000
 
 
-def import_builders(builders_dir: str):
-    """``builders.py`` as a module of its package (``tests/patches``): it imports
-    its sibling ``hash_stores`` relatively."""
+def import_builders(builders_dir: str, module: str = "builders"):
+    """``builders.py`` (or a sibling ``module``) as a module of its package
+    (``tests/patches``): it imports its sibling ``hash_stores`` relatively."""
     import importlib
 
     builders_dir = os.path.abspath(builders_dir)
     sys.path.insert(0, os.path.dirname(builders_dir))
-    return importlib.import_module(os.path.basename(builders_dir) + ".builders")
+    return importlib.import_module(os.path.basename(builders_dir) + "." + module)
 
 
 def _progress(build: str, done: int, total: int, steps: int) -> None:
@@ -140,9 +140,13 @@ def step_ms(cost: dict[str, float], sched_output, requests) -> float:
         return 0.0
     context = sum(requests[rid].num_computed_tokens for rid in scheduled)
     extra = sum(n - 1 for n in scheduled.values())
+    # Speculative decoding (MTP): its drafting passes each step, and the draft
+    # tokens every scheduled request has verified (0 without it).
+    extra += len(scheduled) * cost.get("verify_tokens_per_request", 0)
     return (
         cost["step_overhead_ms"]
         + cost["weights_read_ms"]
+        + cost.get("draft_ms_per_step", 0.0)
         + context * cost["kv_read_ms_per_token"]
         + len(scheduled) * cost["state_read_ms_per_request"]
         + extra * cost["prefill_ms_per_token"]
@@ -174,7 +178,9 @@ def worker_output(sched_output, requests, finished_recving: set[str]):
 def nixl_scheduler(connector):
     """NIXL's scheduler side in ``connector`` (itself or a MultiConnector's child)."""
     for child in [connector, *getattr(connector, "_connectors", ())]:
-        if type(child).__name__ == "NixlConnector":
+        # NixlConnector, or its pull/push classes (0.33: NixlPullConnector).
+        if type(child).__name__.startswith("Nixl") and getattr(
+                child, "connector_scheduler", None) is not None:
             return child.connector_scheduler
     return None
 
@@ -216,6 +222,44 @@ def attention_hit(sched, request, hash_block_size: int) -> int:
     return hit
 
 
+def use_mtp_modules(b, modules: int) -> None:
+    """Build MTP configs on a checkpoint of ``modules`` MTP modules: the builders'
+    ``vllm_config(spec_method="mtp")`` gives the target one module per speculative
+    token (multi-module MTP); a Qwen3.5 checkpoint has one, reused for every token."""
+    make = b.tiny_mtp_model_dir
+    b.tiny_mtp_model_dir = lambda _num_speculative_tokens: make(modules)
+
+
+def speculative_settings(sched, nixl) -> dict[str, Any]:
+    """What vLLM's scheduler does with the speculative config, read from its objects:
+    lookahead slots per running request, prefill lookahead, NIXL's back-off, and
+    whether the KV cache manager drops the last matched block (``drop_eagle_block``)."""
+    config = sched.vllm_config
+    coordinator = sched.kv_cache_manager.coordinator
+    return {
+        "lookahead_slots": getattr(sched, "num_lookahead_tokens", None),
+        "prefill_lookahead_tokens": getattr(config, "num_prefill_lookahead_tokens", None),
+        "nixl_prefill_backoff": (
+            nixl._prefill_backoff() if nixl is not None and hasattr(nixl, "_prefill_backoff")
+            else None
+        ),
+        "drops_last_matched_block": bool(
+            getattr(coordinator, "drop_eagle_group_ids", None)
+            or getattr(coordinator, "use_eagle", False)
+        ),
+    }
+
+
+def serving_child(connector, request_id: str) -> str:
+    """The class of the connector that loads ``request_id``'s external tokens: the
+    connector, or the MultiConnector child that matched them."""
+    children = getattr(connector, "_connectors", None)
+    if children is None:
+        return type(connector).__name__
+    chosen = connector._requests_to_connector.get(request_id)
+    return "unknown" if chosen is None else type(children[chosen]).__name__
+
+
 class Counters:
     """Wraps the connector's ``get_num_new_matched_tokens`` and
     ``update_state_after_alloc`` and the block pool's ``get_new_blocks`` on this
@@ -234,8 +278,13 @@ class Counters:
         self.external: dict[str, int] = {}
         self.attention: dict[str, int] = {}
         self.planned: dict[str, int] = {}
-        self.blocks_allocated = 0
+        #: connector class -> external tokens it was chosen to load (every load,
+        #: re-admissions included)
         connector = sched.connector
+        self.served_by: dict[str, int] = {
+            type(c).__name__: 0 for c in getattr(connector, "_connectors", [connector])
+        }
+        self.blocks_allocated = 0
         update_state_after_alloc = connector.update_state_after_alloc
         get_num_new_matched_tokens = connector.get_num_new_matched_tokens
         looked_up: dict[str, int] = {}
@@ -253,6 +302,8 @@ class Counters:
             self.external.setdefault(request.request_id, num_external_tokens)
             if num_external_tokens:
                 self.planned[request.request_id] = num_external_tokens
+                child = serving_child(connector, request.request_id)
+                self.served_by[child] = self.served_by.get(child, 0) + num_external_tokens
             return update_state_after_alloc(request, blocks, num_external_tokens)
 
         connector.update_state_after_alloc = after_alloc
@@ -272,20 +323,39 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
 
     w, cost, build = spec["workload"], spec["cost"], spec["build"]
     bs = spec["block_size"]
-    config = b.vllm_config(
-        block_size=bs,
-        max_num_seqs=spec["max_num_seqs"],
-        max_num_batched_tokens=spec["max_num_batched_tokens"],
-        max_model_len=spec["max_model_len"],
-        **b.connectors(spec["connector"]),
+    speculative = spec.get("speculative")
+    num_spec = speculative["num_speculative_tokens"] if speculative else 0
+    if speculative:
+        use_mtp_modules(b, speculative["mtp_modules"])
+
+    def new_config(connector_args):
+        return b.vllm_config(
+            block_size=bs,
+            max_num_seqs=spec["max_num_seqs"],
+            max_num_batched_tokens=spec["max_num_batched_tokens"],
+            max_model_len=spec["max_model_len"],
+            num_speculative_tokens=num_spec,
+            spec_method="mtp",
+            **connector_args,
+        )
+
+    # vLLM gives each Mamba group num_speculative_tokens blocks beyond the running
+    # state under speculative decoding.
+    kv_cache_config = b.hybrid_kv_cache_config(
+        num_blocks=spec["num_blocks"], block_size=bs,
+        num_mamba_groups=spec["num_mamba_groups"], num_speculative_blocks=num_spec,
     )
-    sched = b.scheduler(
-        config,
-        b.hybrid_kv_cache_config(
-            num_blocks=spec["num_blocks"], block_size=bs,
-            num_mamba_groups=spec["num_mamba_groups"],
-        ),
-    )
+    stores = None
+    if any(s in spec["connector"] for s in ("lmcache", "offloading")):
+        import replay_stores
+
+        stores = replay_stores.Stores(
+            b, import_builders(spec["builders_dir"], "hash_stores"), spec["connector"],
+            bs, spec["store_blocks"],
+        )
+        sched = stores.scheduler(new_config, kv_cache_config)
+    else:
+        sched = b.scheduler(new_config(b.connectors(spec["connector"])), kv_cache_config)
     counters = Counters(sched, bs)
     nixl = nixl_scheduler(sched.connector)
     prompts = Prompts(w, bs)
@@ -370,9 +440,10 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
         done = {rid for rid, t in loads.items() if t <= end}
         for rid in done:
             del loads[rid]
-        engine_outputs = sched.update_from_output(
-            output, worker_output(output, requests, done)
-        )
+        result = worker_output(output, requests, done)
+        if stores is not None:
+            stores.report(output, result)
+        engine_outputs = sched.update_from_output(output, result)
         for outs in engine_outputs.values():
             for out in outs.outputs:
                 if out.new_token_ids and out.request_id not in first_token:
@@ -439,6 +510,13 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
         "recomputed_below_target_tokens": sum(below.values()),
         "corner_admissions": len(corner),
         "corner_recomputed_tokens": sum(below[rid] for rid in corner),
+        "served_by": dict(sorted(counters.served_by.items())),
+        "limited_requests": total - len(first_of_prefix),
+        "speculative": (
+            {**speculative, **speculative_settings(sched, nixl)} if speculative else None
+        ),
+        "store_blocks": spec["store_blocks"] if stores is not None else None,
+        "store_evicted_chunks": stores.evicted() if stores is not None else None,
         "blocks_allocated": counters.blocks_allocated,
         "peak_block_usage": round(peak_usage, 4),
         "peak_running": peak_running,

@@ -49,13 +49,23 @@ class BenchEnv:
     builders_dir: Path
     #: Patches the ``stock`` build carries (see :data:`BASELINE_PATCHES`).
     baseline: tuple[str, ...] = ()
+    #: The patch tests' package layers on the path (lmcache's class), once asked for.
+    layers: tuple[Path, ...] = ()
 
     def python(self) -> Path:
         return testenv.venv_python(self.venv)
 
     def env(self, build: str) -> dict[str, str]:
         overlay = pytestrun.cpu_metadata_overlay(self.trees[build], self.root / f"{build}.vllm-meta")
-        return pytestrun.pytest_env(self.venv, self.trees[build], self.root / "hf", overlay=overlay)
+        return pytestrun.pytest_env(self.venv, self.trees[build], self.root / "hf", overlay=overlay,
+                                    layers=self.layers)
+
+    def with_layers(self, log: Log = quiet) -> None:
+        """Put the patch tests' layers (lmcache, for LMCacheMPConnector) on the path."""
+        try:
+            self.layers = tuple(testenv.ensure_layers(self.venv, self.pin, log))
+        except testenv.TestEnvError as exc:
+            raise BenchError(f"test environment layers for {self.pin.version}: {exc}") from exc
 
 
 @contextlib.contextmanager

@@ -49,8 +49,23 @@ def replay_table(report: ReplayReport) -> str:
     )
     lines = [head, f"stock: {report.stock_build}; patched: the {report.pin} series",
              f"{'':34} {'stock':>14} {'patched':>14} {'patched/stock':>14}"]
-    for key, label, _exact in ROWS:
-        a, b = stock[key], patched[key]
+    rows = [(stock[key], patched[key], label) for key, label, _exact in ROWS]
+    if patched.get("store_blocks") is not None:  # a store child loads too
+        rows[2] = (*rows[2][:2], "loaded by the connectors (tokens)")
+    # Tokens each connector loaded, after the pull row (a set's every child, 0 included).
+    served = (stock.get("served_by") or {}), (patched.get("served_by") or {})
+    children = sorted(set(served[0]) | set(served[1]))
+    at = 3
+    for child in children:
+        rows.insert(at, (served[0].get(child, 0), served[1].get(child, 0),
+                         f"  loaded by {child}"))
+        at += 1
+    if patched.get("store_blocks") is not None:
+        rows.insert(at, (stock["store_blocks"], patched["store_blocks"], "  store capacity (blocks)"))
+    if patched.get("store_evicted_chunks") is not None:
+        rows.insert(at + 1, (stock["store_evicted_chunks"], patched["store_evicted_chunks"],
+                             "  LMCache store evictions (chunks)"))
+    for a, b, label in rows:
         ratio = f"{b / a:.2f}x" if a else "-"
         lines.append(f"{label:34} {_fmt(a):>14} {_fmt(b):>14} {ratio:>14}")
     fraction = report.hit_fraction()
@@ -59,7 +74,38 @@ def replay_table(report: ReplayReport) -> str:
         f"patched hit: {share}; exact: counts read from vLLM's scheduler; "
         "modelled: TTFT and tok/s"
     )
+    lines += speculative_lines(report)
     return "\n".join(lines)
+
+
+def speculative_lines(report: ReplayReport) -> list[str]:
+    """What speculative decoding set on the decode instance, and the hit each build
+    gave up against the block-rounded limit."""
+    spec = report.results["patched"].get("speculative")
+    if not spec:
+        return []
+    block = report.cost_model["block_size"]
+    lines = [
+        f"speculative decoding: {spec['method']}, {spec['num_speculative_tokens']} tokens, "
+        f"{spec['mtp_modules']} MTP module(s); vLLM sets {spec['lookahead_slots']} lookahead "
+        f"slot(s) per request, prefill lookahead {spec['prefill_lookahead_tokens']}, NIXL "
+        f"back-off {spec['nixl_prefill_backoff']} token(s), "
+        + ("drops the last matched block" if spec["drops_last_matched_block"]
+           else "keeps the last matched block")
+    ]
+    for build in ("stock", "patched"):
+        r = report.results[build]
+        given = r["limit_tokens"] - r["hit_tokens"]
+        n = r.get("limited_requests") or 0
+        per = f", {given / n / block:.2f} blocks per request" if n else ""
+        lines.append(f"  {build}: hit below the limit: {given:,} tokens over {n} "
+                     f"requests{per}")
+    if spec["drops_last_matched_block"]:
+        lines.append("  under MTP vLLM drops the last matched block of a hit (drop_eagle_block: "
+                     "the drafter's KV at a block's last slot was written with the next prompt "
+                     "token, which another prompt may not share): 1 block per request is what "
+                     "speculative decoding gives up")
+    return lines
 
 
 def gate_problems(report: ReplayReport, expect_hit: float | None, expect_gap: bool) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from hybridpd import progress
+from hybridpd import progress, speculative
 from hybridpd.bench import deployment, lookup, render
 from hybridpd.bench import replay as replay_mod
 from hybridpd.cli import jsonout
@@ -41,9 +41,11 @@ def _status_printer():
 
 @bench_group.command("replay")
 @pin_option("required", help="Pin whose decode side is replayed.")
-@connector_option("bench", default="nixl", show_default=True,
-                  help="The decode instance's connector set (nixl+decodebench: one upstream's "
-                       "gate refuses).")
+@connector_option("replay", default="nixl", show_default=True,
+                  help="The decode instance's connector set, in MultiConnector order "
+                       "(nixl+decodebench: one upstream's gate refuses; the lmcache and "
+                       "offloading sets: LMCacheMPConnector and OffloadingConnector, "
+                       "vLLM 0.32 and later).")
 @click.option("--prefix-len", type=_POSITIVE, default=_W.prefix_len, show_default=True)
 @click.option("--suffix-len", type=_POSITIVE, default=_W.suffix_len, show_default=True)
 @click.option("--num-prefixes", type=_POSITIVE, default=_W.num_prefixes, show_default=True)
@@ -65,6 +67,16 @@ def _status_printer():
 @click.option("--max-num-seqs", type=_POSITIVE, default=256, show_default=True)
 @click.option("--max-num-batched-tokens", type=_POSITIVE, default=16384, show_default=True)
 @click.option("--max-model-len", type=_POSITIVE, default=24576, show_default=True)
+@click.option("--store-blocks", type=_POSITIVE, default=replay_mod.STORE_BLOCKS, show_default=True,
+              help="The lmcache or offloading child's store, in chunks of one block "
+                   "(default: about 97 GB at the default model's 23.6 MB block).")
+@click.option("--speculative-config", metavar="JSON",
+              help="vLLM's option, on the decode instance: '{\"method\": \"mtp\", "
+                   "\"num_speculative_tokens\": N}' (MTP's lookahead slots, NIXL's prefill "
+                   "back-off, the dropped last matched block, the modelled drafting cost).")
+@click.option("--num-speculative-tokens", type=int, metavar="N",
+              help="Shorthand: --speculative-config for MTP with N tokens (a Qwen3.5 "
+                   "checkpoint's one module, reused N times).")
 @click.option("--hbm-gib", type=float, default=_H.hbm_gib, show_default=True, help="GPU memory (H20: 96).")
 @click.option("--gpu-memory-utilization", type=float, default=_H.gpu_memory_utilization, show_default=True)
 @click.option("--activation-gib", type=float, default=_H.activation_reserve_gib, show_default=True,
@@ -123,7 +135,8 @@ def _replay_options(pin: Pin, connector: str, p: dict) -> replay_mod.ReplayOptio
         activation_reserve_gib=p.pop("activation_gib"), hbm_tbps=p.pop("hbm_tbps"),
         bandwidth_efficiency=p.pop("bandwidth_efficiency"), bf16_tflops=p.pop("tflops"),
         mfu=p.pop("mfu"), step_overhead_ms=p.pop("step_overhead_ms"), pull_gbps=p.pop("pull_gbps"))
-    return replay_mod.ReplayOptions(pin, workload, hardware, connector, **p)
+    spec = speculative.parse(p.pop("speculative_config"), p.pop("num_speculative_tokens"))
+    return replay_mod.ReplayOptions(pin, workload, hardware, connector, speculative=spec, **p)
 
 
 @bench_group.command("lookup")

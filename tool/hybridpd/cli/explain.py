@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from hybridpd import connectors
+from hybridpd import connectors, speculative
+from hybridpd.errors import UsageError
 from hybridpd.cli import jsonout
 from hybridpd.cli.options import State, connector_option, json_flag, log, pin_option
 from hybridpd.explain import render, runner
@@ -39,7 +40,13 @@ from hybridpd.series.model import Pin
                    "one rank's, as each GPU holds them.")
 @click.option("--num-speculative-tokens", type=int, default=0, show_default=True,
               help="vLLM's speculative decoding tokens: matched against the known risks "
-                   "(question 5); the engine is answered without a draft model.")
+                   "(question 5) only; --speculative-config builds the engine with it.")
+@click.option("--speculative-config", "spec_json", metavar="JSON",
+              help="vLLM's --speculative-config (e.g. '{\"method\": \"mtp\", "
+                   "\"num_speculative_tokens\": 3}'): the engine, its KV cache groups and "
+                   "its scheduler are built with it (lookahead slots, prefill lookahead, "
+                   "NIXL's back-off, the dropped last matched block), and the decode-side "
+                   "hit is measured on that scheduler.")
 @click.option("--lmcache-version",
               help="The LMCache release the deployment runs, for the LMCache series' fix "
                    "states (question 5; default: that series' default pin).")
@@ -61,6 +68,9 @@ def explain(state: State, pin: Pin, model: str, connector: str | None,
     the series' records match. No weights, no GPU.
     """
     kv = connectors.kv_transfer_config(connector, kv_json, kv_role)
+    spec_json = flags.pop("spec_json")
+    if spec_json is not None and flags["num_speculative_tokens"]:
+        raise UsageError("give --speculative-config or --num-speculative-tokens, not both")
     opts = runner.ExplainOptions(
         model=model, kv_transfer_config=kv, block_size=flags["block_size"],
         mamba_cache_mode=flags["mamba_cache_mode"],
@@ -70,6 +80,7 @@ def explain(state: State, pin: Pin, model: str, connector: str | None,
         max_model_len=flags["max_model_len"], kv_cache_gib=flags["kv_cache_gib"],
         tensor_parallel_size=flags["tensor_parallel_size"],
         num_speculative_tokens=flags["num_speculative_tokens"],
+        speculative_config=speculative.load(spec_json) if spec_json is not None else None,
         lmcache_version=flags["lmcache_version"],
         timeout=flags["timeout"])
     result = runner.explain(state.series, pin, opts, log=quiet if as_json else log)

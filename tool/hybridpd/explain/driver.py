@@ -178,6 +178,36 @@ def _layer_specs(vllm_config) -> dict:
     return get_kv_cache_spec(vllm_config)
 
 
+def _speculative(sched) -> dict:
+    """What vLLM's scheduler does with the speculative config, read from its objects:
+    the method and tokens, the MTP modules the draft has, the lookahead slots each
+    running request gets, the prefill lookahead, NIXL's prefill back-off (where the set
+    has NIXL) and whether the KV cache manager drops a hit's last matched block."""
+    spec = sched.vllm_config.speculative_config
+    coordinator = sched.kv_cache_manager.coordinator
+    connector = getattr(sched, "connector", None)
+    nixl = next((c.connector_scheduler for c in [connector, *getattr(connector, "_connectors",
+                                                                      ())]
+                 if type(c).__name__.startswith("Nixl")
+                 and getattr(c, "connector_scheduler", None) is not None), None)
+    multi = getattr(spec, "use_multi_module_mtp", None)
+    return {
+        "method": spec.method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        # vLLM's own reading: one draft module per token, or one reused (None: the
+        # release does not tell them apart).
+        "multi_module_mtp": multi() if callable(multi) else None,
+        "lookahead_slots": getattr(sched, "num_lookahead_tokens", None),
+        "prefill_lookahead_tokens": getattr(sched.vllm_config,
+                                            "num_prefill_lookahead_tokens", None),
+        "nixl_prefill_backoff": (nixl._prefill_backoff()
+                                 if nixl is not None and hasattr(nixl, "_prefill_backoff")
+                                 else None),
+        "drops_last_matched_block": bool(getattr(coordinator, "drop_eagle_group_ids", None)
+                                         or getattr(coordinator, "use_eagle", False)),
+    }
+
+
 def _scheduler(vllm_config, kv_cache_config, block_size: int, hash_block_size: int):
     """vLLM's scheduler as ``EngineCore.__init__`` builds it: the configured class
     (async scheduling picks vLLM's AsyncScheduler), the block sizes it resolved."""
@@ -542,6 +572,7 @@ def explain(request: dict, case: int = 0) -> dict:
             "connector": type(connector).__name__ if connector is not None else None,
             "children": [type(c).__name__ for c in children],
             "block_size": block_size, "hash_block_size": hash_block_size,
+            **({"speculative": _speculative(sched)} if config.speculative_config else {}),
             **({"stand_in": "LMCacheMPConnector's lmcache server: an empty stand-in with "
                             "one block per chunk (its client, lmcache's ZMQ adapter, stood "
                             "in as the patch tests do)"}

@@ -20,8 +20,9 @@ FOLLOWER_NAMES = {"remote_prefill": "remote prefill",
 CAVEAT = ("  (a CPU engine of this pin answered: block sizes are rounded to its attention "
           "kernels, max_num_batched_tokens and async scheduling are its defaults unless "
           "given; with tensor parallel, rank 0's layers, groups and pool (nothing "
-          "communicates); speculative decoding only matched against the known "
-          "risks; the connectors' worker side (KV cache registration) is not run)")
+          "communicates); --num-speculative-tokens only matched against the known "
+          "risks, --speculative-config built in (the drafter's own layers are not in the "
+          "groups); the connectors' worker side (KV cache registration) is not run)")
 SIDE_NAMES = {"stock": "stock", "patched": "with the series"}
 
 
@@ -66,8 +67,21 @@ def _scheduler(step: dict) -> str:
         connector += f"[{', '.join(step['children'])}]"
     built = f"{step.get('class', 'scheduler')} built"
     stand_in = f" ({step['stand_in']})" if step.get("stand_in") else ""
-    return (f"{built}, scheduler-side connector {connector}{stand_in}" if connector
+    text = (f"{built}, scheduler-side connector {connector}{stand_in}" if connector
             else f"{built}, no KV connector")
+    spec = step.get("speculative")
+    if spec:
+        modules = {True: " (one draft module per token)",
+                   False: " (one draft module, reused)"}.get(spec.get("multi_module_mtp"), "")
+        text += (f"; speculative decoding {spec['method']}, {spec['num_speculative_tokens']} "
+                 f"tokens{modules}: "
+                 f"{spec['lookahead_slots']} lookahead slot(s) per request, prefill lookahead "
+                 f"{spec['prefill_lookahead_tokens']}"
+                 + (f", NIXL backs off {spec['nixl_prefill_backoff']} prompt token(s)"
+                    if spec.get("nixl_prefill_backoff") is not None else "")
+                 + (", a hit drops its last matched block" if spec["drops_last_matched_block"]
+                    else ", a hit keeps its last matched block"))
+    return text
 
 
 def _follower(said: dict) -> str:

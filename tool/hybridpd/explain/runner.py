@@ -45,9 +45,12 @@ class ExplainOptions:
     max_model_len: int = 8192
     #: vLLM's --tensor-parallel-size: the groups and the pool are one rank's (rank 0).
     tensor_parallel_size: int = 1
-    #: Matched against the known risks only (question 5); the engine is built without
-    #: speculative decoding (a draft model needs its weights' config).
+    #: Matched against the known risks only (question 5) where no
+    #: ``speculative_config`` is given.
     num_speculative_tokens: int = 0
+    #: vLLM's --speculative-config: the engine, its KV cache and its scheduler are built
+    #: with it (and its ``num_speculative_tokens`` is matched against the risks).
+    speculative_config: dict | None = None
     #: The LMCache release the deployment runs: the LMCache series' fixes are that
     #: release's records (None: the series' default pin, the test environment's).
     lmcache_version: str | None = None
@@ -67,7 +70,16 @@ class ExplainOptions:
             args["disable_hybrid_kv_cache_manager"] = True
         if self.tensor_parallel_size != 1:
             args["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.speculative_config is not None:
+            args["speculative_config"] = dict(self.speculative_config)
         return args
+
+    def speculative_tokens(self) -> int:
+        """The speculative tokens the deployment runs (for the risks)."""
+        if self.speculative_config is not None:
+            n = self.speculative_config.get("num_speculative_tokens")
+            return n if isinstance(n, int) and not isinstance(n, bool) else 0
+        return self.num_speculative_tokens
 
 
 @dataclass
@@ -148,7 +160,7 @@ def explain_cases(series: Series, pin: Pin, cases: list[ExplainOptions],
         out.append(Explained(
             pin, opts.model, opts.kv_transfer_config, note, said, seconds, logs,
             risks_mod.assess(series, pin, opts.kv_transfer_config,
-                             opts.num_speculative_tokens, said,
+                             opts.speculative_tokens(), said,
                              {"lmcache": opts.lmcache_version} if opts.lmcache_version
                              else None)))
     return out
