@@ -62,10 +62,21 @@ class Admission:
     # for a prefill instance's request (prefill_side), the local hit every KV
     # cache group agreed on when the connector was asked; else None
     agreed_hit: int | None = None
+    # a prefill instance's pull of the decoder's blocks where the decoder's
+    # tokens (and its Mamba state) reach the prompt: NIXL pulls the whole
+    # prompt, and no resume point has the decoder's state
+    decoder_past_prompt: bool = False
 
 
 class MambaStateViolation(AssertionError):
     pass
+
+
+class DecoderStatePastPrompt(MambaStateViolation):
+    """A prefill instance pulled the decoder's blocks although the decoder's
+    tokens reach the prompt: the request resumes on the decoder's Mamba state,
+    which belongs to another position (a vLLM bug, stock and patched:
+    test_upstream_known_issues.py)."""
 
 
 class AgreedHitViolation(AssertionError):
@@ -123,14 +134,15 @@ def _prefiller_end(connector: Any, request: Any) -> int | None:
     """Where the Mamba state of ``request``'s remote prefill belongs: the
     prefiller computes the prompt less NIXL's back-off (one token on releases
     without ``_prefill_backoff``) and transfers its running state there; or,
-    for a prefill instance's request with the decoder's blocks, where NIXL's
-    pull of them ends."""
+    for a prefill instance's request with the decoder's blocks, where the
+    decoder's Mamba state is."""
     params = request.kv_transfer_params
     if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
         # A prefill instance's pull of the decoder's blocks (bidirectional KV
-        # transfer) ends at the decoder's tokens, at most the prompt: the
-        # decoder's Mamba state there comes with it.
-        return min(params.get("remote_num_tokens") or 0, len(request.prompt_token_ids))
+        # transfer) brings the decoder's Mamba state, which is at the decoder's
+        # tokens: at the prompt or past it, no resume point of the request has
+        # it (decoder_past_prompt flags that case).
+        return params.get("remote_num_tokens") or 0
     if not (params and params.get("do_remote_prefill")):
         return None
     nixl = next(
@@ -146,9 +158,22 @@ def _prefiller_end(connector: Any, request: Any) -> int | None:
     return n - backoff if backoff and n > backoff else n
 
 
+def decoder_past_prompt(request: Any) -> bool:
+    """Whether ``request`` is a prefill instance's request whose decoder holds
+    blocks (and its Mamba state) for at least its whole prompt, as NIXL
+    truncated it: a pull of them ends before the decoder's state."""
+    params = request.kv_transfer_params
+    return bool(params and params.get("do_remote_decode")
+                and params.get("remote_block_ids")
+                and (params.get("remote_num_tokens") or 0) >= len(request.prompt_token_ids))
+
+
 def _nixl_state_problem(adm: Admission) -> str | None:
     if adm.prefiller_end is None:
         return "NIXL loaded for a request that is not a remote prefill"
+    if adm.decoder_past_prompt:
+        return (f"the decoder's state is at {adm.prefiller_end}, at or past the "
+                "prompt: a pull of the whole prompt resumes the request elsewhere")
     if adm.resume_point != adm.prefiller_end:
         return (f"the transferred state belongs at {adm.prefiller_end}, "
                 f"not at the resume point")
@@ -244,6 +269,7 @@ class MambaStateChecker:
                         else None
                     ),
                     prefiller_end=self._prefiller_end.pop(request.request_id, None),
+                    decoder_past_prompt=decoder_past_prompt(request),
                     cached_states=cached,
                     agreed_hit=self._agreed.pop(request.request_id, None),
                 )
@@ -338,7 +364,9 @@ class MambaStateChecker:
         else:
             problem = self.local_state_problem(req, local, adm)
         if problem:
-            raise MambaStateViolation(
+            violation = (DecoderStatePastPrompt if adm.decoder_past_prompt
+                         and adm.external_tokens > 0 else MambaStateViolation)
+            raise violation(
                 f"{req.request_id} resumes at {adm.resume_point} (local hit {local}, "
                 f"{adm.external_tokens} external from {adm.serving_connector}): "
                 f"{problem}"

@@ -208,6 +208,45 @@ def test_prefill_side_pull_from_the_decoder_keeps_the_attention_hit(kind):
     assert adm.resume_point - adm.external_tokens == len(PREFIX)
 
 
+def _prefill_instance_with_prefix(kind: str):
+    """A prefill instance (bidirectional KV transfer) holding PREFIX's attention
+    blocks without the Mamba state inside them."""
+    sched = scheduler(vllm_config(**_bidirectional(kind)),
+                      hybrid_kv_cache_config(num_blocks=1000))
+    checker = MambaStateChecker(sched)
+    first = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
+                    kv_transfer_params=remote_prefill_params(6))
+    _serve(sched, checker, first)
+    return sched, checker
+
+
+# Past upstream's gate with NIXL alone too: stock takes the attention hit up to the
+# decoder's tokens, pulls nothing and recomputes from the agreed hit.
+@pytest.mark.vllm_versions(">=0.32")
+@pytest.mark.parametrize("kind", [
+    pytest.param("nixl", marks=proves(past_upstream=True, nixl_alone=True)),
+    pytest.param("nixl+decodebench", marks=proves(past_upstream=True)),
+])
+def test_prefill_side_hit_reaching_the_decoder_pull_pulls_the_last_block(kind):
+    # The decoder holds blocks for exactly PREFIX: the attention hit reaches
+    # where the pull of them ends, so taken whole NIXL would pull nothing and
+    # no Mamba state. The local hit stops a block short and NIXL pulls that
+    # block with the decoder's state, which is at the end of PREFIX.
+    sched, checker = _prefill_instance_with_prefix(kind)
+    req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=11),
+                  kv_transfer_params=_decoder_blocks_params(len(PREFIX)))
+    assert cached_hit_tokens(sched, req) < len(PREFIX)  # the hit diverges
+    # Admitted and checked in one schedule (the pull's end, PREFIX, is a
+    # block boundary: the step after it ends the prompt's next block and the
+    # stand-in worker samples there).
+    sched.add_request(req)
+    checked_schedule(sched, checker)
+    adm = _admission(checker, req)
+    assert adm.serving_connector in NIXL_CONNECTORS
+    assert adm.resume_point == len(PREFIX)
+    assert adm.resume_point - adm.external_tokens == len(PREFIX) - BLOCK_SIZE
+
+
 # Past upstream's gate with NIXL alone too: stock v0.28+ takes the hit whole.
 @pytest.mark.parametrize("kind", [
     pytest.param("nixl", marks=proves(past_upstream=True, nixl_alone=True)),

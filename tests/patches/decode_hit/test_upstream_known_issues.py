@@ -14,7 +14,7 @@ from packaging.specifiers import SpecifierSet
 from vllm.v1.request import RequestStatus
 
 from ..builders import BLOCK_SIZE
-from ..mamba_state import Deadlock
+from ..mamba_state import Deadlock, DecoderStatePastPrompt
 
 #: Releases whose scheduler admits an async KV load without reserving the
 #: blocks the request needs to resume once it lands (its next token and its
@@ -220,3 +220,42 @@ def test_retried_load_after_a_failed_one_reserves_its_own_blocks_and_hangs(kind,
     from .test_mamba_state_property import _run
 
     _run(kind, workload)
+
+
+#: Releases whose NIXL (bidirectional KV transfer) pulls the decoder's blocks for a
+#: prefill instance's request of a hybrid model although the decoder's tokens reach
+#: the prompt as NIXL truncated it: the pull covers the whole prompt, the request
+#: resumes before its last token, and the decoder's Mamba state, loaded with the
+#: pull, belongs at the decoder's tokens. divergent-hybrid-hit-resume-point gives no
+#: resume point there, but the pull itself is stock's
+#: (``NixlPullConnectorScheduler.get_num_new_matched_tokens``). Found by review;
+#: not reported upstream yet. Bidirectional KV transfer is v0.32+'s.
+DECODER_PULL_PAST_PROMPT = SpecifierSet(">=0.32")
+
+
+@pytest.mark.vllm_versions(str(DECODER_PULL_PAST_PROMPT))
+@pytest.mark.xfail(
+    strict=True,
+    raises=DecoderStatePastPrompt,
+    reason=(
+        "vLLM bug: NIXL pulls the decoder's blocks for a hybrid prompt the "
+        "decoder's tokens cover; the request resumes on a Mamba state that "
+        "belongs to another position"
+    ),
+)
+@pytest.mark.parametrize("extra", [0, BLOCK_SIZE], ids=["whole-prompt", "past-prompt"])
+def test_prefill_side_pull_of_the_whole_prompt_resumes_on_the_decoders_state(extra):
+    from .test_mamba_state import (
+        PREFIX,
+        _decoder_blocks_params,
+        _prefill_instance_with_prefix,
+        _serve,
+    )
+    from ..builders import prompt, request
+
+    sched, checker = _prefill_instance_with_prefix("nixl")
+    tokens = PREFIX + prompt(2 * BLOCK_SIZE, seed=12)
+    # NIXL truncates the prompt by its back-off (one token) on arrival.
+    req = request(tokens, kv_transfer_params=_decoder_blocks_params(
+        len(tokens) - 1 + extra))
+    _serve(sched, checker, req)

@@ -17,12 +17,14 @@ import importlib
 from unittest.mock import patch
 
 import pytest
+import torch
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
     DecodeBenchConnector,
 )
+from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -228,7 +230,7 @@ def test_prompt_one_token_past_cached_prefix_loads_last_block():
 def test_remote_prefill_keeps_local_hit_and_loads_the_rest():
     """Below the resume point nothing changes: the cached prefix comes from the
     local cache and NIXL loads the rest of the prompt with the Mamba state at
-    its end."""
+    its end. (Passes without the resume point too.)"""
     scheduler = create_hybrid_scheduler([NIXL])
     request = make_request(PROMPT_TOKENS, remote_prefill=True)
 
@@ -243,11 +245,24 @@ def test_prefill_side_pull_from_decoder_keeps_local_hit():
     """With bidirectional KV transfer, a prefill instance pulls the blocks the
     decoder holds for the prompt, with the Mamba state at their end: the cached
     prefix comes from the local cache and NIXL pulls the rest of what the
-    decoder holds."""
+    decoder holds. (Passes without the resume point too.)"""
     scheduler = create_hybrid_scheduler([NIXL], kv_role="kv_both")
     request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
 
     assert admit(scheduler, request) == (PREFIX_TOKENS, DECODER_TOKENS - PREFIX_TOKENS)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_prefill_side_hit_reaching_pull_from_decoder_pulls_last_block():
+    """The decoder holds blocks for exactly the cached prefix: the
+    full-attention hit reaches where the pull would end, so taken whole the
+    pull would bring no tokens and no Mamba state. The local hit stops one
+    block short and NIXL pulls that block with the decoder's state, instead
+    of the prefill instance recomputing from the hit every group agrees on."""
+    scheduler = create_hybrid_scheduler([NIXL], kv_role="kv_both")
+    request = make_prefill_side_request(PROMPT_TOKENS, PREFIX_TOKENS)
+
+    assert admit(scheduler, request) == (PREFIX_TOKENS - BLOCK_SIZE, BLOCK_SIZE)
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
@@ -271,15 +286,18 @@ def test_nixl_resume_point():
 
 
 def test_nixl_resume_point_for_pull_from_decoder():
-    """The pull from the decoder ends at the decoder's tokens, capped by the
-    prompt; none is given once the pull is registered, or without
-    bidirectional KV transfer."""
+    """The pull from the decoder ends at the decoder's tokens, where its Mamba
+    state is; none is given where those reach the prompt, once the pull is
+    registered, or without bidirectional KV transfer."""
     nixl = hybrid_connector([NIXL], kv_role="kv_both")
     request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
     assert nixl.get_divergent_hit_resume_point(request) == DECODER_TOKENS
 
-    longer = make_prefill_side_request(PROMPT_TOKENS, PROMPT_TOKENS + BLOCK_SIZE)
-    assert nixl.get_divergent_hit_resume_point(longer) == PROMPT_TOKENS
+    # A pull of the whole prompt resumes the request before its last token,
+    # not where the decoder's Mamba state is.
+    for decoder_tokens in (PROMPT_TOKENS, PROMPT_TOKENS + BLOCK_SIZE):
+        whole = make_prefill_side_request(PROMPT_TOKENS, decoder_tokens)
+        assert nixl.get_divergent_hit_resume_point(whole) is None
 
     assert request.kv_transfer_params is not None
     request.kv_transfer_params["_remote_blocks_processed"] = True
@@ -288,6 +306,87 @@ def test_nixl_resume_point_for_pull_from_decoder():
     one_way = hybrid_connector([NIXL])
     request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
     assert one_way.get_divergent_hit_resume_point(request) is None
+
+
+@pytest.mark.parametrize(
+    "bidirectional,use_host_buffer,processed,drop_key,block_ids",
+    [
+        (True, False, False, None, True),
+        (False, False, False, None, True),
+        (True, True, False, None, True),
+        (True, False, True, None, True),
+        (True, False, False, "remote_engine_id", True),
+        (True, False, False, "remote_request_id", True),
+        (True, False, False, "remote_host", True),
+        (True, False, False, "remote_port", True),
+        (True, False, False, None, False),
+    ],
+    ids=[
+        "pull",
+        "one-way",
+        "host-buffer",
+        "processed",
+        "no-engine-id",
+        "no-request-id",
+        "no-host",
+        "no-port",
+        "no-block-ids",
+    ],
+)
+def test_nixl_pull_from_decoder_resume_point_iff_pull_registered(
+    bidirectional, use_host_buffer, processed, drop_key, block_ids
+):
+    """NIXL gives a point for a prefill instance's request exactly when
+    update_state_after_alloc registers a pull of the decoder's blocks."""
+    engine = create_hybrid_scheduler([NIXL], kv_role="kv_both")
+    nixl = engine.connector
+    assert nixl is not None
+    scheduler = nixl.connector_scheduler
+    assert scheduler is not None
+    scheduler.is_bidirectional_kv_xfer_enabled = bidirectional
+    scheduler.use_host_buffer = use_host_buffer
+    request = make_prefill_side_request(PROMPT_TOKENS, DECODER_TOKENS)
+    params = request.kv_transfer_params
+    assert params is not None
+    if processed:
+        params["_remote_blocks_processed"] = True
+    if drop_key is not None:
+        del params[drop_key]
+    if not block_ids:
+        params["remote_block_ids"] = []
+
+    point = nixl.get_divergent_hit_resume_point(request)
+    blocks = engine.kv_cache_manager.empty_kv_cache_blocks
+    scheduler.update_state_after_alloc(request, blocks, 0)
+
+    registered = request.request_id in scheduler._reqs_need_recv
+    assert registered == (
+        bidirectional
+        and not use_host_buffer
+        and not processed
+        and drop_key is None
+        and block_ids
+    )
+    assert (point is not None) == registered
+
+
+def test_nixl_prompt_embeds_remote_prefill_gets_no_point():
+    """NIXL pulls nothing for a remote prefill given as prompt embeddings (the
+    decoder recomputes it), so it gives no point."""
+    nixl = hybrid_connector([NIXL])
+    request = Request(
+        request_id="embeds",
+        prompt_token_ids=None,
+        prompt_embeds=torch.zeros(PROMPT_TOKENS, 8),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+    )
+    request.kv_transfer_params = make_request(
+        PROMPT_TOKENS, remote_prefill=True
+    ).kv_transfer_params
+
+    assert nixl.get_divergent_hit_resume_point(request) is None
+    assert nixl.get_num_new_matched_tokens(request, 0) == (0, False)
 
 
 def test_nixl_push_resume_point():
@@ -329,6 +428,11 @@ def test_moriio_read_resume_point_only_for_remote_prefill(is_producer):
     assert connector.get_divergent_hit_resume_point(remote) == expected
     assert connector.get_divergent_hit_resume_point(plain) is None
     assert connector.get_divergent_hit_resume_point(prefill_side) is None
+    if expected is not None:
+        # The read ends at the point for any local hit below it.
+        for computed in (0, PREFIX_TOKENS, expected):
+            matched, _ = scheduler.get_num_new_matched_tokens(remote, computed)
+            assert computed + matched == expected
 
 
 @pytest.mark.parametrize(
