@@ -5,7 +5,9 @@ fails while the bug is there, on stock and patched builds alike, and turns red
 (XPASS) the day a pin carries a fix, so the exclusion it justifies elsewhere
 can be removed. (The synchronous load over a local hit on a full pool, found
 here first, is fixed by mamba-align-admission-counts-sync-load:
-tests/patches/scheduler/test_sync_load_admission.py.)
+tests/patches/scheduler/test_sync_load_admission.py; a failed async load's
+retry that waited on its own reservation, by failed-load-retry-admission:
+test_scheduler_hangs.py.)
 """
 
 import pytest
@@ -131,92 +133,3 @@ def test_multi_module_mtp_remote_prefill_past_a_block_boundary_hangs():
     from .test_mamba_state_property import _run
 
     _run("nixl", MTP_LOOKAHEAD_WORKLOAD)
-
-
-#: Releases whose scheduler keeps a request among its in-flight prefills after
-#: its async KV load failed with nothing valid (kv_load_failure_policy
-#: "recompute": the blocks are freed and the request waits again). When the
-#: request is admitted for another async load (a hash store such as the
-#: OffloadingConnector's CPU tier still offers the chunks), the reservation the
-#: scheduler keeps for in-flight prefills includes the request's own remaining
-#: blocks: it must fit twice. In a pool too small for that it is never
-#: admitted, though nothing else runs. Found with multi-module MTP (whose
-#: lookahead blocks make the reservation larger), not specific to it. Upstream:
-#: the stall behind the head of the queue is what
-#: https://github.com/vllm-project/vllm/pull/57841 (open) addresses, for a head
-#: that holds no blocks; its own limits name kv_load_failure_policy="recompute".
-#: /issues/35541 reports a head-of-queue stall after a failed load (a fix was
-#: tried in /pull/35570).
-FAILED_LOAD_SELF_RESERVATION = SpecifierSet(">=0.32")
-
-
-class SelfReservationHang(AssertionError):
-    """A hang of :data:`FAILED_LOAD_SELF_RESERVATION`'s kind."""
-
-
-def failed_load_self_reservation(sched, reqs) -> bool:
-    """Whether nothing runs while an unfinished request waits holding no
-    computed tokens, still counted among the in-flight prefills whose remaining
-    blocks the scheduler reserves before admitting an async load."""
-    inflight = getattr(sched, "_inflight_prefills", None)
-    if sched.running or not inflight:
-        return False
-    return any(
-        not r.is_finished() and r in inflight and r.num_computed_tokens == 0
-        and r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        for r in reqs
-    )
-
-
-#: The shrunk workload test_mamba_state_property.py found (v0.32.0 and v0.33.0,
-#: NIXL beside the OffloadingConnector, 3 MTP modules, a sliding window, a
-#: 40-block pool): the 4-block request is preempted, loads 2 blocks back from
-#: the CPU tier, the load fails, and the retry needs its own reservation too.
-SELF_RESERVATION_WORKLOAD = {
-    "kv_role": "kv_both", "num_blocks": 40, "engine": "mtp3", "window": 32,
-    "seed": 0, "stored": [],
-    "requests": [
-        *[{"prefix": 0, "prefix_blocks": blocks, "suffix": 0, "remote": False,
-           "load_fails": False, "max_tokens": 1, "arrival": 0} for blocks in (1, 1, 3)],
-        {"prefix": 0, "prefix_blocks": 4, "suffix": 0, "remote": False,
-         "load_fails": True, "max_tokens": 1, "arrival": 0},
-    ],
-}
-
-
-#: The same hang with NIXL alone (v0.33.0 stock and patched, n-gram drafts, a
-#: sliding window, a 40-block pool): the 97-token remote prefill's load fails and
-#: it waits at the head of the queue on its own reservation, so the remote
-#: prefill behind it, whose load landed, is never promoted.
-SELF_RESERVATION_NIXL_WORKLOAD = {
-    "kv_role": "kv_both", "num_blocks": 40, "engine": "spec2", "window": 32,
-    "seed": 0, "stored": [],
-    "requests": [
-        *[{"prefix": 0, "prefix_blocks": 1, "suffix": 0, "remote": False,
-           "load_fails": False, "max_tokens": 1, "arrival": 0}] * 4,
-        {"prefix": 0, "prefix_blocks": 6, "suffix": 1, "remote": True,
-         "load_fails": True, "max_tokens": 1, "arrival": 0},
-        {"prefix": 1, "prefix_blocks": 2, "suffix": 15, "remote": True,
-         "load_fails": False, "max_tokens": 1, "arrival": 0},
-    ],
-}
-
-
-@pytest.mark.vllm_versions(str(FAILED_LOAD_SELF_RESERVATION))
-@pytest.mark.xfail(
-    strict=True,
-    raises=SelfReservationHang,
-    reason=(
-        "vLLM bug: a request whose async KV load failed stays among the in-flight "
-        "prefills; its next async load must fit beside its own reservation and, in "
-        "a small pool, is never admitted"
-    ),
-)
-@pytest.mark.parametrize("kind,workload", [
-    pytest.param("nixl+offloading", SELF_RESERVATION_WORKLOAD, id="offloading-mtp3"),
-    pytest.param("nixl", SELF_RESERVATION_NIXL_WORKLOAD, id="nixl-spec2"),
-])
-def test_retried_load_after_a_failed_one_reserves_its_own_blocks_and_hangs(kind, workload):
-    from .test_mamba_state_property import _run
-
-    _run(kind, workload)
