@@ -7,15 +7,13 @@ can be removed. (The synchronous load over a local hit on a full pool, found
 here first, is fixed by mamba-align-admission-counts-sync-load:
 tests/patches/scheduler/test_sync_load_admission.py; a failed async load's
 retry that waited on its own reservation, by failed-load-retry-admission:
-test_scheduler_hangs.py.)
+test_scheduler_hangs.py; a multi-module MTP remote prefill past a block
+boundary, by mamba-align-mtp-lookahead-chunk: test_scheduler_hangs.py.)
 """
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from vllm.v1.request import RequestStatus
-
-from ..builders import BLOCK_SIZE
 from ..mamba_state import Deadlock
 
 #: Releases whose scheduler admits an async KV load without reserving the
@@ -67,69 +65,3 @@ def test_async_loads_that_fill_the_pool_deadlock():
     from .test_mamba_state_property import _run
 
     _run("nixl", DEADLOCK_WORKLOAD)
-
-
-#: Releases whose scheduler keeps multi-module MTP's prefill lookahead (it ends
-#: no prefill chunk fewer than ``num_spec`` tokens before the prompt's end) next
-#: to the Mamba align rule (a chunk that starts inside a block ends at that
-#: block's end or at the prompt's end). NIXL's prefiller stops ``num_spec - 1``
-#: tokens short, so with 3 or more MTP modules a remote prefill can resume inside
-#: a block that ends fewer than ``num_spec`` tokens before the prompt does (a
-#: prompt one token past a block boundary, with 3). The only chunk the align
-#: rule allows is then one the lookahead forbids: the scheduler cuts it to
-#: nothing, the request never runs, and as the head of the waiting queue it
-#: blocks every request behind it. No fix in a release yet. Upstream: the
-#: lookahead came with https://github.com/vllm-project/vllm/pull/50062
-#: (scheduler support for multi-module MTP), whose chunk-boundary rule does not
-#: meet the Mamba align rule; not reported yet.
-MTP_LOOKAHEAD_HANG = SpecifierSet(">=0.32")
-
-
-class MtpLookaheadHang(Deadlock):
-    """A hang of :data:`MTP_LOOKAHEAD_HANG`'s kind (see :func:`mtp_lookahead_hang`)."""
-
-
-def mtp_lookahead_hang(reqs, num_spec: int, block_size: int = BLOCK_SIZE) -> bool:
-    """Whether an unfinished request of ``reqs`` waits where the two rules of
-    :data:`MTP_LOOKAHEAD_HANG` leave it no chunk: inside a prompt block that ends
-    fewer than ``num_spec`` tokens before the prompt does."""
-    for r in reqs:
-        if r.is_finished() or r.status not in (RequestStatus.WAITING,
-                                               RequestStatus.PREEMPTED):
-            continue
-        start = r.num_computed_tokens
-        block_end = -(-start // block_size) * block_size
-        if start % block_size and 0 < r.num_prompt_tokens - block_end < num_spec:
-            return True
-    return False
-
-
-#: The shrunk workload test_mamba_state_property.py found (v0.32.0 and v0.33.0,
-#: stock and patched, NIXL, 3 MTP modules): one remote prefill of a 17-token
-#: prompt. NIXL loads 15 tokens; the align rule allows the chunk 15..16 only,
-#: which ends 1 token before the prompt does.
-MTP_LOOKAHEAD_WORKLOAD = {
-    "kv_role": "kv_both", "num_blocks": 400, "engine": "mtp3", "window": None,
-    "seed": 0, "stored": [],
-    "requests": [
-        {"prefix": 0, "prefix_blocks": 1, "suffix": 1, "remote": True,
-         "load_fails": False, "max_tokens": 1, "arrival": 0},
-    ],
-}
-
-
-@pytest.mark.vllm_versions(str(MTP_LOOKAHEAD_HANG))
-@pytest.mark.xfail(
-    strict=True,
-    raises=MtpLookaheadHang,
-    reason=(
-        "vLLM bug: with multi-module MTP (3+ modules) a NIXL remote prefill one "
-        "token past a block boundary resumes inside the last full block; the Mamba "
-        "align rule and the MTP prefill lookahead together leave it no chunk to "
-        "schedule, and it never runs"
-    ),
-)
-def test_multi_module_mtp_remote_prefill_past_a_block_boundary_hangs():
-    from .test_mamba_state_property import _run
-
-    _run("nixl", MTP_LOOKAHEAD_WORKLOAD)
