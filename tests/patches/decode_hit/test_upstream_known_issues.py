@@ -30,7 +30,13 @@ from ..mamba_state import Deadlock
 #: (lookahead blocks allocated only once the load landed) by /pull/57104.
 #: Measured: the property test hangs so on v0.20.2 and v0.21.0; v0.23.0 is the
 #: first sdist whose scheduler has ``_inflight_prefill_reserved_blocks`` (v0.22.0
-#: has none).
+#: has none). Not backported to v0.20.2: #44560 is not a small change there (a
+#: reservation parameter through ``KVCacheManager.allocate_slots``, the set of
+#: in-flight prefills kept at admission, promotion, preemption and finish, the
+#: remaining-block count per request through the coordinator, whose v0.20.2
+#: signature differs), and this workload's speculative-decoding part needs #57104
+#: on top; this series' v0.32.0 and v0.33.0 pins have both
+#: (``_inflight_prefill_reserved_blocks``, ``_spec_decode_step_blocks``).
 KV_HOLDING_DEADLOCK = SpecifierSet("<0.23")
 
 #: The shrunk workload test_mamba_state_property.py found (v0.20.2, NIXL): three
