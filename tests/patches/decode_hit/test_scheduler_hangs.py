@@ -1,0 +1,223 @@
+"""vLLM hangs on v0.32+ that the series fixes, each found by test_mamba_state_property.py.
+
+Patch: failed-load-retry-admission. vLLM keeps a request among its in-flight
+prefills, and in the queue of waiting requests that hold KV (drained first),
+after its async KV load failed with nothing valid (kv_load_failure_policy
+"recompute": the blocks are freed and the request waits again). When the
+request is admitted for another async load (a hash store such as the
+OffloadingConnector's CPU tier still offers the chunks), the reservation the
+scheduler keeps for in-flight prefills includes the request's own remaining
+blocks: it must fit twice. In a pool too small for that it is never admitted,
+though nothing else runs (found with multi-module MTP, whose lookahead blocks
+make the reservation larger, not specific to it). With that fixed alone, a
+retry that does not fit yet still waits at the head of the KV-holding queue,
+ahead of a remote prefill whose load landed and whose blocks it waits for.
+
+Patch: mamba-align-mtp-lookahead-chunk. With multi-module MTP (3 or more
+modules) a NIXL remote prefill one token past a block boundary resumes inside
+its last full block; the Mamba align rule (a chunk that starts inside a block
+ends at that block's end) and the MTP prefill lookahead (no chunk ends fewer
+than ``num_spec`` tokens before the prompt does) together leave it no chunk,
+and it never runs.
+
+Each hang is detected as it happens (:func:`failed_load_self_reservation`, or
+``mamba_state.deadlock``, after the workload's 600 scheduler steps):
+red on stock, and patched the request is served (re-admitted once the pool
+holds it, every request finished, every admission checked for its Mamba state).
+"""
+
+import functools
+
+import pytest
+import vllm
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from vllm.v1.request import RequestStatus
+
+from ..builders import BLOCK_SIZE
+from ..mamba_state import Deadlock
+
+FAILED_LOAD_PATCH = "failed-load-retry-admission"
+MTP_LOOKAHEAD_PATCH = "mamba-align-mtp-lookahead-chunk"
+
+#: Releases whose scheduler reserves blocks for in-flight prefills
+#: (``_inflight_prefill_reserved_blocks``, vllm-project/vllm#44560, v0.23) and
+#: that this series ports: the failed load's retry can hang there on stock.
+FAILED_LOAD_SELF_RESERVATION = SpecifierSet(">=0.32")
+
+
+class SelfReservationHang(AssertionError):
+    """A hang of :data:`FAILED_LOAD_SELF_RESERVATION`'s kind."""
+
+
+def failed_load_self_reservation(sched, reqs) -> bool:
+    """Whether nothing runs while an unfinished request waits holding no
+    computed tokens, still counted among the in-flight prefills whose remaining
+    blocks the scheduler reserves before admitting an async load."""
+    inflight = getattr(sched, "_inflight_prefills", None)
+    if sched.running or not inflight:
+        return False
+    return any(
+        not r.is_finished() and r in inflight and r.num_computed_tokens == 0
+        and r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        for r in reqs
+    )
+
+
+#: The shrunk workload test_mamba_state_property.py found (v0.32.0 and v0.33.0,
+#: NIXL beside the OffloadingConnector, 3 MTP modules, a sliding window, a
+#: 40-block pool): the 4-block request is preempted, loads 2 blocks back from
+#: the CPU tier, the load fails, and the retry needs its own reservation too.
+SELF_RESERVATION_WORKLOAD = {
+    "kv_role": "kv_both", "num_blocks": 40, "engine": "mtp3", "window": 32,
+    "seed": 0, "stored": [],
+    "requests": [
+        *[{"prefix": 0, "prefix_blocks": blocks, "suffix": 0, "remote": False,
+           "load_fails": False, "max_tokens": 1, "arrival": 0} for blocks in (1, 1, 3)],
+        {"prefix": 0, "prefix_blocks": 4, "suffix": 0, "remote": False,
+         "load_fails": True, "max_tokens": 1, "arrival": 0},
+    ],
+}
+
+
+#: The same hang with NIXL alone (v0.33.0 stock, n-gram drafts, a sliding
+#: window, a 40-block pool): the 97-token remote prefill's load fails and it
+#: waits at the head of the queue on its own reservation, so the remote prefill
+#: behind it, whose load landed, is never promoted.
+SELF_RESERVATION_NIXL_WORKLOAD = {
+    "kv_role": "kv_both", "num_blocks": 40, "engine": "spec2", "window": 32,
+    "seed": 0, "stored": [],
+    "requests": [
+        *[{"prefix": 0, "prefix_blocks": 1, "suffix": 0, "remote": False,
+           "load_fails": False, "max_tokens": 1, "arrival": 0}] * 4,
+        {"prefix": 0, "prefix_blocks": 6, "suffix": 1, "remote": True,
+         "load_fails": True, "max_tokens": 1, "arrival": 0},
+        {"prefix": 1, "prefix_blocks": 2, "suffix": 15, "remote": True,
+         "load_fails": False, "max_tokens": 1, "arrival": 0},
+    ],
+}
+
+
+@functools.cache
+def self_reservation_hangs() -> bool:
+    """Whether the vLLM under test has this hang: its scheduler hangs on
+    :data:`SELF_RESERVATION_NIXL_WORKLOAD` (stock v0.32+; not with
+    failed-load-retry-admission). The property test counts the hang
+    as known only where it does."""
+    if Version(vllm.__version__) not in FAILED_LOAD_SELF_RESERVATION:
+        return False
+    from .test_mamba_state_property import _run
+
+    try:
+        _run("nixl", SELF_RESERVATION_NIXL_WORKLOAD)
+    except SelfReservationHang:
+        return True
+    return False
+
+
+@pytest.mark.patch(FAILED_LOAD_PATCH)
+@pytest.mark.vllm_versions(str(FAILED_LOAD_SELF_RESERVATION))
+@pytest.mark.parametrize("kind,workload", [
+    pytest.param("nixl+offloading", SELF_RESERVATION_WORKLOAD, id="offloading-mtp3"),
+    pytest.param("nixl", SELF_RESERVATION_NIXL_WORKLOAD, id="nixl-spec2"),
+])
+def test_retried_load_after_a_failed_one_is_admitted(kind, workload):
+    from .test_mamba_state_property import _run
+
+    # Stock: raises SelfReservationHang (nothing runs; the failed request waits
+    # on its own reservation). Patched: every request finishes, each admission
+    # checked for its Mamba state, each remote prefill's for where it resumes.
+    checker, reqs = _run(kind, workload)
+
+    (failed,) = [r for r, s in zip(reqs, workload["requests"]) if s["load_fails"]]
+    admissions = [a for a in checker.admissions if a.request_id == failed.request_id]
+    # Admitted with its load, which failed, then again once the pool held it once.
+    loads = [i for i, a in enumerate(admissions) if a.external_tokens > 0]
+    assert loads and loads[0] < len(admissions) - 1, admissions
+    assert failed.is_finished()
+
+
+#: Releases whose scheduler keeps multi-module MTP's prefill lookahead (it ends
+#: no prefill chunk fewer than ``num_spec`` tokens before the prompt's end,
+#: vllm-project/vllm#50062) next to the Mamba align rule (a chunk that starts
+#: inside a block ends at that block's end or at the prompt's end). NIXL's
+#: prefiller stops ``num_spec - 1`` tokens short, so with 3 or more MTP modules
+#: a remote prefill can resume inside a block that ends fewer than ``num_spec``
+#: tokens before the prompt does (a prompt one token past a block boundary,
+#: with 3). The only chunk the align rule allows is then one the lookahead
+#: forbids: the scheduler cuts it to nothing, the request never runs, and as
+#: the head of the waiting queue it blocks every request behind it.
+MTP_LOOKAHEAD_HANG = SpecifierSet(">=0.32")
+
+
+class MtpLookaheadHang(Deadlock):
+    """A hang of :data:`MTP_LOOKAHEAD_HANG`'s kind (see :func:`mtp_lookahead_hang`)."""
+
+
+def mtp_lookahead_hang(reqs, num_spec: int, block_size: int = BLOCK_SIZE) -> bool:
+    """Whether an unfinished request of ``reqs`` waits where the two rules of
+    :data:`MTP_LOOKAHEAD_HANG` leave it no chunk: inside a prompt block that ends
+    fewer than ``num_spec`` tokens before the prompt does."""
+    for r in reqs:
+        if r.is_finished() or r.status not in (RequestStatus.WAITING,
+                                               RequestStatus.PREEMPTED):
+            continue
+        start = r.num_computed_tokens
+        block_end = -(-start // block_size) * block_size
+        if start % block_size and 0 < r.num_prompt_tokens - block_end < num_spec:
+            return True
+    return False
+
+
+def mtp_lookahead_workload(prefix_blocks: int) -> dict:
+    """The shrunk workload test_mamba_state_property.py found (v0.32.0 and
+    v0.33.0, NIXL, 3 MTP modules; ``prefix_blocks`` 1): one remote prefill of a
+    prompt one token past ``prefix_blocks`` blocks. NIXL loads it less 2 tokens;
+    the align rule allows only the chunk to the block's end, 1 token before the
+    prompt's."""
+    return {
+        "kv_role": "kv_both", "num_blocks": 400, "engine": "mtp3", "window": None,
+        "seed": 0, "stored": [],
+        "requests": [
+            {"prefix": 0, "prefix_blocks": prefix_blocks, "suffix": 1, "remote": True,
+             "load_fails": False, "max_tokens": 1, "arrival": 0},
+        ],
+    }
+
+
+@functools.cache
+def mtp_lookahead_hangs() -> bool:
+    """Whether the vLLM under test has this hang (stock v0.32+; not with
+    mamba-align-mtp-lookahead-chunk): the property test counts it as known only
+    where it does."""
+    if Version(vllm.__version__) not in MTP_LOOKAHEAD_HANG:
+        return False
+    from .test_mamba_state_property import _run
+
+    try:
+        _run("nixl", mtp_lookahead_workload(1))
+    except MtpLookaheadHang:
+        return True
+    return False
+
+
+@pytest.mark.patch(MTP_LOOKAHEAD_PATCH)
+@pytest.mark.vllm_versions(str(MTP_LOOKAHEAD_HANG))
+@pytest.mark.parametrize("prefix_blocks", [1, 4])
+def test_multi_module_mtp_remote_prefill_past_a_block_boundary_is_served(prefix_blocks):
+    from .test_mamba_state_property import _run
+
+    # Stock: raises MtpLookaheadHang (the request waits, never scheduled, inside
+    # its last full block). Patched: it finishes, its admission checked for its
+    # Mamba state (NIXL's load restores it at the end of the loaded tokens).
+    checker, (req,) = _run("nixl", mtp_lookahead_workload(prefix_blocks))
+
+    # Served from its NIXL load, once: it resumed where the prefiller stopped
+    # (the prompt less NIXL's back-off of num_spec - 1 = 2 tokens), inside its
+    # last full block, and recomputed only the 2 tokens the prefiller left.
+    (adm,) = [a for a in checker.admissions if a.request_id == req.request_id]
+    assert adm.prefiller_end == req.num_prompt_tokens - 2 == prefix_blocks * BLOCK_SIZE - 1
+    assert adm.external_tokens == adm.prefiller_end
+    assert adm.serving_connector is not None and "Nixl" in adm.serving_connector
+    assert req.is_finished() and req.num_output_tokens == 1
