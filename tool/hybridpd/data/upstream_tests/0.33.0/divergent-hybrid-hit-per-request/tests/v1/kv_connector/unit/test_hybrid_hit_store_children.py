@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Divergent local hybrid hits behind a MultiConnector with a store child: the
-real OffloadingConnector beside NIXL in both orders, and a sliding-window group
-whose local hit lags the full-attention hit.
+real OffloadingConnector beside NIXL in both orders, a sliding-window group
+whose local hit lags the full-attention hit, and NIXL's back-off with
+multi-module MTP.
 
 A decode instance caches every full-attention block of a prefix it received
 from a prefiller, but no Mamba state inside it. A later request sharing the
@@ -13,9 +14,13 @@ load that ends on a stored Mamba chunk), and, for a connector without
 hit is shorter than it.
 """
 
+import dataclasses
+import functools
+
 import pytest
 
 from vllm import SamplingParams
+from vllm.config import SpeculativeConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorWorkerMetadata,
 )
@@ -41,6 +46,7 @@ from .test_divergent_hit_resume_point import (
     admit,
     make_request,
     schedule_and_measure,
+    seed_decode_side_prefix,
 )
 from .utils import (
     EOS_TOKEN_ID,
@@ -139,8 +145,8 @@ def store_through_offloading(scheduler: Scheduler, prompt_token_ids: list[int]):
     """Compute a plain request of ``prompt_token_ids`` on the instance, so that
     the OffloadingConnector stores its blocks and Mamba states through its own
     store path (align mode keeps the Mamba state at the last block boundary
-    before the prompt's last token), then drop the instance's prefix cache (as memory pressure
-    would): the CPU tier alone holds them."""
+    before the prompt's last token), then drop the instance's prefix cache
+    (as memory pressure would): the CPU tier alone holds them."""
     sampling_params = SamplingParams(max_tokens=1)
     sampling_params.update_from_generation_config({}, EOS_TOKEN_ID)
     request = Request(
@@ -191,7 +197,9 @@ def test_offloading_plain_request_keeps_agreed_hit(connectors, stored):
     scheduler = create_decode_scheduler(connectors)
     request = make_request(PROMPT_TOKENS + BLOCK_SIZE, remote_prefill=False)
     if stored:
-        store_through_offloading(scheduler, request.prompt_token_ids[: PROMPT_TOKENS + 1])
+        store_through_offloading(
+            scheduler, request.prompt_token_ids[: PROMPT_TOKENS + 1]
+        )
 
     num_local, num_external = admit(scheduler, request)
 
@@ -285,8 +293,11 @@ def admit_with_window(
         ([NIXL, DECODE_BENCH], True, (0, PROMPT_TOKENS - 1)),
         ([NIXL], True, (PREFIX_TOKENS, PROMPT_TOKENS - 1)),
     ],
-    ids=["nixl+decodebench-window-cached", "nixl+decodebench-window-evicted",
-         "nixl-window-evicted"],
+    ids=[
+        "nixl+decodebench-window-cached",
+        "nixl+decodebench-window-evicted",
+        "nixl-window-evicted",
+    ],
 )
 def test_lagging_window_group_takes_agreed_hit_without_capability(
     connectors, window_evicted, expected
@@ -304,4 +315,86 @@ def test_lagging_window_group_takes_agreed_hit_without_capability(
     num_local, num_external = admit_with_window(scheduler, request, window_evicted)
 
     assert (num_local, num_local + num_external) == expected
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+# ----------------------------------------------------- multi-module MTP
+
+
+NUM_MTP_MODULES = 3
+# NIXL's prefiller stops short of multi-module MTP's lookahead window (the
+# drafter reads num_speculative_tokens prompt tokens ahead): the decoder
+# recomputes num_speculative_tokens - 1 prompt tokens.
+MTP_BACKOFF = NUM_MTP_MODULES - 1
+
+
+def _mtp_modules(hf_config):
+    # A callable override reaches the draft's config too, so both declare the
+    # MTP modules.
+    hf_config.update({"num_nextn_predict_layers": NUM_MTP_MODULES})
+    return hf_config
+
+
+@functools.cache
+def _mtp_vllm_config_kwargs() -> dict:
+    """The target and MTP draft of a hybrid (Gated DeltaNet + full attention)
+    model with NUM_MTP_MODULES MTP modules, built once (vLLM inspects the
+    model classes the first time)."""
+    vllm_config = create_vllm_config(
+        model="Qwen/Qwen3-Next-80B-A3B-Instruct",
+        hf_overrides=_mtp_modules,
+        block_size=BLOCK_SIZE,
+    )
+    speculative_config = SpeculativeConfig(
+        method="mtp",
+        num_speculative_tokens=NUM_MTP_MODULES,
+        target_model_config=vllm_config.model_config,
+        target_parallel_config=vllm_config.parallel_config,
+    )
+    assert speculative_config.use_multi_module_mtp()
+    return {
+        "model_config": vllm_config.model_config,
+        "speculative_config": speculative_config,
+    }
+
+
+def create_mtp_decode_scheduler(connectors: list[str]) -> Scheduler:
+    """create_decode_scheduler's instance, serving a model with multi-module
+    MTP."""
+    scheduler = create_decode_scheduler(connectors)
+    vllm_config = dataclasses.replace(
+        scheduler.vllm_config, **_mtp_vllm_config_kwargs()
+    )
+    assert vllm_config.num_prefill_lookahead_tokens == NUM_MTP_MODULES
+    return create_scheduler(
+        vllm_config,
+        num_blocks=NUM_BLOCKS,
+        kv_cache_config=scheduler.kv_cache_config,
+    )
+
+
+@pytest.mark.parametrize(
+    "connectors", [[NIXL], [NIXL, DECODE_BENCH]], ids=["nixl", "nixl+decodebench"]
+)
+def test_mtp_remote_prefill_resumes_at_nixl_backoff(connectors):
+    """With multi-module MTP, NIXL's remote prefill resumes at the prompt less
+    its back-off, where the prefiller's Mamba state belongs: the divergent
+    local hit (full attention, which MTP's lookahead and its dropped last
+    block keep short of the prefix) stays below that point and NIXL loads the
+    rest, also with a child beside NIXL that cannot complete such a hit."""
+    scheduler = create_mtp_decode_scheduler(connectors)
+    request = make_request(PROMPT_TOKENS, remote_prefill=True)
+    seed_decode_side_prefix(scheduler)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    assert isinstance(coordinator, HybridKVCacheCoordinator)
+    _, (attention_hit, mamba_hit) = coordinator.find_longest_cache_hit_per_group(
+        request.block_hashes, request.num_tokens - 1
+    )
+    assert attention_hit > mamba_hit == 0
+    scheduler.add_request(request)
+
+    num_local, num_external = schedule_and_measure(scheduler, request)
+
+    assert num_local == attention_hit
+    assert num_local + num_external == PROMPT_TOKENS - MTP_BACKOFF
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
