@@ -203,9 +203,20 @@ def _speculative(sched) -> dict:
         "nixl_prefill_backoff": (nixl._prefill_backoff()
                                  if nixl is not None and hasattr(nixl, "_prefill_backoff")
                                  else None),
-        "drops_last_matched_block": bool(getattr(coordinator, "drop_eagle_group_ids", None)
-                                         or getattr(coordinator, "use_eagle", False)),
+        "drops_last_matched_block": _drops_last_matched_block(coordinator),
     }
+
+
+def _drops_last_matched_block(coordinator) -> bool:
+    """Whether vLLM's coordinator drops a hit's last matched block for the draft: v0.33
+    names the groups that drop (``drop_eagle_group_ids``; lookahead hashes flag groups
+    that do not), v0.32 drops for every flagged group (``eagle_group_ids``), older
+    releases keep one ``use_eagle`` flag."""
+    if hasattr(coordinator, "drop_eagle_group_ids"):
+        return bool(coordinator.drop_eagle_group_ids)
+    if hasattr(coordinator, "eagle_group_ids"):
+        return bool(coordinator.eagle_group_ids)
+    return bool(getattr(coordinator, "use_eagle", False))
 
 
 def _scheduler(vllm_config, kv_cache_config, block_size: int, hash_block_size: int):
