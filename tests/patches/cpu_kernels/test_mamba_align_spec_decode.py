@@ -19,20 +19,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import vllm
+from packaging.version import Version
 
-from vllm.model_executor.layers.mamba import mamba_utils as layer_mamba_utils
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
-from vllm.platforms import current_platform
-from vllm.utils.math_utils import cdiv
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.kv_cache_interface import (
+if Version(vllm.__version__) < Version("0.32"):  # no fused align kernels before
+    pytest.skip(f"covers vLLM >=0.32, this is vLLM {vllm.__version__}",
+                allow_module_level=True)
+
+from vllm.model_executor.layers.mamba import mamba_utils as layer_mamba_utils  # noqa: E402
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.utils.math_utils import cdiv  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
 )
-from vllm.v1.utils import CpuGpuBuffer
-from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
+from vllm.v1.utils import CpuGpuBuffer  # noqa: E402
+from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext  # noqa: E402
 
 PATCH = pytest.mark.patch("cpu-mamba-align-spec-decode-kernels")
 pytestmark = [PATCH, pytest.mark.vllm_versions(">=0.32")]
