@@ -47,6 +47,34 @@ def test_kept_stock_checkout_is_put_back_at_the_tag(tmp_path: Path) -> None:
     assert _patches(src) == []
 
 
+def test_stock_build_carries_only_the_patches_it_needs_to_run(tmp_path: Path) -> None:
+    _, series = standard_project(tmp_path)
+    src = tmp_path / "e2e" / "src"
+    pin = series.pin("1.0")
+    lines: list[str] = []
+    head = source(series, pin, "stock", src, lines.append, ("fix-add", "not-carried"))
+    assert _patches(src) == [["fix-add"]]
+    assert head == gitops.head(src) != gitops.resolve(src, "v1.0")
+    assert (src / "proj" / "core.py").read_text() == FIX_ADD["proj/core.py"]
+    assert any("applied fix-add" in line for line in lines)
+    # Without a baseline the kept checkout is the release again.
+    assert source(series, pin, "stock", src, print) == gitops.resolve(src, "v1.0")
+
+
+def test_stock_baseline_is_per_device_and_only_what_the_pin_carries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridpd.e2e import envs
+
+    project, series = standard_project(tmp_path)
+    monkeypatch.setattr(envs, "STOCK_NEEDS", {"cpu": ("feature", "not-carried")})
+    assert envs.stock_baseline(series, series.pin("1.0"), "cpu") == ("feature",)
+    assert envs.stock_baseline(series, series.pin("1.0"), "cuda") == ()
+    project.records[1]["states"]["1.0"] = "dropped"
+    series = project.write()
+    assert envs.stock_baseline(series, series.pin("1.0"), "cpu") == ()
+
+
 @pytest.fixture
 def made(monkeypatch: pytest.MonkeyPatch) -> _Calls:
     """``install.environment`` (tested in test_install.py) and pip, recorded."""

@@ -89,6 +89,16 @@ def test_report_files_and_json_contract(tmp_path: Path) -> None:
     assert "patched / nixl+decodebench: all checks pass" in md
 
 
+def test_report_says_what_the_stock_build_carries(tmp_path: Path) -> None:
+    data = smoke_report()
+    md = report.markdown(report.E2EReport.from_json(data))
+    assert "OFF carries" not in md
+    data["environments"] = {"stock": {"build": "stock", "baseline": ["cpu-fix"]},
+                            "patched": {"build": "patched", "baseline": []}}
+    md = report.markdown(report.E2EReport.from_json(data))
+    assert "OFF carries `cpu-fix`: stock vLLM 0.32.0 cannot serve on cpu without it." in md
+
+
 def test_bench_table_uses_the_seed_layout() -> None:
     rep = {"pin": "0.32.0", "device": "cpu", "model": "/m", "scenario": "prefix-repetition",
            "runs": []}

@@ -32,6 +32,11 @@ from hybridpd.progress import Log
 from hybridpd.series.model import Pin, Series
 
 BUILDS = ("patched", "stock")
+#: Patches the stock build of a device carries: the release cannot serve there without
+#: them, and they change nothing the patched/stock comparison measures. On CPU, align
+#: mode with speculative decoding ends the engine core at the first step without CPU
+#: versions of its Mamba state-copy kernels (vLLM 0.32.0 and 0.33.0 alike).
+STOCK_NEEDS = {"cpu": ("cpu-mamba-align-spec-decode-kernels",)}
 E2E_REQUIREMENTS = ("nixl-cu12", "matplotlib")
 MARKER = "e2e-env.json"
 
@@ -45,10 +50,13 @@ class Env:
     head: str | None
     prepared: bool  # False: given by the user (--stock-venv/--patched-venv)
     timings: dict
+    #: The patches a stock build carries (:data:`STOCK_NEEDS`).
+    baseline: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {
             "build": self.build,
+            "baseline": list(self.baseline),
             "venv": str(self.venv),
             "checkout": str(self.checkout) if self.checkout else None,
             "head": self.head,
@@ -206,7 +214,8 @@ def _prepare_locked(
     timings: dict[str, float] = {}
     t0 = time.monotonic()
 
-    head = source(series, pin, build, src, log)
+    baseline = stock_baseline(series, pin, device) if build == "stock" else ()
+    head = source(series, pin, build, src, log, baseline)
     timings["checkout"] = round(time.monotonic() - t0, 1)
 
     # The NIXL the release pins is part of what is reused (pdextras.install_nixl).
@@ -218,7 +227,7 @@ def _prepare_locked(
     if py.exists() and (cache.Marker(marker).read() or {}).get("want") == want:
         log(f"[{build}] reusing {venv}")
         qwen35.install(py)
-        return Env(build, py, venv, src, head, True, timings)
+        return Env(build, py, venv, src, head, True, timings, baseline)
 
     t1 = time.monotonic()
     try:
@@ -239,18 +248,28 @@ def _prepare_locked(
     # vLLM's Qwen3.5 module imports without torchvision in this venv's processes.
     qwen35.install(made.build.python)
     cache.Marker(marker).write({"want": want, "timings_s": timings})
-    return Env(build, made.build.python, venv, src, head, True, timings)
+    return Env(build, made.build.python, venv, src, head, True, timings, baseline)
 
 
-def source(series: Series, pin: Pin, build: str, src: Path, log: Log) -> str:
-    """Make ``src`` the ``build`` of ``pin`` (:func:`hybridpd.series.releasetree.prepare`)."""
+def stock_baseline(series: Series, pin: Pin, device: str) -> tuple[str, ...]:
+    """The patches of :data:`STOCK_NEEDS` that ``pin`` carries, for ``device``'s stock build."""
+    needs = STOCK_NEEDS.get(device, ())
+    return tuple(p.id for p in series.carried(pin) if p.id in needs)
+
+
+def source(
+    series: Series, pin: Pin, build: str, src: Path, log: Log, baseline: Sequence[str] = ()
+) -> str:
+    """Make ``src`` the ``build`` of ``pin`` (:func:`hybridpd.series.releasetree.prepare`);
+    a stock build carries ``baseline`` (:func:`stock_baseline`)."""
     from hybridpd.series import releasetree
 
     if build == "patched":
         log(f"[{build}] applying the series")
     try:
         return releasetree.prepare(
-            series, pin, src, patched=build == "patched", log=lambda line: log(f"[{build}] {line}")
+            series, pin, src, patched=build == "patched",
+            log=lambda line: log(f"[{build}] {line}"), baseline=baseline,
         )
     except HybridpdError as exc:  # ApplyError, DirtyTreeError, ...: one line for the user
         raise E2EError(f"cannot make the {build} {pin.version} build: {exc.message}") from None

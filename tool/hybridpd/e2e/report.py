@@ -273,6 +273,10 @@ def markdown(report: E2EReport) -> str:
         *table(report),
         "",
     ]
+    baseline = (report.environments.get("stock") or {}).get("baseline")
+    if baseline:
+        lines += [f"OFF carries {', '.join(f'`{p}`' for p in baseline)}: stock vLLM "
+                  f"{report.pin} cannot serve on {report.device} without it.", ""]
     for run in report.runs:
         if run.checks:
             failed = [k for k, v in run.checks.items() if not v]

@@ -16,6 +16,7 @@ exclusive (one hybridpd operation per checkout at a time).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,21 @@ def _apply_locked(series: Series, repo: Path, pin: Pin, recovered: str | None) -
     return ApplyResult(
         pin.version, tuple(applied), tuple(plan.applied), tuple(upstream), recovered
     )
+
+
+def apply_only(series: Series, repo: Path, pin: Pin, ids: Sequence[str]) -> tuple[str, ...]:
+    """Apply the carried patches of ``pin`` named in ``ids`` (in series order, the others
+    left out) to a clean checkout of its tag; the ids applied.
+
+    For a build that is the release plus only what it needs to run at all (the e2e's
+    stock build); ids the pin does not carry are ignored. Raises ApplyError as
+    :func:`apply` does.
+    """
+    applied = []
+    for patch in series.carried(pin):
+        if patch.id in ids and _apply_one(series, repo, pin, patch):
+            applied.append(patch.id)
+    return tuple(applied)
 
 
 def status(series: Series, repo: Path) -> Status:

@@ -10,19 +10,22 @@ unchanged series gives the same head, and whatever was built from it can be reus
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from hybridpd import gitops, guard
 from hybridpd.progress import Log
-from hybridpd.series.apply import apply
+from hybridpd.series.apply import apply, apply_only
 from hybridpd.series.checkout import checkout
 from hybridpd.series.model import Pin, Series
 
 
 def prepare(
-    series: Series, pin: Pin, src: Path, *, patched: bool, log: Log
+    series: Series, pin: Pin, src: Path, *, patched: bool, log: Log,
+    baseline: Sequence[str] = (),
 ) -> str:
-    """Make ``src`` the release of ``pin`` (plus its series when ``patched``); its head.
+    """Make ``src`` the release of ``pin`` (plus its series when ``patched``, else plus
+    the carried patches named in ``baseline``); its head.
 
     Raises what checkout and apply raise (one-line HybridpdErrors).
     """
@@ -43,4 +46,8 @@ def prepare(
         result = apply(series, src, pin)
         if result.applied:
             log(f"applied {', '.join(result.applied)}")
+    elif baseline:
+        applied = apply_only(series, src, pin, baseline)
+        if applied:
+            log(f"applied {', '.join(applied)} (the release needs it to run)")
     return gitops.head(src)
