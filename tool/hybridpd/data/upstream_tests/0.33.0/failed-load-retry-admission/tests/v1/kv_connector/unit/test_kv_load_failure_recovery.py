@@ -448,7 +448,9 @@ def test_failed_async_load_retry_is_admitted_when_the_pool_holds_it_once():
     )
     scheduler_output = scheduler.schedule()
     assert scheduler_output.num_scheduled_tokens == {request.request_id: block_size}
-    scheduler.update_from_output(scheduler_output, create_model_runner_output([request]))
+    scheduler.update_from_output(
+        scheduler_output, create_model_runner_output([request])
+    )
     assert request.is_finished()
 
 
@@ -467,7 +469,10 @@ def test_failed_async_load_does_not_block_a_landed_load_behind_it():
     failed = create_request(num_tokens=5 * block_size, max_tokens=1)
     landed = create_request(num_tokens=2 * block_size + 1, max_tokens=1)
     local = create_request(num_tokens=3 * block_size, max_tokens=3)
-    num_matched = {failed.request_id: [2 * block_size], landed.request_id: [2 * block_size]}
+    num_matched = {
+        failed.request_id: [2 * block_size],
+        landed.request_id: [2 * block_size],
+    }
 
     def get_num_new_matched_tokens(request: Request, _: int) -> tuple[int, bool]:
         # Each load is offered once: the failed request recomputes on retry.
