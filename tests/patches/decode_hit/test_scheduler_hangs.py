@@ -54,7 +54,12 @@ class SelfReservationHang(AssertionError):
 def failed_load_self_reservation(sched, reqs) -> bool:
     """Whether nothing runs while an unfinished request waits holding no
     computed tokens, still counted among the in-flight prefills whose remaining
-    blocks the scheduler reserves before admitting an async load."""
+    blocks the scheduler reserves before admitting an async load.
+
+    It fires on both stock mechanisms (it cannot tell them apart): the retry
+    that must fit beside its own reservation, and the block-less retry at the
+    head of the KV-holding queue; with only the discard from the in-flight
+    prefills, the second is a plain ``Deadlock``."""
     inflight = getattr(sched, "_inflight_prefills", None)
     if sched.running or not inflight:
         return False
@@ -81,10 +86,14 @@ SELF_RESERVATION_WORKLOAD = {
 }
 
 
-#: The same hang with NIXL alone (v0.33.0 stock, n-gram drafts, a sliding
-#: window, a 40-block pool): the 97-token remote prefill's load fails and it
-#: waits at the head of the queue on its own reservation, so the remote prefill
-#: behind it, whose load landed, is never promoted.
+#: The head-of-queue hang with NIXL alone (v0.33.0 stock, n-gram drafts, a
+#: sliding window, a 40-block pool): the 97-token remote prefill's load fails;
+#: NIXL offers no second load, so its retry is no async load and its own
+#: reservation plays no part. It waits at the head of the KV-holding queue for
+#: blocks it does not get, so the remote prefill behind it, whose load landed
+#: and whose blocks it waits for, is never promoted. This case guards the move
+#: to the waiting queue: with only the discard from the in-flight prefills it
+#: is a plain ``Deadlock`` (req-6 WAITING 0/97 ahead of req-8, loaded 46/47).
 SELF_RESERVATION_NIXL_WORKLOAD = {
     "kv_role": "kv_both", "num_blocks": 40, "engine": "spec2", "window": 32,
     "seed": 0, "stored": [],
@@ -119,14 +128,17 @@ def self_reservation_hangs() -> bool:
 @pytest.mark.patch(FAILED_LOAD_PATCH)
 @pytest.mark.vllm_versions(str(FAILED_LOAD_SELF_RESERVATION))
 @pytest.mark.parametrize("kind,workload", [
+    # The retry's own reservation (a second async load from the CPU tier).
     pytest.param("nixl+offloading", SELF_RESERVATION_WORKLOAD, id="offloading-mtp3"),
+    # The block-less retry at the head of the KV-holding queue.
     pytest.param("nixl", SELF_RESERVATION_NIXL_WORKLOAD, id="nixl-spec2"),
 ])
 def test_retried_load_after_a_failed_one_is_admitted(kind, workload):
     from .test_mamba_state_property import _run
 
-    # Stock: raises SelfReservationHang (nothing runs; the failed request waits
-    # on its own reservation). Patched: every request finishes, each admission
+    # Stock: raises SelfReservationHang (nothing runs; the failed request, still
+    # among the in-flight prefills, waits: on its own reservation, or at the
+    # head of the KV-holding queue). Patched: every request finishes, each admission
     # checked for its Mamba state, each remote prefill's for where it resumes.
     checker, reqs = _run(kind, workload)
 
