@@ -262,3 +262,29 @@ def test_cpu_postprocess_saves_the_block_aligned_state(cpu_fallbacks, conv_layou
 
     cache.assert_equal(expected)
     assert ctx.num_accepted_tokens_out[: len(cases)].tolist() == expected_accepted
+
+
+def test_cpu_fallbacks_refuse_model_runner_v2_launches(cpu_fallbacks):
+    # Model Runner V2 needs Triton on CPU, so only V1's launches are implemented.
+    cache = _StateCache("SD")
+    ctx = cache.context()
+    before = [r.clone() for r in cache.raw]
+    zeros = torch.zeros(MAX_REQS, dtype=torch.int32)
+    idx_mapping = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="Model Runner V2"):
+        ctx.run_fused_postprocess_align(
+            num_reqs=1,
+            num_accepted_tokens_gpu=zeros + 1 + NUM_SPEC,
+            state_idx_gpu=zeros + 1,
+            new_num_computed_tokens_gpu=zeros + 2 * BLOCK_SIZE,
+            idx_mapping=idx_mapping,
+        )
+    with pytest.raises(NotImplementedError, match="Model Runner V2"):
+        ctx.run_fused_precopy(
+            num_reqs=1,
+            state_idx_gpu=zeros + 2,
+            src_col_gpu=zeros + 1,
+            token_bias_gpu=zeros + 1,
+            idx_mapping=idx_mapping,
+        )
+    cache.assert_equal(before)
