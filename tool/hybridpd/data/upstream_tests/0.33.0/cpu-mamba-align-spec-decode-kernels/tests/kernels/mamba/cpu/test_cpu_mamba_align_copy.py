@@ -78,7 +78,7 @@ def test_cpu_overrides_include_mamba_align_kernels(monkeypatch):
     from vllm.platforms.cpu import CpuPlatform
     from vllm.utils import cpu_mamba_triton_utils as cpu_mamba_tl
 
-    registered = {}
+    registered: dict[str, object] = {}
     monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", False)
     monkeypatch.setattr(dispatcher, "register_kernels", registered.update)
 
