@@ -244,9 +244,9 @@ def test_postprocess_saves_the_state_at_the_block_boundary(layout):
 
 
 def test_model_runner_v2_launches_are_refused():
-    # Model Runner V2 needs Triton on CPU (vLLM selects V1 without it), so the CPU
-    # versions implement V1's launches only; V2's (an idx_mapping, precomputed
-    # counts) raise instead of copying, and leave the cache as it was.
+    # Model Runner V2 needs Triton on CPU (its own kernels have no CPU versions), so
+    # the CPU versions implement V1's launches only; V2's (an idx_mapping,
+    # precomputed counts) raise instead of copying, and leave the cache as it was.
     cache = Cache("SD")
     ctx = cache.context()
     before = [r.clone() for r in cache.raw]
