@@ -241,3 +241,25 @@ def test_postprocess_saves_the_state_at_the_block_boundary(layout):
     assert_cache_equal(cache, expected)
     assert ctx.num_accepted_tokens_out[:num].tolist() == expected_accepted
     assert accepted_in[:num].tolist() == num_accepted  # the input is left as it was
+
+
+def test_model_runner_v2_launches_are_refused():
+    # Model Runner V2 needs Triton on CPU (its own kernels have no CPU versions), so
+    # the CPU versions implement V1's launches only; V2's (an idx_mapping,
+    # precomputed counts) raise instead of copying, and leave the cache as it was.
+    cache = Cache("SD")
+    ctx = cache.context()
+    before = [r.clone() for r in cache.raw]
+    zeros = torch.zeros(MAX_REQS, dtype=torch.int32)
+    idx_mapping = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="Model Runner V2"):
+        ctx.run_fused_postprocess_align(
+            num_reqs=1, num_accepted_tokens_gpu=zeros + 1 + N, state_idx_gpu=zeros + 1,
+            new_num_computed_tokens_gpu=zeros + 2 * BLOCK, idx_mapping=idx_mapping,
+        )
+    with pytest.raises(NotImplementedError, match="Model Runner V2"):
+        ctx.run_fused_precopy(
+            num_reqs=1, state_idx_gpu=zeros + 2, src_col_gpu=zeros + 1,
+            token_bias_gpu=zeros + 1, idx_mapping=idx_mapping,
+        )
+    assert_cache_equal(cache, before)

@@ -4,13 +4,14 @@
 
 Without Triton, ``CpuPlatform.register_triton_kernel_overrides`` must replace
 ``precopy_mamba_align_fused_kernel`` and ``postprocess_mamba_fused_kernel``;
-otherwise the first step of a hybrid model with ``--mamba-cache-mode align``
-and a speculative config raises ``TypeError: 'function' object is not
-subscriptable``. The tests launch both through ``MambaSpecDecodeGPUContext``,
-as the V1 model runner does, and compare every byte of the state cache with a
-torch reference of the copy specs (``get_conv_copy_spec`` /
-``get_temporal_copy_spec``), for 0 to N accepted draft tokens around a block
-boundary, in both conv state layouts.
+otherwise the first step with ``--mamba-cache-mode align`` and a speculative
+config raises ``TypeError: 'function' object is not subscriptable``. The copy
+tests register the fallbacks directly, as ``test_batch_memcpy_cpu_fallback``
+does, so they run whether or not triton-cpu is installed. They launch both
+through ``MambaSpecDecodeGPUContext``, as the V1 model runner does, and compare
+every byte of the state cache with a torch reference of the copy specs
+(``get_conv_copy_spec`` / ``get_temporal_copy_spec``), for 0 to N accepted
+draft tokens around a block boundary, in both conv state layouts.
 """
 
 from types import SimpleNamespace
@@ -47,10 +48,49 @@ MAX_REQS = 32
 NUM_BLOCKS = MAX_REQS * NUM_COLS * NUM_GROUPS + 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cpu_overrides():
-    # What WorkerBase does on start-up.
-    current_platform.register_triton_kernel_overrides()
+@pytest.fixture(scope="module")
+def cpu_fallbacks():
+    from vllm.triton_utils.dispatcher import KernelOverride, register_kernels
+    from vllm.utils.cpu_mamba_triton_utils import (
+        _postprocess_mamba_fused_kernel_impl,
+        _precopy_mamba_align_fused_kernel_impl,
+    )
+    from vllm.v1.worker import mamba_utils
+
+    register_kernels(
+        {
+            "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel": (
+                _postprocess_mamba_fused_kernel_impl
+            ),
+            "vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel": (
+                _precopy_mamba_align_fused_kernel_impl
+            ),
+        }
+    )
+    assert isinstance(mamba_utils.postprocess_mamba_fused_kernel, KernelOverride)
+    assert isinstance(mamba_utils.precopy_mamba_align_fused_kernel, KernelOverride)
+
+
+def test_cpu_overrides_include_mamba_align_kernels(monkeypatch):
+    """Without Triton, the platform hook registers both fallbacks."""
+    import vllm.triton_utils
+    import vllm.triton_utils.dispatcher as dispatcher
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils import cpu_mamba_triton_utils as cpu_mamba_tl
+
+    registered: dict[str, object] = {}
+    monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", False)
+    monkeypatch.setattr(dispatcher, "register_kernels", registered.update)
+
+    CpuPlatform.register_triton_kernel_overrides()
+
+    prefix = "vllm.v1.worker.mamba_utils."
+    assert registered[prefix + "postprocess_mamba_fused_kernel"] is (
+        cpu_mamba_tl._postprocess_mamba_fused_kernel_impl
+    )
+    assert registered[prefix + "precopy_mamba_align_fused_kernel"] is (
+        cpu_mamba_tl._precopy_mamba_align_fused_kernel_impl
+    )
 
 
 @pytest.fixture(params=["DS", "SD"])
@@ -159,7 +199,7 @@ def _padded(values: list[int]) -> torch.Tensor:
     return torch.tensor(values + [0] * (MAX_REQS - len(values)), dtype=torch.int32)
 
 
-def test_cpu_precopy_matches_copy_specs(conv_layout):
+def test_cpu_precopy_matches_copy_specs(cpu_fallbacks, conv_layout):
     cache = _StateCache(conv_layout)
     ctx = cache.context()
     # (src_col, dst_col, token_bias): every accepted count across a boundary,
@@ -183,7 +223,7 @@ def test_cpu_precopy_matches_copy_specs(conv_layout):
     cache.assert_equal(expected)
 
 
-def test_cpu_postprocess_saves_the_block_aligned_state(conv_layout):
+def test_cpu_postprocess_saves_the_block_aligned_state(cpu_fallbacks, conv_layout):
     cache = _StateCache(conv_layout)
     ctx = cache.context()
     boundary = 2 * BLOCK_SIZE
@@ -222,3 +262,29 @@ def test_cpu_postprocess_saves_the_block_aligned_state(conv_layout):
 
     cache.assert_equal(expected)
     assert ctx.num_accepted_tokens_out[: len(cases)].tolist() == expected_accepted
+
+
+def test_cpu_fallbacks_refuse_model_runner_v2_launches(cpu_fallbacks):
+    # Model Runner V2 needs Triton on CPU, so only V1's launches are implemented.
+    cache = _StateCache("SD")
+    ctx = cache.context()
+    before = [r.clone() for r in cache.raw]
+    zeros = torch.zeros(MAX_REQS, dtype=torch.int32)
+    idx_mapping = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="Model Runner V2"):
+        ctx.run_fused_postprocess_align(
+            num_reqs=1,
+            num_accepted_tokens_gpu=zeros + 1 + NUM_SPEC,
+            state_idx_gpu=zeros + 1,
+            new_num_computed_tokens_gpu=zeros + 2 * BLOCK_SIZE,
+            idx_mapping=idx_mapping,
+        )
+    with pytest.raises(NotImplementedError, match="Model Runner V2"):
+        ctx.run_fused_precopy(
+            num_reqs=1,
+            state_idx_gpu=zeros + 2,
+            src_col_gpu=zeros + 1,
+            token_bias_gpu=zeros + 1,
+            idx_mapping=idx_mapping,
+        )
+    cache.assert_equal(before)
