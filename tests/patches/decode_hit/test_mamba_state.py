@@ -191,12 +191,7 @@ def test_prefill_side_pull_from_the_decoder_keeps_the_attention_hit(kind):
     # gave no point for any do_remote_decode request, and the request pulled
     # the whole of it again); with DecodeBench configured too, stock has no
     # hit and pulls everything.
-    sched = scheduler(vllm_config(**_bidirectional(kind)),
-                      hybrid_kv_cache_config(num_blocks=1000))
-    checker = MambaStateChecker(sched)
-    first = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=2),
-                    kv_transfer_params=remote_prefill_params(6))
-    _serve(sched, checker, first)
+    sched, checker = _prefill_instance_with_prefix(kind)
     decoder_tokens = len(PREFIX) + BLOCK_SIZE
     req = request(PREFIX + prompt(2 * BLOCK_SIZE, seed=10),
                   kv_transfer_params=_decoder_blocks_params(decoder_tokens))

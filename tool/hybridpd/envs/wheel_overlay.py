@@ -423,29 +423,8 @@ def apply_overlay(
     lists the manifest, which is ``manifest`` plus the per-file hashes.
     """
     res = OverlayResult()
-    record_path = dist_info / "RECORD"
-    rows: dict[str, list[str]] = {
-        row[0]: row for row in read_record(record_path.read_text(encoding="utf-8"))
-    }
-    wheel_rows = {
-        row[0]: row
-        for row in read_record(wheel.read(find_dist_info(wheel) + "/RECORD").decode("utf-8"))
-    }
-    wheel_names = set(wheel.namelist())
-
-    previous = read_manifest(dist_info)
-    if previous:
-        for entry in previous.get("files", []):
-            rel = entry["path"]
-            target = _safe_target(root, rel)
-            if rel in wheel_names:
-                data = wheel.read(rel)
-                _write(target, data)
-                rows[rel] = list(wheel_rows.get(rel) or [rel, record_hash(data), str(len(data))])
-            else:
-                _remove(root, target, rows)
-                rows.pop(rel, None)
-            res.restored.append(rel)
+    rows = _record_rows(dist_info)
+    res.restored = _restore_previous(root, dist_info, wheel, rows)
 
     files = []
     for change in changes:
@@ -479,13 +458,66 @@ def apply_overlay(
     manifest_rel = manifest_path.relative_to(root).as_posix()
     rows[manifest_rel] = [manifest_rel, record_hash(manifest_bytes), str(len(manifest_bytes))]
 
+    _write_record_rows(root, dist_info, rows)
+    res.manifest = manifest_path
+    return res
+
+
+def remove_overlay(root: Path, dist_info: Path, wheel: zipfile.ZipFile) -> list[str]:
+    """Make the installed package the release ``wheel`` again: every file the overlay
+    wrote comes back from the wheel (or goes, when the wheel has no such file), and the
+    manifest goes with its RECORD row. Returns the restored paths ([] without overlay)."""
+    if read_manifest(dist_info) is None:
+        return []
+    rows = _record_rows(dist_info)
+    restored = _restore_previous(root, dist_info, wheel, rows)
+    manifest_path = dist_info / MANIFEST_NAME
+    manifest_path.unlink()
+    rows.pop(manifest_path.relative_to(root).as_posix(), None)
+    _write_record_rows(root, dist_info, rows)
+    return restored
+
+
+def _record_rows(dist_info: Path) -> dict[str, list[str]]:
+    text = (dist_info / "RECORD").read_text(encoding="utf-8")
+    return {row[0]: row for row in read_record(text)}
+
+
+def _restore_previous(
+    root: Path, dist_info: Path, wheel: zipfile.ZipFile, rows: dict[str, list[str]]
+) -> list[str]:
+    """Put back from ``wheel`` every file the installed overlay's manifest lists,
+    updating ``rows`` (RECORD by path); the paths restored."""
+    previous = read_manifest(dist_info)
+    if not previous:
+        return []
+    wheel_rows = {
+        row[0]: row
+        for row in read_record(wheel.read(find_dist_info(wheel) + "/RECORD").decode("utf-8"))
+    }
+    wheel_names = set(wheel.namelist())
+    restored = []
+    for entry in previous.get("files", []):
+        rel = entry["path"]
+        target = _safe_target(root, rel)
+        if rel in wheel_names:
+            data = wheel.read(rel)
+            _write(target, data)
+            rows[rel] = list(wheel_rows.get(rel) or [rel, record_hash(data), str(len(data))])
+        else:
+            _remove(root, target, rows)
+            rows.pop(rel, None)
+        restored.append(rel)
+    return restored
+
+
+def _write_record_rows(root: Path, dist_info: Path, rows: dict[str, list[str]]) -> None:
     # RECORD lists itself with empty hash and size; installers write that row last.
+    record_path = dist_info / "RECORD"
     record_rel = record_path.relative_to(root).as_posix()
     rows.pop(record_rel, None)
     ordered = list(rows.values()) + [[record_rel, "", ""]]
     _write(record_path, write_record(ordered).encode("utf-8"))
-    res.manifest = manifest_path
-    return res
 
 
 def check_record(root: Path, dist_info: Path, paths: Iterable[str] | None = None) -> list[str]:
