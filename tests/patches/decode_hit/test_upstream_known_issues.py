@@ -81,7 +81,7 @@ def test_async_loads_that_fill_the_pool_deadlock():
 #: pull, belongs at the decoder's tokens. divergent-hybrid-hit-resume-point gives no
 #: resume point there, but the pull itself is stock's
 #: (``NixlPullConnectorScheduler.get_num_new_matched_tokens``). Found by review;
-#: not reported upstream yet. Bidirectional KV transfer is v0.32+'s.
+#: the upstream bug report: docs/upstream-issues/vllm-nixl-decoder-pull-covers-hybrid-prompt.md. Bidirectional KV transfer is v0.32+'s.
 DECODER_PULL_PAST_PROMPT = SpecifierSet(">=0.32")
 
 
