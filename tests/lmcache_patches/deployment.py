@@ -52,7 +52,15 @@ from vllm.v1.attention.backends.utils import (
     get_supported_kv_cache_layouts,
     resolve_kv_cache_layout,
 )
-from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+try:  # vLLM 0.33: the planning module, given the model's global groups
+    from vllm.v1.core.kv_cache_planning import (
+        get_global_kv_cache_groups,
+        get_kv_cache_configs,
+    )
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    get_global_kv_cache_groups = None
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache_to_layers
 
@@ -165,7 +173,7 @@ def vllm_config(port: int, max_num_batched_tokens: int = 2 * BLOCK) -> VllmConfi
 
 def allocate_worker(
     config: VllmConfig, num_blocks: int = 32, pool_context: bool = True,
-    hybrid: bool = True,
+    hybrid: bool = True, mamba_spec: dict[str, Any] | None = None,
 ) -> Worker:
     """Create the LMCache connector, then allocate and bind the KV cache the way
     vLLM's CPU worker does (``Worker.initialize_from_config``): inside the memory
@@ -173,7 +181,8 @@ def allocate_worker(
     ``pool_context=False`` the allocation ignores it, as vLLM releases whose worker
     does not ask the connector (0.20.2) allocate. With ``hybrid=False`` every layer
     is full attention (one KV cache group, unpadded pages): what stock LMCache
-    registers on CPU."""
+    registers on CPU. ``mamba_spec``: further ``MambaSpec`` fields, as a model layer
+    sets them (speculative blocks, prefill checkpoint blocks)."""
     from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 
     specs: dict[str, Any] = {}
@@ -189,7 +198,7 @@ def allocate_worker(
             name = f"model.layers.{i}.linear_attn"
             specs[name] = MambaSpec(
                 block_size=BLOCK, shapes=STATE_SHAPES, dtypes=STATE_DTYPES,
-                mamba_cache_mode="align",
+                mamba_cache_mode="align", **(mamba_spec or {}),
             )
             layers[name] = _Mamba()
     layouts = get_supported_kv_cache_layouts([CPUAttentionBackend])
@@ -198,7 +207,10 @@ def allocate_worker(
     # A hybrid layout's groups share one page size; attention layers alone share
     # each block over every layer.
     memory = num_blocks * page * (1 if hybrid else NUM_LAYERS)
-    kv_cache_config = get_kv_cache_configs(config, [specs], [memory])[0]
+    groups = () if get_global_kv_cache_groups is None else (
+        get_global_kv_cache_groups(config, [specs]),
+    )
+    kv_cache_config = get_kv_cache_configs(config, [specs], [memory], *groups)[0]
     connector = LMCacheMPConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     context = connector.get_mem_pool_context() if pool_context else None
     with context or contextlib.nullcontext():
