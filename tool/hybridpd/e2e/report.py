@@ -281,7 +281,7 @@ def markdown(report: E2EReport) -> str:
         "",
     ]
     if report.scenario == "correctness":
-        lines += [f"The sequential requests go through {_front(report)}; the concurrent ones "
+        lines += [f"The sequential PD requests go through {_front(report)}; the concurrent ones "
                   "(the preemption phase) do not: every prefill is sent first, then every "
                   "decode at once, with hybridpd's proxy's two steps, an order no router "
                   "offers (each forwards a decode as soon as its own prefill ends).", ""]
