@@ -319,7 +319,7 @@ def _start_pair_once(
         # serve before both answer: started once they do.
         cmd = router_mod.command(env.python, ports["front"], free_port(), urls["prefill"],
                                  urls["decode"], opts.ready_timeout)
-        procs.start("router", cmd, {**os.environ, "NO_COLOR": "1"}, cwd=procs.log_dir)
+        procs.start("router", cmd, dict(os.environ), cwd=procs.log_dir)
         commands["router"] = cmd
         ready |= procs.wait_ready({"router": urls["front"] + router_mod.HEALTH},
                                   opts.ready_timeout, progress)
