@@ -12,7 +12,8 @@
 #   4. a reduced `hybridpd bench replay` of 0.20.2 (NIXL) and 0.33.0 (NIXL beside a
 #      connector upstream's gate refuses): red if the patched decode-side hit falls below
 #      99 % of the block-rounded limit;
-#   5. the CPU prefill/decode end-to-end runs on v0.32.0 (`hybridpd e2e`): the smoke,
+#   5. the CPU prefill/decode end-to-end runs on v0.32.0 (`hybridpd e2e`, behind vLLM's PD
+#      router `vllm-router`, which e2e installs into its venvs): the smoke,
 #      stock and patched, with NIXL beside DecodeBench (the set upstream's gate refuses on
 #      0.32.0; NIXL alone is upstream's there and the correctness scenario serves it
 #      patched); `apply --installed` on a copy of the smoke's stock venv (a PD

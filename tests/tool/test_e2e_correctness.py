@@ -250,7 +250,7 @@ def test_fail_fast_stops_at_the_first_differing_output(monkeypatch, tmp_path) ->
     monkeypatch.setattr(correctness, "settled_scrape", lambda url, wait=1.0: Snap())
     monkeypatch.setattr(correctness, "warm_up", lambda *a, **k: 1)
     monkeypatch.setattr(correctness, "score", lambda *a, **k: pytest.fail("scored"))
-    pair = pair_mod.Pair(prefill="P", decode="D", proxy="X")
+    pair = pair_mod.Pair(prefill="P", decode="D", front="X")
     procs = SimpleNamespace(log_dir=tmp_path)
     opts = correctness.CorrectnessOptions(block_size=128, prefix_blocks=4, max_tokens=16,
                                           concurrent=3, fail_fast=True)

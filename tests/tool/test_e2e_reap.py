@@ -56,7 +56,7 @@ HYBRIDPD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from hybridpd.cli.main import main
-    from hybridpd.e2e import pair as pair_mod, run as run_mod, smoke
+    from hybridpd.e2e import pair as pair_mod, router as router_mod, run as run_mod, smoke
     from hybridpd.e2e.envs import Env
     from hybridpd.e2e.servers import Processes
 
@@ -74,13 +74,14 @@ HYBRIDPD = textwrap.dedent(
         return path
 
     def start_pair(procs, env, model, connector, role, opts, progress):
-        for name in ("prefill", "decode", "proxy"):
+        for name in ("prefill", "decode", "router"):
             mine = tag if name == "decode" else ""
             procs.start(name, [sys.executable, server, mine, stubborn],
                         shm=[f"/dev/shm/{tag}-{{pid}}-*"] if mine else [])
         return pair_mod.Pair("p", "d", "x")
 
     run_mod.preflight = lambda *a, **k: None
+    router_mod.install = lambda python, log: None
     run_mod.prepare = prepare
     run_mod.probe = lambda env, process_env, device: {
         "nixl": "ok", "qwen3_5": "ok", "kernels": {"module": "m", "status": "ok"}}
@@ -119,7 +120,7 @@ def _recorded(run_dir: Path) -> dict[str, reap.Entry] | None:
         return None
     entries = [reap.Entry.from_json(e) for e in doc["processes"]]
     by_name = {e.name: e for e in entries}
-    if set(by_name) == {"prefill", "decode", "proxy"} and all(
+    if set(by_name) == {"prefill", "decode", "router"} and all(
         len(e.members) == 2 for e in entries
     ):
         return by_name
@@ -163,7 +164,7 @@ def test_a_sigkilled_run_leaves_its_groups_and_reap_ends_them(tmp_path: Path, ta
         child.wait()
         # The servers live on in their own sessions: only a reap ends them.
         assert {n: len(m) for n, m in _alive(entries).items()} == {
-            "prefill": 3, "decode": 3, "proxy": 3}
+            "prefill": 3, "decode": 3, "router": 3}
         result = CliRunner().invoke(main, ["e2e", "--reap", str(tmp_path / "out")])
         assert result.exit_code == 0, result.output
         assert _alive(entries) == {}
@@ -200,7 +201,7 @@ def test_the_next_run_into_another_out_reaps_what_a_killed_one_left(
             own = _wait("the second run's groups", lambda: _recorded(second_dir), timeout=90)
         text = (tmp_path / "second.log").read_text()
         assert _alive(entries) == {}, text
-        for name in ("prefill", "decode", "proxy"):
+        for name in ("prefill", "decode", "router"):
             assert f"left by an earlier run: {run_dir}: {name} ended process group" in text
         assert not (run_dir / reap.RECORD).exists()
         assert len(_alive(own)) == 3  # its own, live run: untouched by itself

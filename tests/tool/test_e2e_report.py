@@ -99,6 +99,20 @@ def test_report_says_what_the_stock_build_carries(tmp_path: Path) -> None:
     assert "OFF carries `cpu-fix`: stock vLLM 0.32.0 cannot serve on cpu without it." in md
 
 
+def test_report_names_the_front_and_what_did_not_go_through_it() -> None:
+    data = smoke_report()
+    # A report from before the front was recorded went through the proxy.
+    assert "through hybridpd's proxy." in report.markdown(report.E2EReport.from_json(data))
+    data["server_options"] = {"front": "vllm-router 0.1.17"}
+    md = report.markdown(report.E2EReport.from_json(data))
+    assert "TTFT measured at the client through `vllm-router 0.1.17`." in md
+    assert "concurrent ones" not in md  # the smoke has no preemption phase
+    data["scenario"], data["runs"] = "correctness", []
+    md = report.markdown(report.E2EReport.from_json(data))
+    assert ("The sequential PD requests go through `vllm-router 0.1.17`; the concurrent "
+            "ones (the preemption phase) do not:") in md
+
+
 def test_bench_table_uses_the_seed_layout() -> None:
     rep = {"pin": "0.32.0", "device": "cpu", "model": "/m", "scenario": "prefix-repetition",
            "runs": []}

@@ -17,6 +17,7 @@ from hybridpd.e2e import reap
 from hybridpd.e2e import run as run_mod
 from hybridpd.e2e import correctness, smoke
 from hybridpd.e2e import pair as pair_mod
+from hybridpd.e2e import router as router_mod
 from hybridpd.e2e.envs import Env
 from hybridpd.e2e.servers import E2EError
 
@@ -58,6 +59,11 @@ def stood_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Calls:
                 "outputs_match_baseline": True, "checks": {"decode_local_hit": True}}
 
     monkeypatch.setattr(run_mod, "preflight", lambda *a, **k: None)
+    # The router goes into the venvs hybridpd prepares; a venv the user gave must have it.
+    monkeypatch.setattr(router_mod, "install",
+                        lambda python, log: calls.routers.append(("install", python)))
+    monkeypatch.setattr(router_mod, "require",
+                        lambda python: calls.routers.append(("require", python)))
     monkeypatch.setattr(run_mod, "prepare", prepare)
     monkeypatch.setattr(run_mod, "probe", probe)
     monkeypatch.setattr(run_mod, "tiny_model", tiny_model)
@@ -68,6 +74,10 @@ def stood_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Calls:
 
 class _Calls(list):
     fail: tuple[str, str] | None = None  # the (build, connector) whose pair does not start
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routers: list[tuple[str, Path]] = []  # router_mod.install/require calls
 
 
 def _options(tmp_path: Path, series: Series, **kw) -> run_mod.E2EOptions:
@@ -219,3 +229,75 @@ def test_the_pool_arithmetic() -> None:
     # vLLM's 256-token blocks (a CPU with AVX-512 BF16) hold more, never less.
     assert pair_mod.pool_max_model_len(16, 256, qwen35) == 2304
     assert pair_mod.pool_max_model_len(7, 128, qwen35) == 0
+
+
+def test_the_router_goes_into_prepared_venvs_and_a_given_venv_must_have_it(
+    tmp_path: Path, stood_in: _Calls
+) -> None:
+    _, series = standard_project(tmp_path)
+    given = tmp_path / "given"
+    (given / "bin").mkdir(parents=True)
+    (given / "bin" / "python").write_text("")
+    result = run_mod.run(series, _options(tmp_path, series, compare="stock",
+                                          stock_venv=given), [], print)
+    assert stood_in.routers == [
+        ("install", tmp_path / "venv-patched" / "bin" / "python"),
+        ("require", given / "bin" / "python"),
+    ]
+    assert result.report.server_options["front"] == f"vllm-router {router_mod.VERSION}"
+    md = result.paths["md"].read_text()
+    assert f"through `vllm-router {router_mod.VERSION}`" in md
+
+    stood_in.routers.clear()
+    result = run_mod.run(series, _options(tmp_path, series, front="proxy"), [], print)
+    assert stood_in.routers == []  # the proxy runs under any Python
+    assert result.report.server_options["front"] == "hybridpd proxy"
+    assert "through hybridpd's proxy" in result.paths["md"].read_text()
+    with pytest.raises(run_mod.E2EUsageError, match="^--front nginx: choose router or proxy$"):
+        run_mod.run(series, _options(tmp_path, series, front="nginx"), [], print)
+
+
+@pytest.mark.parametrize("front", ["router", "proxy"])
+def test_the_router_starts_once_both_instances_answer(
+    tmp_path: Path, stood_in: _Calls, monkeypatch: pytest.MonkeyPatch, front: str
+) -> None:
+    """vllm-router checks its workers once at its start: it starts after P and D answer
+    and is waited for on its own; the proxy starts beside them."""
+    _, series = standard_project(tmp_path)
+    order = []
+
+    class Recorder(_Recorder):
+        def start(self, name, cmd, env=None, cwd=None, shm=()):
+            order.append(("start", name))
+            super().start(name, cmd, env, cwd, shm)
+
+        def wait_ready(self, urls, timeout, progress):
+            order.append(("wait", *urls))
+            return super().wait_ready(urls, timeout, progress)
+
+    recorders = []
+
+    def start_pair(procs, env, model, connector, role, opts, progress):
+        recorders.append(Recorder(tmp_path))
+        return pair_mod._start_pair_once(recorders[-1], env, model, connector, role, opts,
+                                         progress)
+
+    monkeypatch.setattr(pair_mod, "start_pair", start_pair)
+    monkeypatch.setattr(correctness, "run_correctness", lambda pair, *a, **k: {
+        "requests": [], "outputs_match_baseline": True, "checks": {},
+        "front_seen": [pair.front, pair.front_kind]})
+    run_mod.run(series, _options(tmp_path, series, scenario="correctness", front=front), [],
+                print)
+    [started] = [r.started for r in recorders]
+    if front == "router":
+        assert order == [("start", "prefill"), ("start", "decode"),
+                         ("wait", "prefill", "decode"), ("start", "router"), ("wait", "router")]
+        cmd = started["router"]
+        assert cmd[0] == str(tmp_path / "venv-patched" / "bin" / "vllm-router")
+        prefill_port, decode_port = (_flag(started[s], "--port") for s in ("prefill", "decode"))
+        assert _flag(cmd, "--prefill") == f"http://127.0.0.1:{prefill_port}"
+        assert _flag(cmd, "--decode") == f"http://127.0.0.1:{decode_port}"
+    else:
+        assert order == [("start", "prefill"), ("start", "decode"), ("start", "proxy"),
+                         ("wait", "prefill", "decode", "proxy")]
+        assert "router" not in started

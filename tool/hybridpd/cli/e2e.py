@@ -16,6 +16,7 @@ from hybridpd.cli.options import connector_option, log, pin_option, torch_option
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
+from hybridpd.e2e import router as router_mod
 from hybridpd.e2e import run as run_mod
 from hybridpd.e2e.tinymodel import ARCHITECTURES
 from hybridpd.errors import CheckFailed
@@ -84,6 +85,11 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
                        "[default: nixl]")
 @click.option("--role", type=click.Choice(pair_mod.ROLES), default=_D.role, show_default=True,
               help="kv_both on both instances, or P kv_producer / D kv_consumer.")
+@click.option("--front", type=click.Choice(router_mod.FRONTS), default=_D.front,
+              show_default=True,
+              help="What PD requests go through: vLLM's router (vllm-router "
+              f"{router_mod.VERSION}, installed into the e2e venvs) or hybridpd's proxy. "
+              "correctness sends its concurrent requests' two steps itself either way.")
 @click.option("--scenario", type=click.Choice(run_mod.SCENARIOS), default=_D.scenario, show_default=True)
 @click.option("--compare", type=click.Choice(["stock"]), help="Also run the stock build (OFF column).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -138,7 +144,7 @@ def e2e_command(state, as_json, reap_dir, **params):
     """Serve a hybrid model with 1 prefill + 1 decode vLLM instance and measure the
     decode side's prefix cache, patched (ON) against stock (OFF).
 
-    Each (build, connector) gets a fresh server pair and proxy; logs, report.json,
+    Each (build, connector) gets a fresh server pair and front (vllm-router); logs, report.json,
     report.md and report.png go to --out. A process that dies or never gets ready
     ends the command with its name and log; every process started is reaped.
 

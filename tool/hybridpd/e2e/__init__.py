@@ -4,7 +4,8 @@ Modules: :mod:`.envs` (the environments), :mod:`.tinymodel` (the local random-we
 model), :mod:`.qwen35` (vLLM's Qwen3.5 module without torchvision), :mod:`.servers`
 (processes: start, readiness, reaping), :mod:`.reap` (what a killed run left),
 :mod:`.lmcache` (LMCache's venv and servers), :mod:`.pair` (the
-servers' options and the start of P, D and the proxy), :mod:`.proxy` (the P/D proxy),
+servers' options and the start of P, D and the front), :mod:`.router` (vllm-router,
+the front), :mod:`.proxy` (hybridpd's P/D proxy),
 :mod:`.client` (requests to a running pair), :mod:`.metrics` (``/metrics`` parsing),
 the scenarios :mod:`.smoke`, :mod:`.correctness` and :mod:`.prefix_repetition`,
 :mod:`.run` (one invocation: options in, report out), :mod:`.report` and :mod:`.plot`

@@ -197,7 +197,7 @@ def warm_up(pair: Pair, procs: Processes, vocab_size: int, length: int, log: Log
     warm = [2 + (t * 7919) % (vocab_size - 2) for t in range(length)]
     for attempt in range(1, attempts + 1):
         try:
-            complete(pair.proxy, warm, 2, procs)
+            complete(pair.front, warm, 2, procs)
             return attempt
         except ProcessFailed:
             raise

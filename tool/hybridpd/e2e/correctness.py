@@ -147,7 +147,7 @@ def compare_teacher_forced(
 
 
 def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
-    """The requests, in the order they are sent: ``via`` is ``pd`` (through the proxy)
+    """The requests, in the order they are sent: ``via`` is ``pd`` (through the front)
     or ``decode`` (straight to the decode instance, no KV transfer); ``group`` 0 runs
     one at a time, group 1 all at once."""
     rng = random.Random(opts.seed)
@@ -261,7 +261,7 @@ def run_correctness(
     log(f"  reference outputs of {len(first)} prompts from the prefill instance alone")
 
     def url(case: dict) -> str:
-        return pair.proxy if case["via"] == "pd" else pair.decode
+        return pair.front if case["via"] == "pd" else pair.decode
 
     rows = []
     first: dict[int, Completion] = {}

@@ -1,5 +1,5 @@
 """The pair of servers an e2e run measures: 1 prefill + 1 decode vLLM instance and the
-proxy between them.
+front between them (vLLM's router, or hybridpd's proxy).
 
 Their options (:class:`ServerOptions`), the connector sets the decode instance runs
 (:data:`CONNECTORS`, from the registry, and :func:`kv_transfer_config`), each server's
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hybridpd import connectors
 from hybridpd.e2e import lmcache as lmcache_mod
+from hybridpd.e2e import router as router_mod
 from hybridpd.e2e.envs import Env
 from hybridpd.e2e.servers import E2EError, Processes, StartupFailed, free_port
 from hybridpd.progress import Log
@@ -49,6 +50,9 @@ class ServerOptions:
     # preemption; None: sized from memory. A pool this small bounds max_model_len
     # (see pool_max_model_len).
     decode_num_blocks: int | None = None
+    # The front the client's PD requests go through: vLLM's router (e2e/router.py) or
+    # hybridpd's own proxy (e2e/proxy.py).
+    front: str = "router"
 
 
 def nixl_config(role: str, device: str) -> dict:
@@ -219,7 +223,8 @@ def pool_max_model_len(
 class Pair:
     prefill: str
     decode: str
-    proxy: str
+    front: str  # the URL PD requests go to: vllm-router's or the proxy's
+    front_kind: str = "router"  # router | proxy
     ready_s: dict = field(default_factory=dict)
     commands: dict = field(default_factory=dict)
 
@@ -237,7 +242,8 @@ def start_pair(
     opts: ServerOptions,
     progress: Log,
 ) -> Pair:
-    """Start P, D and the proxy and wait until all three answer.
+    """Start P, D and the front (``opts.front``: vllm-router or the proxy) and wait
+    until all three answer.
 
     Ports are picked before the servers bind them; one that another process takes
     in between (the server logs "Address already in use") gets the pair stopped and
@@ -250,7 +256,7 @@ def start_pair(
             if not exc.port_in_use or attempt == START_ATTEMPTS:
                 raise
             progress(f"{exc}; starting the pair again on new ports ({attempt + 1}/{START_ATTEMPTS})")
-            for name in ("proxy", "decode", "prefill", "lmcache"):
+            for name in ("router", "proxy", "decode", "prefill", "lmcache"):
                 if name in procs.procs:
                     procs.stop(name)
     raise AssertionError("unreachable")
@@ -265,7 +271,7 @@ def _start_pair_once(
     opts: ServerOptions,
     progress: Log,
 ) -> Pair:
-    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    ports = {name: free_port() for name in ("prefill", "decode", "front")}
     nixl_ports = {"prefill": free_port(), "decode": free_port()}
     commands = {}
     ready: dict = {}
@@ -290,19 +296,31 @@ def _start_pair_once(
                     shm=shm)
         commands[name] = cmd
     urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
-    proxy_cmd = [
-        str(env.python), str(Path(__file__).with_name("proxy.py")),
-        "--port", str(ports["proxy"]), "--prefill", urls["prefill"], "--decode", urls["decode"],
-    ]
-    procs.start("proxy", proxy_cmd, {**os.environ, "PYTHONUNBUFFERED": "1"})
-    commands["proxy"] = proxy_cmd
+    if opts.front == "proxy":
+        # The proxy answers at once and forwards only once asked: start it beside them.
+        cmd = [
+            str(env.python), str(Path(__file__).with_name("proxy.py")),
+            "--port", str(ports["front"]), "--prefill", urls["prefill"],
+            "--decode", urls["decode"],
+        ]
+        procs.start("proxy", cmd, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        commands["proxy"] = cmd
     ready |= procs.wait_ready(
         {
             "prefill": urls["prefill"] + "/v1/models",
             "decode": urls["decode"] + "/v1/models",
-            "proxy": urls["proxy"] + "/healthcheck",
+            **({"proxy": urls["front"] + "/healthcheck"} if opts.front == "proxy" else {}),
         },
         opts.ready_timeout,
         progress,
     )
-    return Pair(urls["prefill"], urls["decode"], urls["proxy"], ready, commands)
+    if opts.front == "router":
+        # vllm-router checks each worker's health once at its start and refuses to
+        # serve before both answer: started once they do.
+        cmd = router_mod.command(env.python, ports["front"], free_port(), urls["prefill"],
+                                 urls["decode"], opts.ready_timeout)
+        procs.start("router", cmd, dict(os.environ), cwd=procs.log_dir)
+        commands["router"] = cmd
+        ready |= procs.wait_ready({"router": urls["front"] + router_mod.HEALTH},
+                                  opts.ready_timeout, progress)
+    return Pair(urls["prefill"], urls["decode"], urls["front"], opts.front, ready, commands)

@@ -1,5 +1,5 @@
 """The ``prefix-repetition`` scenario: ``vllm bench serve --dataset-name
-prefix_repetition`` through the proxy (vllm#42524's workload), its TTFT and throughput
+prefix_repetition`` through the front (vllm#42524's workload), its TTFT and throughput
 recorded beside D's metric deltas.
 """
 
@@ -52,7 +52,7 @@ def run_prefix_repetition(
     cmd = [
         str(env.python), "-c", _BENCH_SERVE,
         "--backend", "vllm",
-        "--base-url", pair.proxy,
+        "--base-url", pair.front,
         "--endpoint", "/v1/completions",
         "--model", "e2e",
         "--tokenizer", model,

@@ -259,6 +259,13 @@ def table(report: E2EReport) -> list[str]:
     return bench_table(report) if report.scenario == "prefix-repetition" else smoke_table(report)
 
 
+def _front(report: E2EReport) -> str:
+    """The front PD requests went through, in words (reports before it was recorded:
+    the proxy)."""
+    front = report.server_options.get("front") or "hybridpd proxy"
+    return f"`{front}`" if front.startswith("vllm-router") else "hybridpd's proxy"
+
+
 def markdown(report: E2EReport) -> str:
     lines = [
         f"# hybridpd e2e: {report.scenario} on vLLM {report.pin} ({report.device})",
@@ -268,11 +275,16 @@ def markdown(report: E2EReport) -> str:
         "(Δ `vllm:prefix_cache_hits`); external hit = Δ `vllm:external_prefix_cache_hits` "
         "(LMCache's share from its server's log, NIXL's the rest); KV bytes = "
         "Δ `vllm:nixl_bytes_transferred_sum` "
-        "on the decode instance; TTFT measured at the client through the proxy.",
+        f"on the decode instance; TTFT measured at the client through {_front(report)}.",
         "",
         *table(report),
         "",
     ]
+    if report.scenario == "correctness":
+        lines += [f"The sequential PD requests go through {_front(report)}; the concurrent ones "
+                  "(the preemption phase) do not: every prefill is sent first, then every "
+                  "decode at once, with hybridpd's proxy's two steps, an order no router "
+                  "offers (each forwards a decode as soon as its own prefill ends).", ""]
     baseline = (report.environments.get("stock") or {}).get("baseline")
     if baseline:
         lines += [f"OFF carries {', '.join(f'`{p}`' for p in baseline)}: stock vLLM "

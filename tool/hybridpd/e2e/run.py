@@ -20,6 +20,7 @@ from hybridpd.e2e import correctness, prefix_repetition, smoke
 from hybridpd.e2e import lmcache as lm
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
+from hybridpd.e2e import router as router_mod
 from hybridpd.e2e import report as report_mod
 from hybridpd.e2e.envs import Env, given, preflight, prepare, probe
 from hybridpd.e2e.servers import E2EError, Processes
@@ -82,6 +83,8 @@ class E2EOptions:
     expect_patched_hit: bool = False
     fail_fast: bool = False
     lmcache_without: tuple[str, ...] = ()
+    # What PD requests go through: vLLM's router (e2e/router.py) or hybridpd's proxy.
+    front: str = _SERVER.front
 
     def to_json(self) -> dict:
         """The report's ``options`` (its shape a contract: the pin as ``version``)."""
@@ -136,6 +139,12 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
         )
         for b in plan.builds
     }
+    if o.front == "router":
+        for env in envs.values():
+            if env.prepared:
+                router_mod.install(env.python, log)
+            else:
+                router_mod.require(env.python)
     opts = _server_options(o, plan)
     first = envs[plan.builds[0]]
     process_env = pair_mod.server_env(opts, "P", 0)
@@ -149,6 +158,8 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
         server_options={
             "block_size": o.block_size, "max_model_len": plan.max_model_len,
             "decode_prefix_caching": o.decode_prefix_caching, "extra_args": list(o.server_args),
+            "front": (f"vllm-router {router_mod.VERSION}" if o.front == "router"
+                      else "hybridpd proxy"),
         },
         notes=notes,
     )
@@ -189,6 +200,8 @@ class _Plan:
                 raise E2EUsageError(
                     f"{', '.join(bad)} do not start on a CPU engine; on CPU use nixl+decodebench"
                 )
+        if o.front not in router_mod.FRONTS:
+            raise E2EUsageError(f"--front {o.front}: choose {' or '.join(router_mod.FRONTS)}")
         gpus = tuple(g.strip() for g in o.gpus.split(","))
         if len(gpus) != 2:
             raise E2EUsageError("--gpus takes two GPU ids: P,D")
@@ -295,6 +308,7 @@ def _server_options(o: E2EOptions, plan: _Plan) -> pair_mod.ServerOptions:
         decode_prefix_caching=o.decode_prefix_caching, gpus=plan.gpus,
         gpu_memory_utilization=o.gpu_memory_utilization, extra_args=tuple(o.server_args),
         ready_timeout=o.ready_timeout, decode_num_blocks=plan.decode_num_blocks,
+        front=o.front,
     )
 
 
@@ -345,7 +359,7 @@ def _model(
 
 @dataclasses.dataclass(frozen=True)
 class _PairRun:
-    """One (build, connector): a fresh prefill, decode and proxy, the scenario, and the
+    """One (build, connector): a fresh prefill, decode and front, the scenario, and the
     servers reaped; logs in ``run_dir``."""
 
     o: E2EOptions
@@ -360,7 +374,7 @@ class _PairRun:
     def run(self, report: report_mod.E2EReport, out_dir: Path, log: Log) -> report_mod.RunResult:
         """The finished run. A failed one is written to the report (with what ran
         before it) and raised as E2EError, or Interrupted on Ctrl-C."""
-        log(f"== {self.build} / {self.connector}: starting prefill, decode and proxy "
+        log(f"== {self.build} / {self.connector}: starting prefill, decode and {self.o.front} "
             f"(logs: {self.run_dir})")
         show, done = progress.printer()
         t0 = time.monotonic()

@@ -15,7 +15,7 @@ exact:
 Each request's ``decode_local_hit_tokens`` is the change of D's
 ``vllm:prefix_cache_hits`` over that request, ``kv_bytes_transferred`` the change of
 ``vllm:nixl_bytes_transferred_sum``; TTFT is measured at the client, through the
-proxy, on a streamed response.
+front (vllm-router, or the proxy), on a streamed response.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _measured(
     before: metrics.Snapshot,
     via: str | None = None,
 ) -> tuple[dict, metrics.Snapshot]:
-    out = complete(via or pair.proxy, prompt, max_tokens, procs)
+    out = complete(via or pair.front, prompt, max_tokens, procs)
     after = settled_scrape(pair.decode)
     row = {
         "label": label,
