@@ -378,8 +378,10 @@ def _model(
                 f"Qwen3.5 module does not import in this venv: {why}"
             )
             log(f"note: {notes[-1]}")
-    # correctness compares outputs: its model's tokens must depend on the Mamba state.
-    variant = "state-sensitive" if o.scenario == "correctness" else "default"
+    # correctness compares outputs: its model's tokens must depend on the Mamba state;
+    # with MTP, also follow its drafts often enough (tinymodel.VARIANTS).
+    variant = ("state-sensitive-mtp" if mtp else
+               "state-sensitive" if o.scenario == "correctness" else "default")
     path = tiny_model(first, arch, o.seed, cache.cache_dir() / "e2e" / "models", process_env,
                       variant, mtp)
     manifest = json.loads((path / "hybridpd-tiny.json").read_text())
