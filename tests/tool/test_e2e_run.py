@@ -274,3 +274,13 @@ def test_the_pool_arithmetic() -> None:
     with_mtp = list(pair_mod.QWEN35_LAYER_TYPES) + ["full_attention"]
     assert pair_mod.kv_cache_groups(with_mtp) == (2, 1)
     assert pair_mod.pool_max_model_len(22, 128, with_mtp, speculative_tokens=3) == 1408
+
+
+def test_the_tiny_models_without_mtp_keep_their_cache_ids() -> None:
+    from hybridpd.e2e.tinymodel import spec_id
+
+    # The ids (model directories) runs without --speculative-config always had.
+    assert spec_id(0) == "b402d1eaaded"
+    assert spec_id(0, variant="state-sensitive") == "2a24c591f354"
+    with_mtp = spec_id(0, variant="state-sensitive-mtp", mtp=True)
+    assert with_mtp not in (spec_id(0, variant="state-sensitive-mtp"), spec_id(0))
