@@ -7,14 +7,18 @@
 # Passes only if the gate goes red on request C. `--fail-fast` ends the run there (the
 # concurrent requests and the teacher-forced scoring after it cannot turn it green).
 #
-# Usage: ci/mutant-correctness.sh HYBRIDPD OUT_DIR [CONNECTOR] (after a correctness run
-# of CONNECTOR, default nixl, which prepared the patched environment; for an LMCache set,
-# run it while that environment holds the patched lmcache: ci/lmcache-gates.sh does).
+# Usage: ci/mutant-correctness.sh HYBRIDPD OUT_DIR [CONNECTOR [SPECULATIVE_CONFIG]] (after
+# a correctness run of CONNECTOR, default nixl, which prepared the patched environment;
+# for an LMCache set, run it while that environment holds the patched lmcache:
+# ci/lmcache-gates.sh does). SPECULATIVE_CONFIG: vLLM's --speculative-config for both
+# instances (the gate must stay red with MTP on).
 set -euo pipefail
 
 hpd="$1"
 out="$2"
 connector="${3:-nixl}"
+speculative=()
+[ -z "${4:-}" ] || speculative=(--speculative-config "$4")
 case "$connector" in *lmcache*) env=0.32.0-cpu-patched+lmcache ;; *) env=0.32.0-cpu-patched ;; esac
 mkdir -p "$(dirname "$out")"
 cache="${HYBRIDPD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hybridpd}"
@@ -38,7 +42,8 @@ mutate "the reconciliation" '                        if hit_diverged and not ('
 set +e
 "$hpd" e2e --pin 0.32.0 --device cpu --tiny --scenario correctness \
   --role kv_producer/kv_consumer --connector "$connector" --max-model-len 1024 \
-  --patched-venv "$mutant" --expect-patched-hit --fail-fast --out "$out" 2>"$out.stderr"
+  --patched-venv "$mutant" --expect-patched-hit --fail-fast "${speculative[@]}" \
+  --out "$out" 2>"$out.stderr"
 rc=$?
 set -e
 cat "$out.stderr" >&2

@@ -70,9 +70,9 @@ def test_the_gate_flag_also_asks_for_the_decode_hit() -> None:
 def test_table_lists_every_request_and_the_preemptions() -> None:
     report = {"scenario": "correctness", "runs": [_run("patched", equal=False).to_json()]}
     lines = report_mod.table(report_mod.E2EReport.from_json(report))
-    assert "| patched | nixl | A | 0 |  |  | NO | 0/16 |" in lines
-    assert "| patched | nixl | B | 512 |  |  | yes | 16/16 |" in lines
-    assert lines[-1] == "| patched | nixl | preemptions on D | 2 | | | | |"
+    assert "| patched | nixl | A | 0 |  |  | NO | 0/16 |  |" in lines
+    assert "| patched | nixl | B | 512 |  |  | yes | 16/16 |  |" in lines
+    assert lines[-1] == "| patched | nixl | preemptions on D | 2 | | | | | |"
 
 
 def test_table_splits_external_hits_per_child_where_measured() -> None:
@@ -84,8 +84,23 @@ def test_table_splits_external_hits_per_child_where_measured() -> None:
     run["requests"][1] |= {"decode_external_hit_tokens": 256, "kv_bytes_transferred": 0}
     lines = report_mod.table(report_mod.E2EReport.from_json(
         {"scenario": "correctness", "runs": [run]}))
-    assert "| patched | lmcache+nixl | A | 0 | 575 (NIXL 575, LMCache 0) | 599040 | yes | 16/16 |" in lines
-    assert "| patched | lmcache+nixl | B | 512 | 256 | 0 | yes | 16/16 |" in lines
+    assert "| patched | lmcache+nixl | A | 0 | 575 (NIXL 575, LMCache 0) | 599040 | yes | 16/16 |  |" in lines
+    assert "| patched | lmcache+nixl | B | 512 | 256 | 0 | yes | 16/16 |  |" in lines
+
+
+def test_table_gives_each_requests_time_and_drafts() -> None:
+    run = _run("patched").to_json()
+    run["requests"][1] |= {"latency_ms": 1234.0, "decode_draft_tokens": 30,
+                           "decode_accepted_tokens": 12}
+    run["speculative"] = {"decode": {"draft_tokens": 300, "accepted_tokens": 120,
+                                     "acceptance_rate": 0.4}, "prefill": None}
+    report = report_mod.E2EReport.from_json({"scenario": "correctness", "runs": [run]})
+    assert "| patched | nixl | B | 512 |  |  | yes | 16/16 | 1.23 (drafts 12/30) |" in (
+        report_mod.table(report))
+    md = report_mod.markdown(report)
+    assert ("- patched / nixl: speculative decoding decode accepted 120 of 300 drafted tokens "
+            "(acceptance rate 0.4)") in md
+    assert "- patched / nixl: 1 requests, 1.23 s per request on average (max 1.23 s)" in md
 
 
 def test_lmcache_loads_are_read_from_the_servers_log(tmp_path) -> None:
@@ -220,7 +235,7 @@ def test_segments_the_lmcache_server_left_fail_the_run_and_show_in_the_table() -
     lines = report_mod.table(report_mod.E2EReport.from_json(
         {"scenario": "correctness", "runs": [run]}))
     assert lines[-1] == ("| patched | lmcache+nixl | D's LMCache segments while serving "
-                         "/ left once vLLM and its lmcache server stopped | | 1 / 1 | | | |")
+                         "/ left once vLLM and its lmcache server stopped | | 1 / 1 | | | | |")
     run["checks"]["lmcache_removed_exited_segments"] = True
     run["decode_shm_segments_left_by_lmcache"] = []
     assert _failures(report_mod.RunResult.from_json(run), "correctness", False, stub_pin("0.32.0")) == []
@@ -244,6 +259,9 @@ def test_fail_fast_stops_at_the_first_differing_output(monkeypatch, tmp_path) ->
     class Snap:
         def delta(self, before, name):
             return 0.0
+
+        def has(self, name):  # no speculative decoding
+            return False
 
     monkeypatch.setattr(correctness, "complete", complete)
     monkeypatch.setattr(correctness, "post", lambda url: None)

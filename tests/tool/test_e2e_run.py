@@ -20,6 +20,7 @@ from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import router as router_mod
 from hybridpd.e2e.envs import Env
 from hybridpd.e2e.servers import E2EError
+from hybridpd.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -38,8 +39,8 @@ def stood_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Calls:
         return {"nixl": "ok", "qwen3_5": "ok", "vllm": "1.0",
                 "kernels": {"module": "vllm._C_AVX2", "status": "ok"}}
 
-    def tiny_model(env, arch, seed, cache, process_env, variant="default"):
-        calls.append(("tiny", arch, variant))
+    def tiny_model(env, arch, seed, cache, process_env, variant="default", mtp=False):
+        calls.append(("tiny", arch, variant, *(("mtp",) if mtp else ())))
         path = tmp_path / "tiny"
         path.mkdir(exist_ok=True)
         (path / "hybridpd-tiny.json").write_text(json.dumps(
@@ -220,6 +221,55 @@ def test_the_servers_get_a_max_model_len_the_decode_pool_holds(
     assert result.report.server_options["max_model_len"] == int(max_model_len)
 
 
+def test_speculative_config_goes_to_both_servers_and_sizes_the_decode_pool(
+    tmp_path: Path, stood_in: _Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, series = standard_project(tmp_path)
+    recorders = []
+
+    def start_pair(procs, env, model, connector, role, opts, progress):
+        recorders.append(_Recorder(tmp_path))
+        return pair_mod._start_pair_once(recorders[-1], env, model, connector, role, opts,
+                                         progress)
+
+    monkeypatch.setattr(pair_mod, "start_pair", start_pair)
+    monkeypatch.setattr(correctness, "run_correctness", lambda *a, **k: {
+        "requests": [], "outputs_match_baseline": True, "checks": {}})
+    monkeypatch.setattr(run_mod, "_acceptance", lambda pair, log: {
+        "decode": {"draft_tokens": 100, "accepted_tokens": 95, "acceptance_rate": 0.95},
+        "prefill": None})
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    result = run_mod.run(series, _options(tmp_path, series, scenario="correctness",
+                                          max_model_len=1024, speculative_config=spec),
+                         [], print)
+    [started] = [r.started for r in recorders]
+    assert [_flag(started[s], "--speculative-config") for s in ("prefill", "decode")] == [
+        '{"method":"mtp","num_speculative_tokens":3}'] * 2
+    # The tiny model with its MTP module, 5 layers (3 linear, 2 full): 2 Mamba groups,
+    # each holding 3 pages more per request.
+    assert ("tiny", "qwen3_5", "state-sensitive-mtp", "mtp") in stood_in
+    assert _flag(started["decode"], "--num-gpu-blocks-override") == "22"
+    # A tiny model whose drafts are accepted nearly always no longer tests rejection.
+    assert result.failures == [
+        "patched / nixl: the decode instance accepted 0.95 of the MTP module's drafts, "
+        "outside 0.2..0.8 (the tiny model's MTP weights no longer draft as designed)"]
+    assert "decode accepted 95 of 100 drafted tokens" in result.paths["md"].read_text()
+
+
+def test_a_speculative_config_the_tiny_model_cannot_serve_is_one_line(
+    tmp_path: Path, stood_in: _Calls
+) -> None:
+    _, series = standard_project(tmp_path)
+    for spec, message in (
+        ('{"method": "ngram", "num_speculative_tokens": 2}', "drafts with its MTP module"),
+        ('{"method": "mtp"}', "num_speculative_tokens must be a positive integer"),
+        ("[1]", "a JSON object"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            run_mod.run(series, _options(tmp_path, series, speculative_config=spec), [], print)
+    assert stood_in == []
+
+
 def test_the_pool_arithmetic() -> None:
     qwen35 = ["linear_attention"] * 30 + ["full_attention"] * 10  # 40 layers, 1 in 4
     assert pair_mod.kv_cache_groups(qwen35) == pair_mod.kv_cache_groups(
@@ -229,6 +279,21 @@ def test_the_pool_arithmetic() -> None:
     # vLLM's 256-token blocks (a CPU with AVX-512 BF16) hold more, never less.
     assert pair_mod.pool_max_model_len(16, 256, qwen35) == 2304
     assert pair_mod.pool_max_model_len(7, 128, qwen35) == 0
+    # MTP N=3 on the tiny model (its MTP layer is a 5th, full-attention one): 2 Mamba
+    # groups of 2 + 3 pages a request.
+    with_mtp = list(pair_mod.QWEN35_LAYER_TYPES) + ["full_attention"]
+    assert pair_mod.kv_cache_groups(with_mtp) == (2, 1)
+    assert pair_mod.pool_max_model_len(22, 128, with_mtp, speculative_tokens=3) == 1408
+
+
+def test_the_tiny_models_without_mtp_keep_their_cache_ids() -> None:
+    from hybridpd.e2e.tinymodel import spec_id
+
+    # The ids (model directories) runs without --speculative-config always had.
+    assert spec_id(0) == "b402d1eaaded"
+    assert spec_id(0, variant="state-sensitive") == "2a24c591f354"
+    with_mtp = spec_id(0, variant="state-sensitive-mtp", mtp=True)
+    assert with_mtp not in (spec_id(0, variant="state-sensitive-mtp"), spec_id(0))
 
 
 def test_the_router_goes_into_prepared_venvs_and_a_given_venv_must_have_it(
@@ -301,3 +366,4 @@ def test_the_router_starts_once_both_instances_answer(
         assert order == [("start", "prefill"), ("start", "decode"), ("start", "proxy"),
                          ("wait", "prefill", "decode", "proxy")]
         assert "router" not in started
+

@@ -128,6 +128,10 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
               help="Extra argument for both servers (repeatable).")
 @click.option("--ready-timeout", type=float, default=_D.ready_timeout, show_default=True, help="Seconds.")
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
+@click.option("--speculative-config", metavar="JSON",
+              help="vLLM's --speculative-config for both instances (P is also the "
+              "single-instance reference); with --tiny, '{\"method\":\"mtp\","
+              "\"num_speculative_tokens\":N}' serves the tiny model with its MTP module.")
 @click.option("--lmcache-without", "lmcache_without", multiple=True, metavar="PATCH_ID",
               help="LMCache sets: build lmcache from the LMCache series without this patch "
               "(repeatable; a gate that must go red).")

@@ -289,6 +289,10 @@ def run_correctness(
                      "decode_external_hit_tokens": int(
                          after.delta(before, metrics.EXTERNAL_PREFIX_CACHE_HITS)),
                      "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES))})
+        drafts = metrics.acceptance(after, before)
+        if drafts is not None:  # speculative decoding: D's drafts for this request
+            rows[-1]["decode_draft_tokens"] = drafts["draft_tokens"]
+            rows[-1]["decode_accepted_tokens"] = drafts["accepted_tokens"]
         before = after
         by_child = ""
         if lmcache_loads is not None:
@@ -352,6 +356,9 @@ def run_correctness(
     after = settled_scrape(pair.decode)
     preemptions = int(after.delta(before, metrics.NUM_PREEMPTIONS))
     figures["decode_preemptions"] = preemptions
+    drafts = metrics.acceptance(after, before)
+    if drafts is not None:
+        figures["decode_speculative_concurrent"] = drafts
     if lmcache_loads is not None:
         # Resumed requests may load from LMCache what D stored of them before.
         figures["decode_lmcache_tokens_concurrent"] = lmcache_loads.take()

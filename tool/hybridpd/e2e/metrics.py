@@ -22,6 +22,9 @@ NIXL_TRANSFERS = "vllm:nixl_bytes_transferred_count"
 NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors_sum"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 NUM_PREEMPTIONS = "vllm:num_preemptions"
+#: Speculative decoding: tokens drafted and accepted (by the target's verification).
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 
 OF_INTEREST = (
     PREFIX_CACHE_HITS,
@@ -56,6 +59,18 @@ class Snapshot:
 
     def subset(self, names=OF_INTEREST) -> dict[str, float]:
         return {n: self.value(n) for n in names if self.has(n)}
+
+
+def acceptance(snapshot: Snapshot, before: Snapshot | None = None) -> dict | None:
+    """Drafted and accepted tokens (since ``before``) and their ratio, vLLM's own
+    acceptance rate; None where the instance drafts nothing (no speculative decoding)."""
+    if not snapshot.has(SPEC_DRAFT_TOKENS):
+        return None
+    base = before or Snapshot()
+    drafted = int(snapshot.delta(base, SPEC_DRAFT_TOKENS))
+    accepted = int(snapshot.delta(base, SPEC_ACCEPTED_TOKENS))
+    return {"draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None}
 
 
 def parse(text: str) -> Snapshot:

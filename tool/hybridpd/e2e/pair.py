@@ -53,6 +53,8 @@ class ServerOptions:
     # The front the client's PD requests go through: vLLM's router (e2e/router.py) or
     # hybridpd's own proxy (e2e/proxy.py).
     front: str = "router"
+    # vLLM's --speculative-config (a JSON object), for both instances; None: none.
+    speculative_config: str | None = None
 
 
 def nixl_config(role: str, device: str) -> dict:
@@ -111,6 +113,8 @@ def server_command(
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]
+    if opts.speculative_config is not None:
+        cmd += ["--speculative-config", opts.speculative_config]
     if opts.device == "cuda":
         cmd += ["--async-scheduling", "--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     return cmd + list(opts.extra_args)
@@ -160,7 +164,7 @@ def cpu_binding(side: str, cores: list[int] | None = None) -> str:
 
 #: Blocks a request holds in each Mamba group in align mode (``--mamba-cache-mode
 #: align``): the state at the last block boundary and the running one (vLLM's
-#: ``MambaSpec.max_memory_usage_bytes``: 2 pages, no speculative decoding here).
+#: ``MambaSpec.max_memory_usage_bytes``: 2 pages, plus one per speculative token).
 MAMBA_ALIGN_BLOCKS = 2
 #: Qwen3.5's layout, and the tiny model's (3 Gated-DeltaNet layers, then 1 full
 #: attention): what :func:`kv_cache_groups` assumes where the model's config is not at
@@ -187,7 +191,8 @@ def kv_cache_groups(layer_types: list[str] | tuple[str, ...]) -> tuple[int, int]
 
 
 def pool_max_model_len(
-    num_blocks: int, block_size: int, layer_types: list[str] | tuple[str, ...]
+    num_blocks: int, block_size: int, layer_types: list[str] | tuple[str, ...],
+    speculative_tokens: int = 0,
 ) -> int:
     """The longest request (prompt + output, in tokens) a pool of ``num_blocks``
     blocks holds: the largest ``--max-model-len`` vLLM starts with on that pool.
@@ -210,9 +215,13 @@ def pool_max_model_len(
     its conv state, over the 64 KiB of a 128-token attention page at 512 bytes a
     token) and takes 256 tokens a block. It never lowers a ``--block-size`` given to
     it, so the pool then holds more, and the value at ``block_size`` fits on every host.
+
+    With speculative decoding (``speculative_tokens`` > 0) each Mamba group holds one
+    page more per speculative token (``MambaSpec.num_speculative_blocks``), and an MTP
+    drafter's layers belong in ``layer_types`` (vLLM groups them with the target's).
     """
     mamba, attention = kv_cache_groups(layer_types)
-    usable = num_blocks - 1 - MAMBA_ALIGN_BLOCKS * mamba
+    usable = num_blocks - 1 - (MAMBA_ALIGN_BLOCKS + speculative_tokens) * mamba
     return max(0, usable // max(attention, 1) * block_size)
 
 

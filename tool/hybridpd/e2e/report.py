@@ -220,36 +220,45 @@ def _external_hit(r: dict) -> str:
             f"LMCache {r['decode_external_hit_tokens_lmcache']})")
 
 
+def _drafts(r: dict) -> str:
+    """D's accepted/drafted tokens for one request (speculative decoding), else ""."""
+    if "decode_draft_tokens" not in r:
+        return ""
+    return f" (drafts {r['decode_accepted_tokens']}/{r['decode_draft_tokens']})"
+
+
 def correctness_table(report: E2EReport) -> list[str]:
     lines = [
         "| build | connector | request | decode hit | external hit | KV bytes "
         "| every token agrees (teacher-forced) "
-        "| common prefix with the free-running reference |",
-        "|---|---|---|---|---|---|---|---|",
+        "| common prefix with the free-running reference | time (s) |",
+        "|---|---|---|---|---|---|---|---|---:|",
     ]
     for run in report.runs:
         for r in run.requests:
             hit = r.get("decode_local_hit_tokens")
             moved = r.get("kv_bytes_transferred")
+            took = r.get("latency_ms")
             lines.append(
                 f"| {run.build} | {run.connector} | {r['label']} | "
                 f"{'' if hit is None else hit} | {_external_hit(r)} | "
                 f"{'' if moved is None else moved} | {'yes' if r['equal'] else 'NO'} | "
-                f"{r['common_prefix_tokens']}/{len(r['reference_token_ids'])} |"
+                f"{r['common_prefix_tokens']}/{len(r['reference_token_ids'])} | "
+                f"{'' if took is None else f'{took / 1e3:.2f}'}{_drafts(r)} |"
             )
         if "decode_preemptions" in run.figures:
             lines.append(f"| {run.build} | {run.connector} | preemptions on D | "
-                         f"{run.figures['decode_preemptions']} | | | | |")
+                         f"{run.figures['decode_preemptions']} | | | | | |")
         if "decode_lmcache_tokens_concurrent" in run.figures:
             lines.append(f"| {run.build} | {run.connector} | LMCache loads on D while "
                          f"concurrent | | {run.figures['decode_lmcache_tokens_concurrent']} "
-                         "| | | |")
+                         "| | | | |")
         if "decode_shm_segments_while_serving" in run.figures:
             left = run.figures.get("decode_shm_segments_left_by_lmcache") or []
             lines.append(f"| {run.build} | {run.connector} | D's LMCache segments while "
                          f"serving / left once vLLM and its lmcache server stopped | | "
                          f"{run.figures['decode_shm_segments_while_serving']} / {len(left)} "
-                         "| | | |")
+                         "| | | | |")
     return lines
 
 
@@ -289,6 +298,18 @@ def markdown(report: E2EReport) -> str:
     if baseline:
         lines += [f"OFF carries {', '.join(f'`{p}`' for p in baseline)}: stock vLLM "
                   f"{report.pin} cannot serve on {report.device} without it.", ""]
+    for run in report.runs:
+        spec = run.figures.get("speculative")
+        if spec:
+            lines.append(f"- {run.where}: speculative decoding "
+                         + "; ".join(f"{side} accepted {s['accepted_tokens']} of "
+                                     f"{s['draft_tokens']} drafted tokens "
+                                     f"(acceptance rate {s['acceptance_rate']})"
+                                     for side, s in spec.items() if s))
+        times = [r["latency_ms"] for r in run.requests if r.get("latency_ms") is not None]
+        if report.scenario == "correctness" and times:
+            lines.append(f"- {run.where}: {len(times)} requests, {sum(times) / len(times) / 1e3:.2f} s "
+                         f"per request on average (max {max(times) / 1e3:.2f} s)")
     for run in report.runs:
         if run.checks:
             failed = [k for k, v in run.checks.items() if not v]

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from hybridpd import cache, proc, progress
-from hybridpd.e2e import correctness, prefix_repetition, smoke
+from hybridpd import speculative as spec_mod
+from hybridpd.e2e import correctness, metrics, prefix_repetition, smoke
 from hybridpd.e2e import lmcache as lm
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
@@ -85,6 +86,9 @@ class E2EOptions:
     lmcache_without: tuple[str, ...] = ()
     # What PD requests go through: vLLM's router (e2e/router.py) or hybridpd's proxy.
     front: str = _SERVER.front
+    # vLLM's --speculative-config JSON, passed to both instances (P is also the
+    # single-instance reference); None: no speculative decoding.
+    speculative_config: str | None = None
 
     def to_json(self) -> dict:
         """The report's ``options`` (its shape a contract: the pin as ``version``)."""
@@ -149,7 +153,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     first = envs[plan.builds[0]]
     process_env = pair_mod.server_env(opts, "P", 0)
     caps = _capabilities(envs, process_env, o.device, log)
-    model, vocab, notes = _model(o, first, caps, process_env, log)
+    model, vocab, notes = _model(o, first, caps, process_env, log, _is_mtp(plan.speculative))
     report = report_mod.E2EReport(
         pin=pin.version, device=o.device, model=model, scenario=o.scenario, role=o.role,
         command=list(command), options=o.to_json(),
@@ -160,6 +164,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
             "decode_prefix_caching": o.decode_prefix_caching, "extra_args": list(o.server_args),
             "front": (f"vllm-router {router_mod.VERSION}" if o.front == "router"
                       else "hybridpd proxy"),
+            **({"speculative_config": plan.speculative} if plan.speculative else {}),
         },
         notes=notes,
     )
@@ -169,7 +174,7 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
             pair = _PairRun(o, envs[build], build, connector, model, vocab, opts,
                             out_dir / f"{build}-{connector}")
             report.runs.append(pair.run(report, out_dir, log))
-            failures += _failures(report.runs[-1], o.scenario, o.expect_patched_hit, pin)
+            failures += _failures(report.runs[-1], o.scenario, o.expect_patched_hit, pin, o.tiny)
     report.timings_s["total"] = round(time.monotonic() - t_start, 1)
     paths = report_mod.write(report, out_dir, first.python)
     return E2EResult(report, paths, failures)
@@ -185,6 +190,7 @@ class _Plan:
     lmcache: bool = False  # the connector sets use LMCache: venvs with lmcache
     decode_num_blocks: int | None = None  # the decode pool; None: sized from memory
     max_model_len: int = _SERVER.max_model_len  # what the servers get
+    speculative: dict | None = None  # --speculative-config, parsed
 
     @classmethod
     def of(cls, o: E2EOptions, log: Log) -> _Plan:
@@ -225,12 +231,15 @@ class _Plan:
             # make_prompts' own check, before the build and the servers' start.
             raise E2EUsageError(f"--shared-tokens {o.shared_tokens} must be between 0 and "
                                 f"--prompt-tokens {o.prompt_tokens}")
-        blocks = (
-            o.decode_num_blocks if o.decode_num_blocks is not None
-            else (CORRECTNESS_DECODE_BLOCKS if o.scenario == "correctness" else None)
-        )
+        speculative = _speculative(o)
+        blocks = o.decode_num_blocks
+        if blocks is None and o.scenario == "correctness":
+            # Each Mamba group holds a page more per speculative token: the pool grows
+            # by as many, so that a request leaves the same room as without them.
+            mamba, _ = pair_mod.kv_cache_groups(_layer_types(o))
+            blocks = CORRECTNESS_DECODE_BLOCKS + mamba * speculative_tokens(speculative)
         max_model_len = _max_model_len(o, blocks, bool(lmcache))
-        return cls(connectors, gpus, builds, bool(lmcache), blocks, max_model_len)
+        return cls(connectors, gpus, builds, bool(lmcache), blocks, max_model_len, speculative)
 
     @staticmethod
     def venv(o: E2EOptions, build: str) -> Path | None:
@@ -240,7 +249,33 @@ class _Plan:
 
 #: The correctness scenario's decode pool in blocks (``--decode-num-blocks``' default
 #: there): small enough that its concurrent requests preempt (see CorrectnessOptions).
+#: With speculative decoding, one more per Mamba group and speculative token.
 CORRECTNESS_DECODE_BLOCKS = 16
+
+
+def _speculative(o: E2EOptions) -> dict | None:
+    """``--speculative-config`` as vLLM takes it, checked where the e2e depends on it:
+    a JSON object with a positive ``num_speculative_tokens``; with ``--tiny`` only
+    ``"method": "mtp"`` (the tiny model's drafter is its MTP module)."""
+    if o.speculative_config is None:
+        return None
+    data = spec_mod.load(o.speculative_config)
+    n = data.get("num_speculative_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise E2EUsageError("--speculative-config: num_speculative_tokens must be a positive "
+                            f"integer, not {n!r}")
+    if o.tiny and data.get("method") != "mtp":
+        raise E2EUsageError(f"--speculative-config: method {data.get('method')!r} with --tiny;"
+                            " the tiny model drafts with its MTP module (\"method\": \"mtp\")")
+    return data
+
+
+def speculative_tokens(speculative: dict | None) -> int:
+    return speculative["num_speculative_tokens"] if speculative else 0
+
+
+def _is_mtp(speculative: dict | None) -> bool:
+    return bool(speculative) and speculative.get("method") == "mtp"
 
 
 def _max_model_len(o: E2EOptions, blocks: int | None, lmcache: bool) -> int:
@@ -254,7 +289,8 @@ def _max_model_len(o: E2EOptions, blocks: int | None, lmcache: bool) -> int:
     if blocks is not None:
         # P's pool is sized from memory; D's is `blocks` blocks, and vLLM starts D only
         # when one request of --max-model-len tokens fits it (pair.pool_max_model_len).
-        holds = pair_mod.pool_max_model_len(blocks, o.block_size, _layer_types(o))
+        holds = pair_mod.pool_max_model_len(blocks, o.block_size, _layer_types(o),
+                                            speculative_tokens(_speculative(o)))
         pool = (f"a decode pool of {blocks} blocks of {o.block_size} tokens holds one "
                 f"request of at most {holds} tokens")
         if holds < longest:
@@ -290,16 +326,19 @@ def _longest_request(o: E2EOptions, lmcache: bool) -> int:
 
 def _layer_types(o: E2EOptions) -> list[str] | tuple[str, ...]:
     """The model's layer types before anything is built: the tiny model's spec, a
-    local model's config.json, else Qwen3.5's layout (a hub id)."""
+    local model's config.json, else Qwen3.5's layout (a hub id); with MTP, its
+    modules' full-attention layers after them (vLLM groups the drafter's KV cache with
+    the target's)."""
+    mtp = _is_mtp(_speculative(o))
     if o.tiny:
-        return SPEC["layer_types"]
+        return list(SPEC["layer_types"]) + ["full_attention"] * mtp
+    data: dict = {}
     cfg = Path(o.model) / "config.json"
     if cfg.exists():
         data = json.loads(cfg.read_text())
-        types = data.get("text_config", data).get("layer_types")
-        if types:
-            return types
-    return pair_mod.QWEN35_LAYER_TYPES
+        data = data.get("text_config", data)
+    types = list(data.get("layer_types") or pair_mod.QWEN35_LAYER_TYPES)
+    return types + ["full_attention"] * (spec_mod.mtp_modules(data) if mtp else 0)
 
 
 def _server_options(o: E2EOptions, plan: _Plan) -> pair_mod.ServerOptions:
@@ -309,6 +348,8 @@ def _server_options(o: E2EOptions, plan: _Plan) -> pair_mod.ServerOptions:
         gpu_memory_utilization=o.gpu_memory_utilization, extra_args=tuple(o.server_args),
         ready_timeout=o.ready_timeout, decode_num_blocks=plan.decode_num_blocks,
         front=o.front,
+        speculative_config=(json.dumps(plan.speculative, separators=(",", ":"))
+                            if plan.speculative else None),
     )
 
 
@@ -328,10 +369,11 @@ def _capabilities(envs: dict[str, Env], process_env: dict, device: str, log: Log
 
 
 def _model(
-    o: E2EOptions, first: Env, caps: dict, process_env: dict, log: Log
+    o: E2EOptions, first: Env, caps: dict, process_env: dict, log: Log, mtp: bool = False
 ) -> tuple[str, int | None, list[str]]:
-    """The model to serve (``--model``, or the tiny one written here), its vocabulary
-    size where the scenario makes prompts of token ids, and notes for the report."""
+    """The model to serve (``--model``, or the tiny one written here, with its MTP
+    module where ``mtp``), its vocabulary size where the scenario makes prompts of
+    token ids, and notes for the report."""
     if not o.tiny:
         vocab = _vocab_size(o.model) if o.scenario in ("smoke", "correctness") else None
         return o.model, vocab, []
@@ -339,6 +381,9 @@ def _model(
     arch = o.tiny_arch
     if arch == "auto":
         arch = "qwen3_5" if all(c["qwen3_5"] == "ok" for c in caps.values()) else "qwen3_next"
+    if mtp and arch != "qwen3_5":
+        raise E2EError("the tiny model's MTP module is Qwen3.5's; vLLM's Qwen3.5 module does "
+                       f"not import here ({arch} would stand in)")
         if arch != "qwen3_5":
             why = next(c["qwen3_5"] for c in caps.values() if c["qwen3_5"] != "ok")
             notes.append(
@@ -347,10 +392,12 @@ def _model(
                 f"Qwen3.5 module does not import in this venv: {why}"
             )
             log(f"note: {notes[-1]}")
-    # correctness compares outputs: its model's tokens must depend on the Mamba state.
-    variant = "state-sensitive" if o.scenario == "correctness" else "default"
+    # correctness compares outputs: its model's tokens must depend on the Mamba state;
+    # with MTP, also follow its drafts often enough (tinymodel.VARIANTS).
+    variant = ("state-sensitive-mtp" if mtp else
+               "state-sensitive" if o.scenario == "correctness" else "default")
     path = tiny_model(first, arch, o.seed, cache.cache_dir() / "e2e" / "models", process_env,
-                      variant)
+                      variant, mtp)
     manifest = json.loads((path / "hybridpd-tiny.json").read_text())
     log(f"tiny model {manifest['architectures'][0]} ({manifest['parameters']:,} parameters) "
         f"at {path}")
@@ -388,6 +435,8 @@ class _PairRun:
                     t1 = time.monotonic()
                     result = self._scenario(pair, procs, log)
                     t2 = time.monotonic()
+                    if self.opts.speculative_config is not None:
+                        result["speculative"] = _acceptance(pair, log)
                     if lm.uses_lmcache(self.connector):
                         shm = lm.segments_after_stop(procs, log)
                         result.setdefault("checks", {})[
@@ -442,19 +491,41 @@ class _PairRun:
         )
 
 
+#: The acceptance rate (accepted / drafted tokens, vLLM's counters on the decode
+#: instance) the tiny model's MTP module must land in: drafts accepted often enough that
+#: the accepted-token paths run, rejected often enough that the rejection paths do.
+ACCEPTANCE = (0.2, 0.8)
+
+
+def _acceptance(pair: pair_mod.Pair, log: Log) -> dict:
+    """Each instance's drafted and accepted tokens over the whole run (vLLM's
+    ``vllm:spec_decode_num_*`` counters)."""
+    out = {}
+    for side, url in (("decode", pair.decode), ("prefill", pair.prefill)):
+        try:
+            out[side] = metrics.acceptance(metrics.scrape(url))
+        except (OSError, ValueError) as exc:
+            raise E2EError(f"cannot read the {side} instance's metrics: {exc}") from None
+    d = out["decode"] or {}
+    log(f"   speculative decoding on D: {d.get('accepted_tokens')} of {d.get('draft_tokens')} "
+        f"drafted tokens accepted ({d.get('acceptance_rate')})")
+    return out
+
+
 def tiny_model(env: Env, arch: str, seed: int, cache: Path, process_env: dict,
-               variant: str = "default") -> Path:
-    """The tiny model for ``arch``/``seed``/``variant``, written once under ``cache``."""
+               variant: str = "default", mtp: bool = False) -> Path:
+    """The tiny model for ``arch``/``seed``/``variant`` (with its MTP module where
+    ``mtp``), written once under ``cache``."""
     import shutil
 
-    dest = cache / f"tiny-{arch}-{spec_id(seed, arch, variant)}"
+    dest = cache / f"tiny-{arch}-{spec_id(seed, arch, variant, mtp)}"
     if (dest / "hybridpd-tiny.json").exists():
         return dest
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     done = proc.run(
         [env.python, Path(__file__).with_name("tinymodel.py"), tmp,
-         "--seed", str(seed), "--arch", arch, "--variant", variant],
+         "--seed", str(seed), "--arch", arch, "--variant", variant, *(["--mtp"] * mtp)],
         env=process_env,
     )
     if not done.ok:
@@ -474,7 +545,8 @@ def _has_upstream_gate(pin: Pin) -> bool:
 
 
 def _failures(
-    run: report_mod.RunResult, scenario: str, expect_patched_hit: bool, pin: Pin
+    run: report_mod.RunResult, scenario: str, expect_patched_hit: bool, pin: Pin,
+    tiny: bool = False,
 ) -> list[str]:
     """Checks that fail the command: outputs always; the hit only with the gate flag
     (patched must hit; on pins with upstream's capability gate (v0.24+), stock must
@@ -485,6 +557,13 @@ def _failures(
         out.append(f"{where}: the lmcache server left the stopped decode instance's "
                    "shared-memory segments behind (or it registered none): "
                    f"{run.figures.get('decode_shm_segments_left_by_lmcache')}")
+    spec = (run.figures.get("speculative") or {}).get("decode")
+    if tiny and "speculative" in run.figures:
+        rate = (spec or {}).get("acceptance_rate")
+        if rate is None or not ACCEPTANCE[0] <= rate <= ACCEPTANCE[1]:
+            out.append(f"{where}: the decode instance accepted {rate} of the MTP module's drafts,"
+                       f" outside {ACCEPTANCE[0]}..{ACCEPTANCE[1]} (the tiny model's MTP weights"
+                       " no longer draft as designed)")
     if scenario == "correctness":
         return out + _correctness_failures(run, where, expect_patched_hit)
     if scenario != "smoke":

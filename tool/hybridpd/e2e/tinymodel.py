@@ -94,20 +94,47 @@ SPEC = {
 #: softplus(.) is near 0) makes the tokens depend on the state built over the whole
 #: prompt (measured in fp32: the last 32 top-1 tokens of a 600-token prompt and of its
 #: last 88 tokens alone agree 0 % of the time, against 97 % with the default init).
+#:
+#: ``state-sensitive-mtp`` is the model an MTP run serves (with the :data:`MTP`
+#: module): its greedy tokens must be predictable enough from the token before them that
+#: the module's drafts are accepted, and still depend on the state. Measured in fp32
+#: (teacher-forced on random 600-token prompts; "embedding-only" is the token the LM
+#: head picks from the next token's normed embedding alone, the module's draft): with
+#: ``state-sensitive`` it agrees with the model's next token 1 % of the time, with the
+#: slow decay alone 42 %, and with the projections halved 48 %, where the last 32 top-1
+#: tokens of a 600-token prompt and of its last 88 tokens still disagree 17 % of the time.
 VARIANTS = {
     "default": {},
     "state-sensitive": {"linear_out_proj_scale": 16.0, "linear_a_log": -8.0},
+    "state-sensitive-mtp": {"linear_out_proj_scale": 0.5, "linear_a_log": -8.0},
 }
+#: The MTP module ``--mtp`` adds (Qwen3.5's: ``mtp.fc`` over [norm(embedding of the next
+#: token), norm(the target's last hidden state)], one full-attention decoder layer,
+#: ``mtp.norm``; the embedding and LM head are the target's). Random MTP weights draft
+#: tokens the target almost never takes, which would leave the accepted-token paths
+#: untested. In a random-weight model the embedding carries much of the residual
+#: stream, so the module drafts the token the model's LM head picks from the next
+#: token's embedding alone: ``fc`` passes the embedding half through and drops the
+#: hidden half, the decoder layer's output projections are ``layer_out_scale`` of a
+#: random init so that it adds little, and ``mtp.norm`` is the target's final norm.
+#: How often the target then agrees depends on the base weights (see VARIANTS:
+#: ``state-sensitive-mtp``); the e2e holds vLLM's acceptance rate to ``ACCEPTANCE`` in
+#: hybridpd.e2e.run. Seeded apart from the base weights, which stay byte for byte
+#: those of the same variant without MTP.
+MTP = {"layer_out_scale": 0.05, "seed_offset": 1000}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 MANIFEST = "hybridpd-tiny.json"
 
 
-def spec_id(seed: int, arch: str = "qwen3_5", variant: str = "default") -> str:
-    """Stable short id of (generator version, spec, arch, seed, variant): the model's
-    cache key (the default variant keeps the ids it always had)."""
+def spec_id(seed: int, arch: str = "qwen3_5", variant: str = "default",
+            mtp: bool = False) -> str:
+    """Stable short id of (generator version, spec, arch, seed, variant, MTP): the
+    model's cache key (the default variant without MTP keeps the ids it always had)."""
     key = {"v": GENERATOR_VERSION, "spec": SPEC, "arch": ARCHITECTURES[arch], "seed": seed}
     if VARIANTS[variant]:
         key["variant"] = VARIANTS[variant]
+    if mtp:
+        key["mtp"] = MTP
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -180,8 +207,45 @@ def train_tokenizer(dest: Path, seed: int) -> int:
     return tok.get_vocab_size()
 
 
-def write(dest: Path, seed: int = 0, arch: str = "qwen3_5", variant: str = "default") -> dict:
-    """Write the model into ``dest`` (created; must be empty or missing)."""
+def mtp_tensors(state: dict, seed: int) -> dict:
+    """The MTP module's tensors (checkpoint names, fp32) for a model whose weights are
+    ``state`` (:data:`MTP`); its decoder layer has the shapes of the target's
+    full-attention layer."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + MTP["seed_offset"])
+    std = SPEC["initializer_range"]
+    hidden = SPEC["hidden_size"]
+    full = SPEC["layer_types"].index("full_attention")
+    src = f"model.layers.{full}."
+    out = {}
+    for name in sorted(state):
+        if not name.startswith(src):
+            continue
+        sub, shape = name[len(src):], state[name].shape
+        if len(shape) == 1:
+            # Qwen3.5's RMS norms scale by (1 + weight): zero is the unit scale.
+            out[f"mtp.layers.0.{sub}"] = torch.zeros(shape)
+            continue
+        weight = torch.randn(shape, generator=gen) * std
+        if sub.endswith(("o_proj.weight", "down_proj.weight")):
+            weight *= MTP["layer_out_scale"]
+        out[f"mtp.layers.0.{sub}"] = weight
+    # The fc's input is [embedding, hidden], each RMS-normed: the embedding half
+    # passes through.
+    out["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    out["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)
+    out["mtp.pre_fc_norm_hidden.weight"] = torch.zeros(hidden)
+    out["mtp.norm.weight"] = state["model.norm.weight"].float().clone()
+    return out
+
+
+def write(dest: Path, seed: int = 0, arch: str = "qwen3_5", variant: str = "default",
+          mtp: bool = False) -> dict:
+    """Write the model into ``dest`` (created; must be empty or missing); ``mtp``: with
+    its MTP module (:data:`MTP`, Qwen3.5 only), the base weights unchanged."""
+    if mtp and arch != "qwen3_5":
+        raise SystemExit(f"an MTP module is written for qwen3_5 only, not {arch}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -223,7 +287,19 @@ def write(dest: Path, seed: int = 0, arch: str = "qwen3_5", variant: str = "defa
             if "linear_a_log" in extra and name.endswith("linear_attn.A_log"):
                 param.fill_(extra["linear_a_log"])
     model = model.to(torch.bfloat16)
+    if mtp:
+        # vLLM reads the module count from the config; transformers ignores the key
+        # and the mtp.* weights (Qwen3_5ForCausalLM's _keys_to_ignore_on_load_unexpected).
+        model.config.mtp_num_hidden_layers = 1
     model.save_pretrained(str(dest), safe_serialization=True)
+    if mtp:
+        from safetensors.torch import load_file, save_file
+
+        weights = dest / "model.safetensors"
+        state = load_file(str(weights))
+        mtp_weights = {k: v.to(torch.bfloat16).contiguous()
+                       for k, v in mtp_tensors(state, seed).items()}
+        save_file({**state, **mtp_weights}, str(weights), metadata={"format": "pt"})
     # transformers may write a generation_config with sampling defaults; the e2e runs
     # send temperature 0 explicitly, and the file must not vary between versions.
     gen = dest / "generation_config.json"
@@ -237,12 +313,15 @@ def write(dest: Path, seed: int = 0, arch: str = "qwen3_5", variant: str = "defa
         "seed": seed,
         "arch": arch,
         "architectures": list(architectures),
-        "spec_id": spec_id(seed, arch, variant),
+        "spec_id": spec_id(seed, arch, variant, mtp),
         "variant": variant,
         "vocab_size": vocab,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in model.parameters())
+        + (sum(v.numel() for v in mtp_weights.values()) if mtp else 0),
         "files": {p.name: _sha256(p) for p in files},
     }
+    if mtp:
+        manifest["mtp_num_hidden_layers"] = 1
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
@@ -255,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3_5")
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="default")
+    ap.add_argument("--mtp", action="store_true", help="with an MTP module (see MTP)")
     args = ap.parse_args(argv)
-    manifest = write(args.dest, args.seed, args.arch, args.variant)
+    manifest = write(args.dest, args.seed, args.arch, args.variant, args.mtp)
     print(json.dumps(manifest))
     return 0
 
