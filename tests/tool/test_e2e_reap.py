@@ -66,7 +66,7 @@ HYBRIDPD = textwrap.dedent(
     def prepare(series, version, build, device, log, torch=None):
         return Env(build, Path(sys.executable), Path(sys.prefix), None, "0" * 40, True, {})
 
-    def tiny_model(env, arch, seed, cache, process_env, variant="default"):
+    def tiny_model(env, arch, seed, cache, process_env, variant="default", mtp=False):
         path = cache / "tiny"
         path.mkdir(parents=True, exist_ok=True)
         (path / "hybridpd-tiny.json").write_text(
