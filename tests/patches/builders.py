@@ -202,6 +202,7 @@ def vllm_config(
     num_speculative_tokens: int = 0,
     async_scheduling: bool = False,
     spec_method: str = "ngram",
+    mtp_modules: int | None = None,
 ) -> VllmConfig:
     """A VllmConfig of a PD instance with the hybrid allocator enabled.
 
@@ -211,12 +212,17 @@ def vllm_config(
     without ``--[no-]disable-hybrid-kv-cache-manager`` does; True or False is
     the operator's explicit choice. ``num_speculative_tokens``: speculative
     decoding, the scheduler's side of it (no model runs); ``spec_method``:
-    "ngram" (no draft model) or "mtp", multi-module MTP: the target is
-    :func:`tiny_mtp_model_dir` with one MTP module per speculative token, so
-    the drafter reads ``num_speculative_tokens`` prompt tokens ahead of a
-    prefill chunk (``VllmConfig.num_prefill_lookahead_tokens``) and NIXL backs
-    off ``num_speculative_tokens - 1`` prompt tokens where the release knows
-    multi-module MTP. ``async_scheduling``: vLLM's AsyncScheduler (see
+    "ngram" (no draft model) or "mtp": the target is :func:`tiny_mtp_model_dir`
+    with ``mtp_modules`` MTP modules (``num_nextn_predict_layers``; default one
+    per speculative token). Multi-module MTP (2 or more modules): the drafter
+    reads ``num_speculative_tokens`` prompt tokens ahead of a prefill chunk
+    (``VllmConfig.num_prefill_lookahead_tokens``) and NIXL backs off
+    ``num_speculative_tokens - 1`` prompt tokens where the release knows
+    multi-module MTP. One module (Qwen3.5's checkpoints), run
+    ``num_speculative_tokens`` times: vLLM treats it as EAGLE, a prefill
+    lookahead of 1 token, NIXL's back-off of 1 (the Mamba state's), the last
+    matched block dropped (``drop_eagle_block``) and ``num_speculative_tokens``
+    lookahead slots. ``async_scheduling``: vLLM's AsyncScheduler (see
     :func:`scheduler`).
     """
     if spec_method not in ("ngram", "mtp"):
@@ -226,7 +232,8 @@ def vllm_config(
         *(("Qwen3NextForCausalLM", "Qwen3NextMTP") if mtp else ("OPTForCausalLM",))
     )
     model_config = ModelConfig(
-        model=tiny_mtp_model_dir(num_speculative_tokens) if mtp else tiny_model_dir(),
+        model=(tiny_mtp_model_dir(mtp_modules or num_speculative_tokens) if mtp
+               else tiny_model_dir()),
         dtype="float32",
         seed=0,
         skip_tokenizer_init=True,

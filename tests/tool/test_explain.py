@@ -436,6 +436,47 @@ def test_a_hit_without_its_mamba_state_is_said_with_the_checkers_reason() -> Non
     assert lines[at + 2].startswith("   with the series: plain request: local hit 2304; NO")
 
 
+def _hangs(*probes: tuple[int, bool]) -> dict:
+    return {"block_size": 128, "prefill_lookahead_tokens": 3, "lookahead_chunk": [
+        {"past_block_boundary": n + 1, "prompt_tokens": tokens, "served": served,
+         **({} if served else {"waits": "WAITING, 255 of 257 prompt tokens computed"})}
+        for n, (tokens, served) in enumerate(probes)]}
+
+
+def test_remote_prefills_past_a_block_boundary_are_said_served_or_where_they_wait() -> None:
+    """Under question 4: the probes of the prompt lengths that hang stock with
+    multi-module MTP, each tree's own outcome."""
+    plain = _follower("plain", 0, 0, "not needed")
+    stock = {"steps": {"start": START, "groups": GROUPS, "scheduler": SCHEDULER,
+                       "decode_hit": _decode_hit(plain),
+                       "hangs": _hangs((257, False), (258, True))}}
+    patched = {"steps": {**stock["steps"], "hangs": _hangs((257, True), (258, True))}}
+    lines = render.lines(_result(stock, patched))
+    at = lines.index("   remote prefills of 2 blocks + 1 token and more (the drafter's "
+                     "prefill lookahead: 3):")
+    assert lines[at + 1:at + 3] == [
+        "      stock: 257 tokens: NEVER SERVED (WAITING, 255 of 257 prompt tokens "
+        "computed); 258 tokens: served",
+        "      with the series: 257 tokens: served; 258 tokens: served"]
+    assert lines[at + 3].startswith("5. known correctness risks")
+    # Where both trees serve them, one line; a tree that did not probe says so.
+    both = {"steps": {**patched["steps"]}}
+    assert "   remote prefills of 2 blocks + 1 token and more (the drafter's prefill " \
+           "lookahead: 3): 257 tokens: served; 258 tokens: served (stock and with the " \
+           "series)" in render.lines(_result(both, patched))
+    unprobed = {"steps": {**patched["steps"], "hangs": {
+        "not_applicable": "no NIXL connector: no remote prefill to probe"}}}
+    assert ("      stock: does not apply: no NIXL connector: no remote prefill to probe"
+            in render.lines(_result(unprobed, patched)))
+
+
+def test_the_hang_probes_need_the_patch_tests(tmp_path) -> None:
+    from hybridpd.explain import driver
+
+    assert "not at hand" in driver.hang_probes(None, None, None, 16)["unknown"]
+    assert "not at hand" in driver.hang_probes(str(tmp_path / "no"), None, None, 16)["unknown"]
+
+
 def test_the_decode_side_question_needs_the_patch_tests_and_a_connector(tmp_path) -> None:
     from hybridpd.explain import driver
 

@@ -10,6 +10,7 @@ command that runs it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,15 +41,31 @@ CASES = {
     "nixl, TP 2": ("nixl", {"tensor_parallel_size": 2}),
     "nixl, MTP 3": ("nixl", {"speculative_config": {"method": "mtp",
                                                     "num_speculative_tokens": 3}}),
+    # Multi-module MTP: a checkpoint with three MTP modules (:func:`_three_mtp_modules`).
+    "nixl, 3 MTP modules": ("nixl", {"model": "three-mtp-modules",
+                                     "speculative_config": {"method": "mtp",
+                                                            "num_speculative_tokens": 3}}),
 }
+#: Qwen3-Next's config (Gated DeltaNet and full attention, like Qwen3.5) with three MTP
+#: modules (``num_nextn_predict_layers``) and 4 layers (the layout's unit).
+THREE_MTP_MODULES = ROOT / "tool" / "hybridpd" / "data" / "hf" / "Qwen--Qwen3-Next-80B-A3B-Instruct"
+
+
+def _three_mtp_modules(root: Path) -> str:
+    config = json.loads((THREE_MTP_MODULES / "config.json").read_text())
+    config.update(num_nextn_predict_layers=3, num_hidden_layers=4)
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
 
 
 @pytest.fixture(scope="module", params=["0.32.0", "0.33.0"])
-def answers(request) -> dict[str, runner.Explained]:
+def answers(request, tmp_path_factory) -> dict[str, runner.Explained]:
     series = load(ROOT / "patches" / "series.toml")
-    opts = [runner.ExplainOptions(model=MODEL,
+    models = {"three-mtp-modules": _three_mtp_modules(tmp_path_factory.mktemp("mtp3"))}
+    opts = [runner.ExplainOptions(model=models.get(extra.get("model"), MODEL),
                                   kv_transfer_config=connectors.kv_transfer_config(c, None),
-                                  timeout=600.0, **extra)
+                                  timeout=600.0,
+                                  **{k: v for k, v in extra.items() if k != "model"})
             for c, extra in CASES.values()]
     return dict(zip(CASES, runner.explain_cases(series, series.pin(request.param), opts)))
 
@@ -212,3 +229,26 @@ def test_mtp_builds_the_scheduler_with_vllms_settings_and_drops_a_block_of_the_h
     for side in runner.SIDES:
         assert (mtp[side]["remote_prefill"]["local_hit_tokens"]
                 == plain[side]["remote_prefill"]["local_hit_tokens"] - block), side
+
+
+def test_the_prompt_lengths_that_hang_stock_with_multi_module_mtp_are_served_patched(
+        answers) -> None:
+    """--speculative-config with three MTP modules: vLLM's prefill lookahead of 3 and
+    NIXL's back-off of 2; a remote prefill one token past a block boundary resumes
+    inside its last full block and, on stock, never gets a chunk (the align rule and
+    the lookahead together); with the series it is served. Two tokens past the
+    boundary it resumes on the boundary: served on both. The shipped Qwen3.5 config
+    (one module, reused): its one probe is served on both."""
+    result = answers["nixl, 3 MTP modules"]
+    assert "(one draft module per token): 3 lookahead slot(s) per request, prefill " \
+           "lookahead 3, NIXL backs off 2 prompt token(s)" in _both(result, "scheduler")
+    probes = {side: result.answers[side]["steps"]["hangs"] for side in runner.SIDES}
+    block = probes["stock"]["block_size"]
+    served = {side: {p["prompt_tokens"]: p["served"] for p in probes[side]["lookahead_chunk"]}
+              for side in runner.SIDES}
+    assert served == {"stock": {2 * block + 1: False, 2 * block + 2: True},
+                      "patched": {2 * block + 1: True, 2 * block + 2: True}}
+    one = answers["nixl, MTP 3"]
+    for side in runner.SIDES:
+        (probe,) = one.answers[side]["steps"]["hangs"]["lookahead_chunk"]
+        assert probe["served"], (side, probe)

@@ -19,10 +19,14 @@ k blocks + 1 of a shared prefix plus a suffix, KV pools small enough to preempt
 (every connector set), Qwen3.5's groups with or without a sliding-window group
 beside them (the checker also asks for the request's own KV inside the window),
 and the ways the engine core drives the scheduler (:class:`Driver`): one
-batch at a time, with n-gram speculative decoding or multi-module MTP (2 or 3
-modules, where the release has it: the drafter's prefill lookahead, and NIXL's
-back-off of ``num_spec - 1`` prompt tokens), and with async scheduling (two
-batches in flight). The cost side: a remote prefill's first admission
+batch at a time, with n-gram speculative decoding, with MTP the way Qwen3.5
+deploys it (one module run N = 1, 2 or 3 times: vLLM's EAGLE rules, a prefill
+lookahead of 1, NIXL's back-off of 1, the last matched block dropped, N
+lookahead slots) or multi-module MTP (2 or 3 modules, where the release has it:
+the drafter's N-token prefill lookahead, and NIXL's back-off of ``N - 1``
+prompt tokens), and with async scheduling (two batches in flight); each
+example draws its mode (:data:`ENGINE_MODES`), so more modes do not multiply
+the examples. The cost side: a remote prefill's first admission
 resumes where the prefiller stopped, unless a MultiConnector child ahead of
 NIXL serves it (``MambaStateChecker.recompute_problem``).
 
@@ -30,12 +34,12 @@ Bounded for CI: ``HYBRIDPD_HYPOTHESIS_EXAMPLES`` examples (default 100) per
 connector set, derandomized so every run checks the same workloads; set
 ``HYBRIDPD_HYPOTHESIS_SEED`` to explore others (the prefill-instance test:
 ``HYBRIDPD_HYPOTHESIS_PREFILL_EXAMPLES``, default 25), and ``HYBRIDPD_HYPOTHESIS_ENGINES``
-(e.g. ``mtp2,mtp3``) to draw only some engine modes. A failure prints the shrunk
+(e.g. ``mtp1x3,mtp3``) to draw only some engine modes. A failure prints the shrunk
 workload (and, with a seed, the blob ``@reproduce_failure`` replays); each one
 found becomes a named test (test_upstream_known_issues.py, or the patch's).
-The long sweep adds the MTP modes and the hash-store sets (:data:`WIDE`):
-``HYBRIDPD_HYPOTHESIS_WIDE=1 HYBRIDPD_HYPOTHESIS_EXAMPLES=1500 hybridpd test
---pin V --suite patches`` (13 500 workloads over the nine sets of v0.32+).
+The long sweep is the same test with more examples:
+``HYBRIDPD_HYPOTHESIS_EXAMPLES=1200 hybridpd test --pin V --suite patches``
+(10 800 decode-instance workloads over the nine sets of v0.32+).
 """
 
 import contextlib
@@ -129,41 +133,41 @@ def request_spec(remote=st.booleans()):
     )
 
 
-#: How the engine core drives the scheduler (draft tokens per step, async
-#: scheduling, speculative method): one batch at a time, the same with n-gram
-#: speculative decoding (2 draft tokens per step, a random number accepted; the
-#: Mamba groups hold a block per draft), with multi-module MTP (2 or 3 MTP
-#: modules, one draft each: the scheduler ends no prefill chunk inside the
-#: drafter's lookahead and NIXL's prefiller stops ``num_spec - 1`` tokens short),
-#: or async scheduling (two batches in flight).
+#: How the engine core drives the scheduler: (draft tokens per step, async
+#: scheduling, speculative method, MTP modules in the checkpoint). One batch at a
+#: time; the same with n-gram speculative decoding (2 draft tokens per step, a
+#: random number accepted; the Mamba groups hold a block per draft); MTP the way
+#: Qwen3.5 deploys it, one module run N = 1, 2 or 3 times (``mtp1x1`` ..
+#: ``mtp1x3``; vLLM treats it as EAGLE: a prefill lookahead of 1 token, NIXL's
+#: back-off of the Mamba state's 1 token, the last matched block dropped,
+#: ``drop_eagle_block``, and N lookahead slots per running request); multi-module
+#: MTP (2 or 3 modules, one draft each, ``mtp2``, ``mtp3``: the scheduler ends no
+#: prefill chunk inside the drafter's N-token lookahead and NIXL's prefiller stops
+#: ``N - 1`` tokens short); or async scheduling (two batches in flight).
 ENGINE_MODES = {
-    "sync": (0, False, "ngram"),
-    "spec2": (2, False, "ngram"),
-    "mtp2": (2, False, "mtp"),
-    "mtp3": (3, False, "mtp"),
-    "async": (0, True, "ngram"),
+    "sync": (0, False, "ngram", None),
+    "spec2": (2, False, "ngram", None),
+    "mtp1x1": (1, False, "mtp", 1),
+    "mtp1x2": (2, False, "mtp", 1),
+    "mtp1x3": (3, False, "mtp", 1),
+    "mtp2": (2, False, "mtp", 2),
+    "mtp3": (3, False, "mtp", 3),
+    "async": (0, True, "ngram", None),
 }
 #: Whether this release knows multi-module MTP on the scheduler's side (its
-#: prefill lookahead); the mtp modes are drawn only where it does.
+#: prefill lookahead); the multi-module modes are drawn only where it does. A
+#: single module (EAGLE's rules) is drawn on every release.
 MULTI_MODULE_MTP = hasattr(VllmConfig, "num_prefill_lookahead_tokens")
 
 
-#: The long sweep's dimensions (``HYBRIDPD_HYPOTHESIS_WIDE=1``): the MTP modes and
-#: the hash-store connector sets. CI's bounded run leaves them out while they hold
-#: findings not classified yet (a sliding-window group's block inside the window
-#: that an Offloading load over a local hit neither caches nor writes, v0.32.0
-#: patched; workloads that do not drain with 3 MTP modules, v0.33.0 patched): a
-#: CI run would go red on them, or spend its budget shrinking them on stock.
-WIDE = os.environ.get("HYBRIDPD_HYPOTHESIS_WIDE") == "1"
-
-
 def _engine_modes():
-    """The modes drawn: ``HYBRIDPD_HYPOTHESIS_ENGINES`` (comma-separated) narrows
-    them for a focused sweep; the MTP modes only in the wide sweep (:data:`WIDE`)."""
+    """The modes drawn (each example draws one: more modes do not multiply the
+    examples); ``HYBRIDPD_HYPOTHESIS_ENGINES`` (comma-separated) narrows them for
+    a focused sweep."""
     only = os.environ.get("HYBRIDPD_HYPOTHESIS_ENGINES")
     return sorted(
-        m for m, (_, _, method) in ENGINE_MODES.items()
-        if (method != "mtp" or (MULTI_MODULE_MTP and WIDE))
+        m for m, (num_spec, _, method, modules) in ENGINE_MODES.items()
+        if (method != "mtp" or modules == 1 or MULTI_MODULE_MTP)
         and (not only or m in only.split(","))
     )
 
@@ -223,11 +227,9 @@ KINDS = [
     *(
         pytest.param(kind, [40, 64, 400], id=kind, marks=[_HASH_STORE, proves(True)])
         for kind in HASH_STORE_KINDS
-        if WIDE
     ),
 ]
-#: The hash-store sets on a prefill instance, in every run (their decode-side
-#: workloads are the long sweep's): NIXL pulls nothing for the prefill side's
+#: The hash-store sets on a prefill instance: NIXL pulls nothing for the prefill side's
 #: requests, so a hash-store load starts on the hit every group agrees on.
 #: ``HYBRIDPD_HYPOTHESIS_PREFILL_EXAMPLES`` examples per set (default 25).
 PREFILL_KINDS = [
@@ -256,13 +258,13 @@ def _make_request(spec, n):
 
 def _run(kind, wl):
     role = wl["kv_role"]
-    num_spec, async_scheduling, spec_method = ENGINE_MODES[wl["engine"]]
+    num_spec, async_scheduling, spec_method, mtp_modules = ENGINE_MODES[wl["engine"]]
     server = FakeLMCacheServer()
     for prefix, blocks in wl["stored"]:
         server.store(PREFIXES[prefix][: blocks * BLOCK_SIZE])
     config = vllm_config(**connectors(kind, role), kv_load_failure_policy="recompute",
                          num_speculative_tokens=num_spec, spec_method=spec_method,
-                         async_scheduling=async_scheduling)
+                         mtp_modules=mtp_modules, async_scheduling=async_scheduling)
     kv_cache_config = hybrid_kv_cache_config(
         num_blocks=wl["num_blocks"], num_speculative_blocks=num_spec,
         sliding_window=wl["window"],
@@ -309,7 +311,10 @@ def _run(kind, wl):
         raise SelfReservationHang(
             "nothing runs; a request whose load failed waits on its own reservation")
     stuck = deadlock(sched, reqs)
-    if stuck and spec_method == "mtp" and mtp_lookahead_hang(reqs, num_spec):
+    # The drafter's prefill lookahead as this release configures it: N tokens for
+    # multi-module MTP, 1 for a single module.
+    lookahead = getattr(sched.vllm_config, "num_prefill_lookahead_tokens", 0)
+    if stuck and lookahead > 1 and mtp_lookahead_hang(reqs, lookahead):
         raise MtpLookaheadHang(stuck)
     if stuck:
         raise Deadlock(stuck)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 import time
 import traceback
@@ -339,6 +340,75 @@ def decode_hits(patch_tests: str | None, probe, new_scheduler, hash_block_size: 
     return out
 
 
+def hang_probes(patch_tests: str | None, probe, new_scheduler, hash_block_size: int) -> dict:
+    """Question 4: whether the prompt lengths that hang stock v0.32+ on a hybrid
+    model are served: ``lookahead_chunk``, per ``r`` from 1 to the drafter's prefill
+    lookahead less one (at least 1), a remote prefill of two blocks plus ``r``
+    tokens, driven on a fresh scheduler of this deployment's own config as the patch
+    tests drive theirs (``mamba_state.Driver``: one batch at a time, its load
+    reported finished the step after it starts, the drafts the speculative config
+    proposes). With multi-module MTP (a lookahead of N) NIXL's prefiller stops
+    ``N - 1`` tokens short, and a request that resumes inside a block ending fewer
+    than N tokens before its prompt does gets no chunk from vLLM's align rule and
+    its lookahead together. A request is ``served`` when it gets through its prompt
+    and finishes; one that does not says where it waits."""
+    if not patch_tests or not os.path.isdir(patch_tests):
+        return {"unknown": "the series' patch tests (tests/patches), whose scheduler "
+                           "driving this question reuses, are not at hand"}
+    if not _mamba_group_ids(probe.kv_cache_config):
+        return {"not_applicable": "the model's KV cache groups hold no Mamba group"}
+    if probe.connector is None or not any(
+            type(c).__name__.startswith("Nixl")
+            for c in [probe.connector, *getattr(probe.connector, "_connectors", ())]):
+        return {"not_applicable": "no NIXL connector: no remote prefill to probe"}
+    try:
+        builders, mamba_state, hash_stores = _import_patch_helpers(patch_tests)
+    except Exception as exc:  # noqa: BLE001
+        return _error(exc)
+    config = probe.vllm_config
+    spec = config.speculative_config
+    num_spec = spec.num_speculative_tokens if spec is not None else 0
+    lookahead = getattr(config, "num_prefill_lookahead_tokens", 0) or 0
+    bs = probe.block_size
+
+    def serve(tokens: list) -> dict:
+        """A remote prefill of ``tokens`` on a fresh scheduler, driven to its end."""
+        sched = new_scheduler()
+        names = [type(c).__name__
+                 for c in getattr(sched.connector, "_connectors", [sched.connector])]
+        worker = (hash_stores.OffloadingWorker(sched) if "OffloadingConnector" in names
+                  else None)
+        checker = mamba_state.MambaStateChecker(sched)
+        req = builders.request(
+            tokens, kv_transfer_params=builders.remote_prefill_params(-(-len(tokens) // bs)),
+            block_size=hash_block_size, max_tokens=2)
+        driver = mamba_state.Driver(sched, checker, (), num_spec, rng=random.Random(0),
+                                    worker=worker)
+        sched.add_request(req)
+        try:
+            for _ in range(600):
+                driver.step()
+                if req.is_finished() and not driver.held():
+                    break
+        except mamba_state.MambaStateViolation as exc:
+            return {"prompt_tokens": len(tokens), "served": False, "problem": str(exc)}
+        served = req.is_finished() and req.num_computed_tokens >= req.num_prompt_tokens
+        return {"prompt_tokens": len(tokens), "served": served,
+                **({} if req.is_finished() else
+                   {"waits": f"{req.status.name}, {req.num_computed_tokens} of "
+                             f"{req.num_prompt_tokens} prompt tokens computed"})}
+
+    prefix = builders.prompt(PREFIX_BLOCKS * bs, seed=1)
+    out: dict = {"block_size": bs, "prefill_lookahead_tokens": lookahead}
+    try:
+        out["lookahead_chunk"] = [
+            {"past_block_boundary": r, **serve(prefix + builders.prompt(r, seed=7))}
+            for r in range(1, max(2, lookahead))]
+    except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the answer
+        out["lookahead_chunk"] = _error(exc)
+    return out
+
+
 def _mamba_group_ids(kv_cache_config) -> list[int]:
     """The KV cache groups of Mamba layers (by the spec's class name, as the groups
     step reports them: vLLM's MambaSpec or a subclass)."""
@@ -591,6 +661,9 @@ def explain(request: dict, case: int = 0) -> dict:
         }
         out["steps"].running("decode_hit")
         out["steps"]["decode_hit"] = decode_hits(
+            request.get("patch_tests"), sched, new_scheduler, hash_block_size)
+        out["steps"].running("hangs")
+        out["steps"]["hangs"] = hang_probes(
             request.get("patch_tests"), sched, new_scheduler, hash_block_size)
     out["total_s"] = round(time.monotonic() - t0, 1)
     return out

@@ -165,9 +165,11 @@ def lines(result: Explained) -> list[str]:
             break
         if key == "decode_hit" and _per_follower(result, answered):
             out += _decode_hit_lines(n, title, result, answered)
-            continue
-        said = {side: verdict(result.answers[side], key) for side in answered}
-        out += _side_by_side(f"{n}. {title}", said, answered, "   ")
+        else:
+            said = {side: verdict(result.answers[side], key) for side in answered}
+            out += _side_by_side(f"{n}. {title}", said, answered, "   ")
+        if key == "decode_hit":
+            out += _hang_lines(result, answered)
     if answered:
         refused = all(risks_mod.refused(result.answers[side]) for side in answered)
         out += _risk_lines(len(QUESTIONS) + 1, result.risks, refused)
@@ -197,6 +199,36 @@ def _decode_hit_lines(n: int, title: str, result: Explained, answered: list[str]
                 for side in answered}
         out += _side_by_side(f"   {FOLLOWER_NAMES.get(kind, kind)}", said, answered, "      ")
     return out
+
+
+def _hang_lines(result: Explained, answered: list[str]) -> list[str]:
+    """Under question 4, where the driver probed them (``hangs``): the remote
+    prefills one token and more past a block boundary, up to the drafter's prefill
+    lookahead, each served or where it waits, on each tree's own scheduler."""
+    steps = {side: result.answers[side].get("steps", {}).get("hangs") for side in answered}
+    if not any(steps.values()):
+        return []
+
+    def said(step: dict | None) -> str:
+        if step is None:
+            return "not reached"
+        if "lookahead_chunk" not in step:
+            return verdict({"steps": {"hangs": step}}, "hangs")
+        probes = step["lookahead_chunk"]
+        if isinstance(probes, dict):
+            return _refused(probes) if "error" in probes else str(probes)
+        return "; ".join(
+            f"{p['prompt_tokens']} tokens: " + (
+                "served" if p["served"] else
+                f"NEVER SERVED ({p.get('waits') or p.get('problem')})")
+            for p in probes)
+
+    lookahead = next((s["prefill_lookahead_tokens"] for s in steps.values()
+                      if s and "prefill_lookahead_tokens" in s), None)
+    head = ("   remote prefills of 2 blocks + 1 token and more"
+            + (f" (the drafter's prefill lookahead: {lookahead})" if lookahead else ""))
+    return _side_by_side(head, {side: said(steps[side]) for side in answered}, answered,
+                         "      ")
 
 
 def _side_by_side(head: str, said: dict[str, str], answered: list[str],
