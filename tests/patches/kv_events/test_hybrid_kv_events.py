@@ -129,10 +129,11 @@ def test_a_mamba_group_publishes_only_its_state_block_with_every_token_of_the_ra
 
 
 def _chunk_owner_mismatches(events, req) -> list[tuple[int, int, int]]:
-    """(group, i, block) for each ``block_hashes[i]`` whose i-th ``block_size``
-    chunk of ``token_ids`` is not that block's tokens: what a consumer that
-    pairs them (vllm-router's index keys a block by the sha256 of that chunk)
-    would get wrong."""
+    """(group, i, block) for each ``block_hashes[i]`` whose ``block_size`` chunk
+    of ``token_ids`` is not that block's tokens: what a consumer that pairs them
+    (vllm-router's index keys a block by the sha256 of that chunk) would get
+    wrong. The chunk is the i-th, or ``block_offsets[i]`` where the event says
+    (the optional field vllm#44488 proposes)."""
     by_hash = {h: j for j, h in enumerate(external_hashes(req))}
     tokens = req.all_token_ids
     wrong = []
@@ -140,7 +141,8 @@ def _chunk_owner_mismatches(events, req) -> list[tuple[int, int, int]]:
         if not isinstance(event, BlockStored):
             continue
         bs = event.block_size
-        for i, block_hash in enumerate(event.block_hashes):
+        offsets = getattr(event, "block_offsets", None) or range(len(event.block_hashes))
+        for i, block_hash in zip(offsets, event.block_hashes):
             j = by_hash[block_hash]
             if event.token_ids[i * bs : (i + 1) * bs] != tokens[j * bs : (j + 1) * bs]:
                 wrong.append((event.group_idx, i, j))
