@@ -799,6 +799,31 @@ def test_speculative_config_builds_the_engine_with_it(monkeypatch) -> None:
         assert len([x for x in bad.output.splitlines() if message in x]) == 1, bad.output
 
 
+def test_the_scheduler_line_says_which_kv_event_block_size_a_router_needs() -> None:
+    groups = [{"group_idx": i, "type": "MambaSpec", "block_size": 1152,
+               "mamba_cache_mode": "align"} for i in range(3)]
+    groups.append({"group_idx": 3, "type": "FullAttentionSpec", "block_size": 1152})
+    step = {"class": "Scheduler", "connector": None, "block_size": 1152,
+            "hash_block_size": 1152, "kv_events": groups}
+    text = render.verdict({"steps": {"scheduler": step}}, "scheduler")
+    assert text == (
+        "Scheduler built, no KV connector; KV events carry block_size 1152: a router needs "
+        "--kv-event-block-size 1152; the Mamba groups (3, align mode) announce only the "
+        "blocks that hold a state, with token_ids over every block of the range "
+        "(vllm#44451): a prefix counts up to its last block announced by every group, not "
+        "by the full-attention group alone")
+    # Groups of different block sizes are named one by one; a finer hash block size
+    # (v0.33's prefix entries inside a block) is said; no Mamba group, no warning.
+    mixed = {**step, "hash_block_size": 16, "kv_events": [
+        {"group_idx": 0, "type": "FullAttentionSpec", "block_size": 32},
+        {"group_idx": 1, "type": "SlidingWindowSpec", "block_size": 16}]}
+    assert render.kv_events_line(mixed) == (
+        "KV events carry a block_size per group (group 0 (FullAttentionSpec) 32, group 1 "
+        "(SlidingWindowSpec) 16): a router that takes one --kv-event-block-size reads "
+        "only the groups of that size")
+    assert render.kv_events_line({"class": "Scheduler"}) is None
+
+
 def test_the_scheduler_line_says_what_speculative_decoding_set() -> None:
     step = {"class": "Scheduler", "connector": "NixlPullConnector", "children": [],
             "speculative": {"method": "mtp", "num_speculative_tokens": 3, "multi_module_mtp": False,

@@ -87,8 +87,8 @@ def test_nixl_keeps_the_hybrid_manager_and_groups_mamba_with_attention(answers) 
     assert groups["block_size"] > 128
     assert groups["mamba_page_size_padded"] == groups["groups"][-1]["page_size_bytes"]
     # The CPU platform turns async scheduling off (a GPU engine builds AsyncScheduler).
-    assert _both(result, "scheduler") == (
-        "Scheduler built, scheduler-side connector NixlPullConnector")
+    assert _both(result, "scheduler").startswith(
+        "Scheduler built, scheduler-side connector NixlPullConnector; KV events")
 
 
 def test_tensor_parallel_answers_for_one_rank(answers) -> None:
@@ -108,9 +108,22 @@ def test_tensor_parallel_answers_for_one_rank(answers) -> None:
 
 
 def test_nixl_beside_offloading_builds(answers) -> None:
-    assert _both(answers["nixl+offloading"], "scheduler") == (
+    assert _both(answers["nixl+offloading"], "scheduler").startswith(
         "Scheduler built, scheduler-side connector "
-        "MultiConnector[NixlPullConnector, OffloadingConnector]")
+        "MultiConnector[NixlPullConnector, OffloadingConnector]; KV events")
+
+
+def test_a_router_is_told_the_realigned_block_size_the_kv_events_carry(answers) -> None:
+    # Every group's BlockStored carries the block size vLLM raised until an
+    # attention page holds a Mamba state: a router's --kv-event-block-size.
+    result = answers["nixl"]
+    groups = result.answers["stock"]["steps"]["groups"]
+    scheduler = result.answers["stock"]["steps"]["scheduler"]
+    size = groups["block_size"]
+    assert [g["block_size"] for g in scheduler["kv_events"]] == [size] * 4
+    assert [g.get("mamba_cache_mode") for g in scheduler["kv_events"]] == ["align"] * 3 + [None]
+    assert (f"KV events carry block_size {size}: a router needs --kv-event-block-size "
+            f"{size}; the Mamba groups (3, align mode) announce only") in _both(result, "scheduler")
 
 
 @pytest.mark.parametrize("case", ["lmcache-v1", "nixl, no HMA"])

@@ -208,6 +208,23 @@ def _speculative(sched) -> dict:
     }
 
 
+def kv_events(sched) -> list[dict]:
+    """Per KV cache group, what its ``BlockStored`` events say: the block size the
+    block pool is given for it (``cache_full_blocks(block_size=manager.block_size)``),
+    which a router must chunk prompts by (vllm-router's ``--kv-event-block-size``),
+    its spec, and for a Mamba group its cache mode: in align mode it caches, and
+    announces, only the blocks holding a state, with ``token_ids`` over the whole
+    range (vllm#44451)."""
+    groups = []
+    for manager in sched.kv_cache_manager.coordinator.single_type_managers:
+        spec = manager.kv_cache_spec
+        groups.append({"group_idx": manager.kv_cache_group_id,
+                       "type": type(spec).__name__, "block_size": manager.block_size,
+                       **({"mamba_cache_mode": spec.mamba_cache_mode}
+                          if hasattr(spec, "mamba_cache_mode") else {})})
+    return groups
+
+
 def _drops_last_matched_block(coordinator) -> bool:
     """Whether vLLM's coordinator drops a hit's last matched block for the draft: v0.33
     names the groups that drop (``drop_eagle_group_ids``; lookahead hashes flag groups
@@ -653,6 +670,7 @@ def explain(request: dict, case: int = 0) -> dict:
             "connector": type(connector).__name__ if connector is not None else None,
             "children": [type(c).__name__ for c in children],
             "block_size": block_size, "hash_block_size": hash_block_size,
+            "kv_events": kv_events(sched),
             **({"speculative": _speculative(sched)} if config.speculative_config else {}),
             **({"stand_in": "LMCacheMPConnector's lmcache server: an empty stand-in with "
                             "one block per chunk (its client, lmcache's ZMQ adapter, stood "

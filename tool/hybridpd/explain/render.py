@@ -69,6 +69,9 @@ def _scheduler(step: dict) -> str:
     stand_in = f" ({step['stand_in']})" if step.get("stand_in") else ""
     text = (f"{built}, scheduler-side connector {connector}{stand_in}" if connector
             else f"{built}, no KV connector")
+    events = kv_events_line(step)
+    if events:
+        text += f"; {events}"
     spec = step.get("speculative")
     if spec:
         modules = {True: " (one draft module per token)",
@@ -81,6 +84,35 @@ def _scheduler(step: dict) -> str:
                     if spec.get("nixl_prefill_backoff") is not None else "")
                  + (", a hit drops its last matched block" if spec["drops_last_matched_block"]
                     else ", a hit keeps its last matched block"))
+    return text
+
+
+def kv_events_line(step: dict) -> str | None:
+    """What a prefix-aware router reading this instance's KV events needs: the block
+    size ``BlockStored`` events carry (``--kv-event-block-size``), and whether Mamba
+    groups announce only their state blocks (vllm#44451)."""
+    groups = step.get("kv_events")
+    if not groups:
+        return None
+    sizes = sorted({g["block_size"] for g in groups})
+    if len(sizes) == 1:
+        text = (f"KV events carry block_size {sizes[0]}: a router needs "
+                f"--kv-event-block-size {sizes[0]}")
+    else:
+        per_group = ", ".join(f"group {g['group_idx']} ({g['type']}) {g['block_size']}"
+                              for g in groups)
+        text = (f"KV events carry a block_size per group ({per_group}): a router that "
+                "takes one --kv-event-block-size reads only the groups of that size")
+    hash_block_size = step.get("hash_block_size")
+    if hash_block_size and hash_block_size not in sizes:
+        text += (f" (prefix entries at the hash block size, {hash_block_size}, are "
+                 "announced with their own block_size)")
+    align = [g["group_idx"] for g in groups if g.get("mamba_cache_mode") == "align"]
+    if align:
+        text += (f"; the Mamba groups ({len(align)}, align mode) announce only the blocks "
+                 "that hold a state, with token_ids over every block of the range "
+                 "(vllm#44451): a prefix counts up to its last block announced by every "
+                 "group, not by the full-attention group alone")
     return text
 
 
