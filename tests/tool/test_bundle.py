@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hybridpd import gitops
+from hybridpd.e2e import tinymodel
 from hybridpd.e2e.tinymodel import MANIFEST as TINY_MANIFEST
 from hybridpd.e2e.tinymodel import spec_id
 from hybridpd.envs import bundle as bundle_mod
@@ -66,7 +66,7 @@ def release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
            ["nixl-cu12==0.2", "nixl-cu13==0.2"])
 
     models = tmp_path / "models"
-    for arch, seed, variant in bundle_mod.TINY_MODELS:
+    for arch, seed, variant in tinymodel.E2E_MODELS:
         d = models / f"tiny-{arch}-{spec_id(seed, arch, variant)}"
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({"variant": variant}))
@@ -102,12 +102,14 @@ def _wheel(dest: Path, name: str, version: str, files: dict, requires=()) -> Pat
     return path
 
 
-def _bundle(release: dict, out: Path, split_mib: int | None = None, reuse="torch") -> dict:
+def _bundle(release: dict, out: Path, split_mib: int | None = None, reuse="torch",
+            models: list | None = None) -> dict:
     target = bundle_mod.Target(f"{sys.version_info[0]}.{sys.version_info[1]}",
                                ("manylinux_2_17_x86_64",))
     return bundle_mod.make_bundle(
         release["repo"], release["pin"], out, variant="cpu", target=target,
-        reuse=bundle_mod.parse_reuse(reuse), split_mib=split_mib, models=release["models"],
+        reuse=bundle_mod.parse_reuse(reuse), split_mib=split_mib,
+        models=tinymodel.cached_models(release["models"]) if models is None else models,
         links=release["index"],
     ).manifest
 
@@ -236,10 +238,18 @@ def test_bundle_refuses_bad_input_and_writes_nothing(release) -> None:
     (out / "x").write_text("")
     with pytest.raises(UsageError, match="exists and is not an empty directory"):
         _bundle(release, out)
+    model = release["models"] / sorted(os.listdir(release["models"]))[0]
+    (model / "config.json").write_text("{}")
+    with pytest.raises(HybridpdError, match=r"config.json is not the file its hybridpd-tiny"):
+        tinymodel.cached_models(release["models"])
+    (model / TINY_MANIFEST).unlink()
+    with pytest.raises(HybridpdError, match=r"^the tiny model \(\S+\) is not in the cache"):
+        tinymodel.cached_models(release["models"])
+    # A failing step leaves nothing at --out, nor a temporary directory beside it.
     other = release["tmp"] / "other"
-    (release["models"] / next(iter(os.listdir(release["models"]))) / TINY_MANIFEST).unlink()
-    with pytest.raises(HybridpdError, match="is not in the cache"):
-        _bundle(release, other)
+    (release["index"] / "dep-1.0-py3-none-any.whl").unlink()
+    with pytest.raises(HybridpdError, match="pip could not download"):
+        _bundle(release, other, models=[])
     assert not other.exists() and not list(release["tmp"].glob(".other.tmp-*"))
 
 

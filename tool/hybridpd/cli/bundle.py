@@ -7,10 +7,13 @@ from pathlib import Path
 
 import click
 
+from hybridpd import cache
 from hybridpd.cli import jsonout
+from hybridpd.e2e import tinymodel
 from hybridpd.cli.options import State, dir_option, json_flag, log, pin_option
 from hybridpd.envs import build as build_mod
 from hybridpd.envs import bundle as bundle_mod
+from hybridpd.progress import quiet
 from hybridpd.series.model import Pin
 
 
@@ -52,24 +55,30 @@ def bundle(
     part and every file with its sha256, and the time each step took.
     """
     target = bundle_mod.Target(python_version, tuple(platforms) or bundle_mod.DEFAULT_PLATFORMS)
+    models = tinymodel.cached_models(cache.cache_dir() / "e2e" / "models")
     result = bundle_mod.bundle(
         state.series, pin, out, checkout=repo, variant=variant, target=target,
-        reuse=bundle_mod.parse_reuse(reuse_host), split_mib=split_mib,
-        log=(lambda _m: None) if as_json else log,
+        reuse=bundle_mod.parse_reuse(reuse_host), split_mib=split_mib, models=models,
+        log=quiet if as_json else log,
     )
-    m = result.manifest
     if as_json:
-        jsonout.emit({"out": str(result.out), "size": result.size, "parts": len(m["parts"]),
-                      "timings": m["timings"]})
-        return
+        jsonout.emit({"out": str(result.out), "size": result.size,
+                      "parts": len(result.manifest["parts"]),
+                      "timings": result.manifest["timings"]})
+    else:
+        _render(result)
+
+
+def _render(result: bundle_mod.BundleResult) -> None:
+    m = result.manifest
     click.echo(f"bundle {result.out}: {m['distribution']} {m['pin']} ({m['variant']}, Python "
                f"{m['python_version']}), {len(m['wheels'])} wheels, "
                f"{len(m['overlay']['files'])} patched files, {len(m['models'])} tiny models")
-    click.echo(f"  {result.size / 1e6:.1f} MB in {len(m['parts'])} part(s); timings (s): "
+    click.echo(f"  {result.size / 2**20:.1f} MiB in {len(m['parts'])} part(s); timings (s): "
                + ", ".join(f"{k} {v}" for k, v in m["timings"].items()))
     if m["reuse"]:
         click.echo("  the host must have: " + ", ".join(
-            f"{name}{''.join(sorted({r['specifier'] for r in r_['requires']}))}"
-            + (f" (CUDA {r_['cuda']})" if r_.get("cuda") else "")
-            for name, r_ in m["reuse"].items()))
+            f"{name}{','.join(sorted({r['specifier'] for r in entry['requires']} - {''}))}"
+            + (f" (CUDA {entry['cuda']})" if entry.get("cuda") else "")
+            for name, entry in m["reuse"].items()))
     click.echo(f"  on the host: hybridpd install --wheelhouse {result.out}")

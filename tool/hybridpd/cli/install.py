@@ -23,6 +23,7 @@ from hybridpd.envs import build as build_mod
 from hybridpd.envs import install as install_mod
 from hybridpd.envs import wheelhouse as wheelhouse_mod
 from hybridpd.errors import UsageError
+from hybridpd.progress import quiet
 from hybridpd.series.apply import checkout_pin
 from hybridpd.series.checkout import SOURCES, Source
 from hybridpd.series.model import Pin
@@ -72,8 +73,7 @@ def install(
     variant: str,
     source: Source,
     torch_spec: str | None,
-    wheelhouse: Path | None,
-    python: str | None,
+    wheelhouse: Path | None, python: str | None,
     as_json: bool,
 ) -> None:
     """Check out a pin, apply its series and build a patched vLLM, in one step.
@@ -82,14 +82,8 @@ def install(
     reused. Prints how to use the result. With --wheelhouse DIR: installs a bundle
     offline and proves it (the patched files, vllm and nixl._api import).
     """
-    if wheelhouse is not None:
-        given = [o for o, v in (("--pin", pin), ("--dir", repo), ("--torch", torch_spec)) if v]
-        if given:
-            raise UsageError(f"--wheelhouse installs what the bundle holds: drop {', '.join(given)}")
-        _install_wheelhouse(wheelhouse, venv, python, as_json)
-        return
-    if python is not None:
-        raise UsageError("--python goes with --wheelhouse")
+    if wheelhouse or python:
+        return _install_wheelhouse(wheelhouse, venv, python, as_json, pin, repo, torch_spec)
     result = install_mod.install(
         state.series, pin, repo, venv, variant=variant, source=source, torch=torch_spec,
         log=log,
@@ -109,12 +103,18 @@ def install(
 
 
 def _install_wheelhouse(
-    bundle: Path, venv: Path | None, python: str | None, as_json: bool
+    bundle: Path | None, venv: Path | None, python: str | None, as_json: bool,
+    pin: Pin | None, repo: Path | None, torch_spec: str | None,
 ) -> None:
+    if bundle is None:
+        raise UsageError("--python goes with --wheelhouse")
+    given = [o for o, v in (("--pin", pin), ("--dir", repo), ("--torch", torch_spec)) if v]
+    if given:
+        raise UsageError(f"--wheelhouse installs what the bundle holds: drop {', '.join(given)}")
     manifest = wheelhouse_mod.load(bundle)
     venv = venv or Path(f"venv-{manifest['pin']}")
     result = wheelhouse_mod.install(bundle, venv, python=python,
-                                    log=(lambda _m: None) if as_json else log)
+                                    log=quiet if as_json else log)
     if as_json:
         jsonout.emit(result.to_json())
         return

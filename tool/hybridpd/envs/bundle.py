@@ -15,7 +15,7 @@ machine's (``pip download --only-binary=:all: --python-version --platform``):
    the release pins, and the ``nixl`` meta-package without its dependencies;
 4. the files the patch commits change, with their sha256 (the host has no git and no
    sdist), and the overlay manifest ``build`` writes;
-5. the e2e's tiny seeded models from the cache, checked against their own manifests;
+5. the e2e's tiny seeded models (the caller checks them against their manifests);
 6. one uncompressed tar of all of it, written straight into parts of at most
    ``--split-mib`` MiB (:mod:`hybridpd.envs.parts`), and ``bundle.json`` listing every
    part and every file with its sha256 and the time each step took.
@@ -45,8 +45,6 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from hybridpd import cache
 from hybridpd import proc as proc_mod
-from hybridpd.e2e.tinymodel import MANIFEST as TINY_MANIFEST
-from hybridpd.e2e.tinymodel import spec_id
 from hybridpd.envs import build as build_mod
 from hybridpd.envs import parts as parts_mod
 from hybridpd.envs import pdextras
@@ -62,8 +60,6 @@ PAYLOAD = "payload.tar"
 DEFAULT_PLATFORMS = tuple(
     [f"manylinux_2_{g}_x86_64" for g in (35, 34, 31, 28, 27, 24, 17)] + ["manylinux2014_x86_64"]
 )
-#: The e2e's tiny models: the smoke scenario's and the correctness scenario's.
-TINY_MODELS = (("qwen3_5", 0, "default"), ("qwen3_5", 0, "state-sensitive"))
 _CUDART = re.compile(rb"libcudart\.so\.(\d+)")
 
 
@@ -144,19 +140,19 @@ def cuda_major(wheel: Path, package: str = build_mod.PACKAGE) -> str | None:
     return found.pop().decode() if found else None
 
 
-def stub_wheel(dest: Path, name: str, version: str) -> Path:
+def stub_wheel(dest: Path, name: str, release: str) -> Path:
     """A wheel with only metadata: pip's stand-in for a distribution the host has."""
     stem = canonicalize_name(name).replace("-", "_")
-    dist_info = f"{stem}-{version}.dist-info"
+    dist_info = f"{stem}-{release}.dist-info"
     files = {
-        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {release}\n".encode(),
         f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: hybridpd\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     rows = [[p, wo.record_hash(d), str(len(d))] for p, d in files.items()]
     rows.append([f"{dist_info}/RECORD", "", ""])
     files[f"{dist_info}/RECORD"] = wo.write_record(rows).encode()
     dest.mkdir(parents=True, exist_ok=True)
-    path = dest / f"{stem}-{version}-py3-none-any.whl"
+    path = dest / f"{stem}-{release}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
         for member, data in files.items():
             zf.writestr(member, data)
@@ -219,24 +215,6 @@ def reused_requirements(
     return out
 
 
-def tiny_models(root: Path) -> list[Path]:
-    """The e2e's tiny model directories in the cache, each checked against its manifest."""
-    found = []
-    for arch, seed, variant in TINY_MODELS:
-        path = root / f"tiny-{arch}-{spec_id(seed, arch, variant)}"
-        manifest = path / TINY_MANIFEST
-        if not manifest.is_file():
-            raise BundleError(
-                f"the tiny model ({variant}) is not in the cache ({path.name}): "
-                "`hybridpd e2e --device cpu --tiny` writes it"
-            )
-        for name, sha in json.loads(manifest.read_text())["files"].items():
-            if wo.sha256_file(path / name) != sha:
-                raise BundleError(f"{path / name} is not the file its {TINY_MANIFEST} names")
-        found.append(path)
-    return found
-
-
 @dataclass
 class BundleResult:
     out: Path
@@ -267,7 +245,7 @@ def make_bundle(
     target: Target,
     reuse: Mapping[str, str | None],
     split_mib: int | None,
-    models: Path | None = None,
+    models: Sequence[Path] = (),
     links: Path | None = None,
     log: Log = quiet,
     clock: _Clock | None = None,
@@ -293,7 +271,7 @@ def make_bundle(
     work.mkdir(parents=True)
     try:
         manifest = _make(checkout, pin, stage, work, variant, target, reuse, split_mib,
-                         models or root / "e2e" / "models", links, log, clock)
+                         models, links, log, clock)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
             out.rmdir()
@@ -306,7 +284,7 @@ def make_bundle(
 
 def _make(
     checkout: Path, pin: Pin, stage: Path, work: Path, variant: str, target: Target,
-    reuse: Mapping[str, str | None], split_mib: int | None, models: Path, links: Path,
+    reuse: Mapping[str, str | None], split_mib: int | None, models: Sequence[Path], links: Path,
     log: Log, clock: _Clock,
 ) -> dict:
     distribution = build_mod.DISTRIBUTIONS[variant]
@@ -382,13 +360,10 @@ def _make(
         files.append(entry)
     clock.lap("overlay")
 
-    # 5. The tiny models.
-    model_dirs = tiny_models(models)
-
     # 6. One tar, in parts.
     members = [(w, f"wheels/{w.name}") for w in sorted(got.values())]
     members += [(overlay_dir / f["path"], f"overlay/{f['path']}") for f in files if "sha256" in f]
-    for model in model_dirs:
+    for model in models:
         members += [(p, f"models/{model.name}/{p.name}") for p in sorted(model.iterdir())]
     limit = (split_mib or 1 << 20) * parts_mod.MIB
     log(f"writing {len(members)} files into parts of at most {limit // parts_mod.MIB} MiB")
@@ -417,7 +392,7 @@ def _make(
         "nixl": {"distribution": nixl_name, "version": nixl_version},
         "wheels": sorted(got),
         "overlay": {"manifest": overlay, "files": files},
-        "models": [m.name for m in model_dirs],
+        "models": [m.name for m in models],
         "payload": {"stem": PAYLOAD, "size": writer.size, "sha256": writer.total.hexdigest(),
                     "files": payload_files},
         "split_mib": split_mib,
@@ -436,6 +411,7 @@ def bundle(
     target: Target,
     reuse: Mapping[str, str | None],
     split_mib: int | None,
+    models: Sequence[Path] = (),
     log: Log = quiet,
 ) -> BundleResult:
     """:func:`make_bundle` from ``pin``'s patched checkout: ``checkout`` (created or
@@ -451,4 +427,4 @@ def bundle(
     patched_checkout(series, pin, dest, log=log)
     clock.lap("checkout")
     return make_bundle(dest, pin, out, variant=variant, target=target, reuse=reuse,
-                       split_mib=split_mib, log=log, clock=clock)
+                       split_mib=split_mib, models=models, log=log, clock=clock)
