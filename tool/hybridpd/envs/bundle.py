@@ -184,8 +184,10 @@ def pip_download(
         cmd.append("--no-deps")
     done = proc_mod.run([*cmd, *requirements], capture=True)
     if done.returncode != 0:
-        errors = [line for line in (done.stderr or "").splitlines() if line.startswith("ERROR")]
-        tail = (errors or (done.stderr or "").strip().splitlines() or ["no output"])[-1]
+        lines = (done.stderr or "").strip().splitlines() or ["no output"]
+        errors = [line for line in lines if line.startswith("ERROR")]
+        # "ERROR: Exception:" is pip's own crash: its traceback's last line says why.
+        tail = errors[-1] if errors and not errors[-1].endswith("Exception:") else lines[-1]
         raise BundleError(f"pip could not download {' '.join(map(str, requirements))[:200]} "
                           f"for Python {target.python_version}: {tail[:300]}")
 
@@ -294,8 +296,11 @@ def _make(
 
     # 2. The release wheel, proven stock, and the CUDA it links.
     log(f"downloading {distribution}=={pin.version} for Python {target.python_version}")
-    pip_download([f"{distribution}=={pin.version}"], wheels, target, links, no_deps=True)
-    release = _wheels(wheels).get(canonicalize_name(distribution))
+    # Not into `wheels`: the dependencies' download gets this file as a requirement and
+    # copies it there (pip stops at a local file that is already at its destination).
+    pip_download([f"{distribution}=={pin.version}"], work / "release", target, links,
+                 no_deps=True)
+    release = _wheels(work / "release").get(canonicalize_name(distribution))
     if release is None:
         raise BundleError(f"pip downloaded no {distribution} {pin.version} wheel")
     clock.lap("release wheel")
