@@ -43,7 +43,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from hybridpd import cache
+from hybridpd import cache, scratch
 from hybridpd import proc as proc_mod
 from hybridpd.envs import build as build_mod
 from hybridpd.envs import parts as parts_mod
@@ -268,19 +268,17 @@ def make_bundle(
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "parts").mkdir(parents=True)
-    work = Path(cache.cache_dir() / "tmp" / f"bundle-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     try:
-        manifest = _make(checkout, pin, stage, work, variant, target, reuse, split_mib,
-                         models, links, log, clock)
+        # A scratch tree: held while this process lives, swept after it dies.
+        with scratch.tree("bundle-") as work:
+            manifest = _make(checkout, pin, stage, work, variant, target, reuse, split_mib,
+                             models, links, log, clock)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         stage.rename(out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
     return BundleResult(out, manifest)
 
 
