@@ -285,3 +285,21 @@ def test_wheelhouse_refuses_a_corrupt_part_or_a_host_without_torch(release) -> N
     with pytest.raises(parts_mod.PartsError, match=r"^part 1/\d+ payload.tar.000 is corrupt"):
         wheelhouse.install(out, venv)
     assert not venv.exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--split-mib", "0"], "Error: --split-mib takes a whole number of MiB >= 1, not 0"),
+    (["--reuse-host", "torch=="],
+     "Error: --reuse-host takes NAME or NAME==VERSION, comma-separated, not 'torch=='"),
+    (["--python-version", "3"], "Error: --python-version takes MAJOR.MINOR (e.g. 3.12), not '3'"),
+])
+def test_the_command_refuses_bad_input_in_one_line_before_any_work(
+    tmp_path: Path, args: list[str], line: str
+) -> None:
+    from click.testing import CliRunner
+    from hybridpd.cli.main import main
+
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(main, ["bundle", "--pin", "0.20.2", "--out", str(out), *args])
+    assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == line
+    assert not out.exists() and not (tmp_path / "cache" / "bundle").exists()

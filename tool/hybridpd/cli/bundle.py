@@ -55,10 +55,12 @@ def bundle(
     part and every file with its sha256, and the time each step took.
     """
     target = bundle_mod.Target(python_version, tuple(platforms) or bundle_mod.DEFAULT_PLATFORMS)
+    reuse = bundle_mod.parse_reuse(reuse_host)
+    bundle_mod.check_options(out.absolute(), variant, split_mib)
     models = tinymodel.cached_models(cache.cache_dir() / "e2e" / "models")
     result = bundle_mod.bundle(
         state.series, pin, out, checkout=repo, variant=variant, target=target,
-        reuse=bundle_mod.parse_reuse(reuse_host), split_mib=split_mib, models=models,
+        reuse=reuse, split_mib=split_mib, models=models,
         log=quiet if as_json else log,
     )
     if as_json:

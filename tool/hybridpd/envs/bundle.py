@@ -238,6 +238,15 @@ class _Clock:
         self._last = now
 
 
+def check_options(out: Path, variant: str, split_mib: int | None) -> None:
+    if variant not in build_mod.DISTRIBUTIONS:
+        raise UsageError(f"unknown variant {variant!r} (choose {', '.join(build_mod.DISTRIBUTIONS)})")
+    if split_mib is not None and split_mib < 1:
+        raise UsageError(f"--split-mib takes a whole number of MiB >= 1, not {split_mib}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} exists and is not an empty directory")
+
+
 def make_bundle(
     checkout: Path,
     pin: Pin,
@@ -254,13 +263,8 @@ def make_bundle(
 ) -> BundleResult:
     """Write the bundle of the patched ``checkout`` (of ``pin``) into ``out``, which must
     not exist or be empty. BundleError (one line) on failure, with nothing at ``out``."""
-    if variant not in build_mod.DISTRIBUTIONS:
-        raise UsageError(f"unknown variant {variant!r} (choose {', '.join(build_mod.DISTRIBUTIONS)})")
-    if split_mib is not None and split_mib < 1:
-        raise UsageError(f"--split-mib takes a whole number of MiB >= 1, not {split_mib}")
     out = Path(out).absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out} exists and is not an empty directory")
+    check_options(out, variant, split_mib)
     clock = clock or _Clock()
     root = cache.cache_dir()
     links = links or root / "bundle" / "wheels" / f"cp{target.python_version.replace('.', '')}"
@@ -421,9 +425,7 @@ def bundle(
     reused, as ``install --dir`` does), by default one kept in the cache."""
     from hybridpd.envs.install import patched_checkout  # install imports build, as we do
 
-    out = Path(out).absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out} exists and is not an empty directory")
+    check_options(Path(out).absolute(), variant, split_mib)  # before the checkout
     clock = _Clock()
     dest = checkout or cache.cache_dir() / "bundle" / "trees" / pin.version
     dest.parent.mkdir(parents=True, exist_ok=True)
