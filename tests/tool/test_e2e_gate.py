@@ -101,8 +101,10 @@ def test_e2e_options_have_the_cli_names_and_defaults() -> None:
     from hybridpd.e2e.run import E2EOptions
 
     ctx = e2e_command.make_context("e2e", ["--pin", "0.32.0", "--tiny"], obj=_REPO)
-    # --reap DIR is another action (reap, run nothing), not an option of a run.
-    params = {k: v for k, v in ctx.params.items() if k not in ("as_json", "reap_dir")}
+    # --reap DIR and --dry-run are other actions (reap, or print the servers' command
+    # lines; run nothing), not options of a run.
+    params = {k: v for k, v in ctx.params.items()
+              if k not in ("as_json", "reap_dir", "dry_run")}
     options = E2EOptions(**params)
     fields = {f.name for f in dataclasses.fields(E2EOptions)}
     assert fields == set(params)

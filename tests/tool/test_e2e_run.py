@@ -143,7 +143,7 @@ def test_the_options_are_checked_before_anything_runs(
 ) -> None:
     _, series = standard_project(tmp_path)
     with pytest.raises(run_mod.E2EUsageError, match="--gpus takes two GPU ids"):
-        run_mod.run(series, _options(tmp_path, series, gpus="0"), [], print)
+        run_mod.run(series, _options(tmp_path, series, gpus="0,1,2"), [], print)
     with pytest.raises(run_mod.E2EUsageError, match="exactly one of --model and --tiny"):
         run_mod.run(series, run_mod.E2EOptions(pin=series.pin("1.0")), [], print)
     assert stood_in == [] and not (tmp_path / "out").exists()
@@ -367,3 +367,39 @@ def test_the_router_starts_once_both_instances_answer(
                          ("wait", "prefill", "decode", "proxy")]
         assert "router" not in started
 
+
+def test_the_dry_run_prints_a_single_gpu_pair_p_and_d_sharing_its_memory(
+    tmp_path: Path, stood_in: _Calls
+) -> None:
+    """One GPU id: P and D both on it, each with half of --gpu-memory-utilization; a
+    dry run prints their command lines and starts, builds and writes nothing."""
+    _, series = standard_project(tmp_path)
+    options = _options(tmp_path, series, device="cuda", gpus="0", compare="stock",
+                       scenario="correctness", patched_venv=Path("/v/patched"),
+                       stock_venv=Path("/v/stock"))
+    lines = run_mod.dry_run(series, options, print)
+
+    assert [l for l in lines if l.startswith("#")] == ["# patched / nixl", "# stock / nixl"]
+    servers = [l for l in lines if not l.startswith("#")]
+    assert len(servers) == 4
+    model = tmp_path / "cache" / "e2e" / "models" / "tiny-qwen3_5-2a24c591f354"  # state-sensitive
+    for line, python, port, side_port in zip(
+        servers, ["/v/patched"] * 2 + ["/v/stock"] * 2, [8100, 8200] * 2, [5600, 5601] * 2
+    ):
+        assert line.startswith(
+            f"CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_PORT={side_port} "
+            "VLLM_KV_CACHE_LAYOUT=HND VLLM_SSM_CONV_STATE_LAYOUT=DS HF_HUB_OFFLINE=1 "
+            f"{python}/bin/python -m vllm.entrypoints.openai.api_server --model {model} "
+        )
+        assert f" --port {port} " in line
+        assert line.endswith(" --async-scheduling --gpu-memory-utilization 0.425") or \
+            " --gpu-memory-utilization 0.425 --num-gpu-blocks-override 16" in line
+        assert "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'" in line
+    # The correctness scenario shrinks the decode pool only.
+    assert ["--num-gpu-blocks-override" in l for l in servers] == [False, True] * 2
+    assert stood_in == [] and not (tmp_path / "out").exists()
+    # Two GPUs keep their own GPU and the whole share each.
+    two = run_mod.dry_run(series, _options(tmp_path, series, device="cuda", gpus="0,1",
+                                           patched_venv=Path("/v/patched")), print)
+    assert [l.split()[0] for l in two[1:]] == ["CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1"]
+    assert all(" --gpu-memory-utilization 0.85" in l for l in two[1:])

@@ -122,7 +122,9 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--decode-num-blocks", type=int, metavar="N",
               help="The decode instance's KV pool in blocks (--num-gpu-blocks-override); "
               "correctness: small enough to preempt. [default: correctness 16, else from memory]")
-@click.option("--gpus", default=_D.gpus, show_default=True, help="cuda: GPU of P, GPU of D.")
+@click.option("--gpus", default=_D.gpus, show_default=True,
+              help="cuda: GPU of P, GPU of D; one id: P and D share that GPU, each with "
+              "half of --gpu-memory-utilization.")
 @click.option("--gpu-memory-utilization", type=float, default=_D.gpu_memory_utilization, show_default=True)
 @click.option("--server-arg", "server_args", multiple=True, metavar="ARG",
               help="Extra argument for both servers (repeatable).")
@@ -142,9 +144,11 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--expect-patched-hit", is_flag=True,
               help="Exit 1 unless every patched run gives the decode instance a local hit "
               "on the shared-prefix request and all outputs match (the CI gate).")
+@click.option("--dry-run", is_flag=True,
+              help="Print the server command lines of every pair (P, then D), start nothing.")
 @jsonout.flag(help="Print report.json instead of the table.")
 @click.pass_obj
-def e2e_command(state, as_json, reap_dir, **params):
+def e2e_command(state, as_json, reap_dir, dry_run, **params):
     """Serve a hybrid model with 1 prefill + 1 decode vLLM instance and measure the
     decode side's prefix cache, patched (ON) against stock (OFF).
 
@@ -167,6 +171,8 @@ def e2e_command(state, as_json, reap_dir, **params):
     if params["pin"] is None:
         raise click.MissingParameter(param_hint="'--pin'", param_type="option")
     options = run_mod.E2EOptions(**params)
+    if dry_run:
+        return click.echo("\n".join(run_mod.dry_run(state.series, options, log)))
     result = run_mod.run(state.series, options, reproducing_argv(click.get_current_context()), log)
     if as_json:
         jsonout.emit(result.report.to_json())

@@ -21,6 +21,9 @@ from hybridpd.cli.options import (
 )
 from hybridpd.envs import build as build_mod
 from hybridpd.envs import install as install_mod
+from hybridpd.envs import wheelhouse as wheelhouse_mod
+from hybridpd.errors import UsageError
+from hybridpd.progress import quiet
 from hybridpd.series.apply import checkout_pin
 from hybridpd.series.checkout import SOURCES, Source
 from hybridpd.series.model import Pin
@@ -47,6 +50,19 @@ from hybridpd.series.model import Pin
     help="Where the release source comes from (see `hybridpd checkout`).",
 )
 @torch_option()
+@click.option(
+    "--wheelhouse",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Install offline from this bundle (made by `hybridpd bundle`) instead: no "
+    "checkout, no package index.",
+)
+@click.option(
+    "--python",
+    "python",
+    metavar="PATH",
+    help="With --wheelhouse: the host interpreter the venv is made from (it has what "
+    "the bundle reuses). [default: this one]",
+)
 @json_flag
 @click.pass_obj
 def install(
@@ -57,13 +73,17 @@ def install(
     variant: str,
     source: Source,
     torch_spec: str | None,
+    wheelhouse: Path | None, python: str | None,
     as_json: bool,
 ) -> None:
     """Check out a pin, apply its series and build a patched vLLM, in one step.
 
     Runs `checkout`, `apply` and `build`; an existing checkout of the same pin is
-    reused. Prints how to use the result.
+    reused. Prints how to use the result. With --wheelhouse DIR: installs a bundle
+    offline and proves it (the patched files, vllm and nixl._api import).
     """
+    if wheelhouse or python:
+        return _install_wheelhouse(wheelhouse, venv, python, as_json, pin, repo, torch_spec)
     result = install_mod.install(
         state.series, pin, repo, venv, variant=variant, source=source, torch=torch_spec,
         log=log,
@@ -80,6 +100,30 @@ def install(
         click.echo(
             f"  this venv cannot serve a PD pair here: {result.cannot_serve} (hybridpd doctor)"
         )
+
+
+def _install_wheelhouse(
+    bundle: Path | None, venv: Path | None, python: str | None, as_json: bool,
+    pin: Pin | None, repo: Path | None, torch_spec: str | None,
+) -> None:
+    if bundle is None:
+        raise UsageError("--python goes with --wheelhouse")
+    given = [o for o, v in (("--pin", pin), ("--dir", repo), ("--torch", torch_spec)) if v]
+    if given:
+        raise UsageError(f"--wheelhouse installs what the bundle holds: drop {', '.join(given)}")
+    manifest = wheelhouse_mod.load(bundle)
+    venv = venv or Path(f"venv-{manifest['pin']}")
+    result = wheelhouse_mod.install(bundle, venv, python=python,
+                                    log=quiet if as_json else log)
+    if as_json:
+        jsonout.emit(result.to_json())
+        return
+    for line in result.warnings:
+        log(f"warning: {line}")
+    click.echo(f"installed {manifest['distribution']} {manifest['pin']} ({manifest['variant']}) "
+               f"offline from {bundle} in {venv}")
+    click.echo(f"  {len(result.overlaid)} patched file(s) in place and imported; nixl._api "
+               f"imports; compiled ops: {result.proof.get('compiled_ops')}")
 
 
 def _pd_pair_command(release: str, variant: str, venv: Path) -> str:

@@ -57,6 +57,13 @@ class ServerOptions:
     speculative_config: str | None = None
 
 
+def memory_share(utilization: float, gpus: tuple[str, ...]) -> float:
+    """Each instance's ``--gpu-memory-utilization``: ``utilization`` of its own GPU, or
+    half of it each where P and D share one GPU (vLLM's fraction is of the whole GPU's
+    memory, and the second instance must find its share still free when it starts)."""
+    return round(utilization / 2, 4) if len(set(gpus)) == 1 else utilization
+
+
 def nixl_config(role: str, device: str) -> dict:
     cfg = {"kv_connector": "NixlConnector", "kv_role": role}
     if device == "cpu":
@@ -118,6 +125,41 @@ def server_command(
     if opts.device == "cuda":
         cmd += ["--async-scheduling", "--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     return cmd + list(opts.extra_args)
+
+
+def instance_command(
+    env: Env, model: str, connector: str, role: str, opts: ServerOptions, side: str, port: int,
+    lmcache_port: int | None = None,
+) -> list[str]:
+    """The command line of the prefill (``side="P"``) or decode instance of a pair."""
+    cfg = kv_transfer_config(connector, side, role, opts.device, lmcache_port)
+    caching = True if side == "P" else opts.decode_prefix_caching
+    cmd = server_command(env, model, port, cfg, opts, caching)
+    if side == "D" and opts.decode_num_blocks is not None:
+        cmd += ["--num-gpu-blocks-override", str(opts.decode_num_blocks)]
+    return cmd
+
+
+#: What :func:`dry_run_lines` shows of an instance's environment (the rest is the caller's).
+_SHOWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_TARGET_DEVICE", "VLLM_NIXL_SIDE_CHANNEL_PORT",
+              "VLLM_KV_CACHE_LAYOUT", "VLLM_SSM_CONV_STATE_LAYOUT", "HF_HUB_OFFLINE")
+
+
+def dry_run_lines(
+    env: Env, model: str, connector: str, role: str, opts: ServerOptions,
+    ports: tuple[int, int] = (8100, 8200), nixl_ports: tuple[int, int] = (5600, 5601),
+) -> list[str]:
+    """The shell lines that would start the pair's P and D (fixed example ports; a run
+    takes free ones), each with the environment the run gives it."""
+    import shlex
+
+    lines = []
+    for side, port, nixl_port in zip("PD", ports, nixl_ports):
+        cmd = instance_command(env, model, connector, role, opts, side, port)
+        environ = server_env(opts, side, nixl_port)
+        shown = [f"{k}={shlex.quote(environ[k])}" for k in _SHOWN_ENV if k in environ]
+        lines.append(" ".join([*shown, shlex.join(cmd)]))
+    return lines
 
 
 #: ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` of a CPU instance (vLLM's default: 300).
@@ -295,11 +337,8 @@ def _start_pair_once(
             {"lmcache": f"http://127.0.0.1:{http_port}/status"}, opts.ready_timeout, progress
         )
     for name, side in (("prefill", "P"), ("decode", "D")):
-        cfg = kv_transfer_config(connector, side, role, opts.device, lmcache_port)
-        caching = True if side == "P" else opts.decode_prefix_caching
-        cmd = server_command(env, model, ports[name], cfg, opts, caching)
-        if side == "D" and opts.decode_num_blocks is not None:
-            cmd += ["--num-gpu-blocks-override", str(opts.decode_num_blocks)]
+        cmd = instance_command(env, model, connector, role, opts, side, ports[name],
+                               lmcache_port)
         shm = lmcache_mod.SHM_GLOBS if side == "D" and lmcache_port is not None else ()
         procs.start(name, cmd, server_env(opts, side, nixl_ports[name]), cwd=procs.log_dir,
                     shm=shm)

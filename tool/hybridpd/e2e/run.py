@@ -209,8 +209,9 @@ class _Plan:
         if o.front not in router_mod.FRONTS:
             raise E2EUsageError(f"--front {o.front}: choose {' or '.join(router_mod.FRONTS)}")
         gpus = tuple(g.strip() for g in o.gpus.split(","))
-        if len(gpus) != 2:
-            raise E2EUsageError("--gpus takes two GPU ids: P,D")
+        if len(gpus) not in (1, 2):
+            raise E2EUsageError("--gpus takes two GPU ids (P,D), or one that P and D share")
+        gpus = gpus * (3 - len(gpus))  # one GPU: P and D both on it
         builds = (
             ("stock",) if o.stock_only else ("patched", "stock") if o.compare else ("patched",)
         )
@@ -341,11 +342,36 @@ def _layer_types(o: E2EOptions) -> list[str] | tuple[str, ...]:
     return types + ["full_attention"] * (spec_mod.mtp_modules(data) if mtp else 0)
 
 
+def dry_run(series: Series, options: E2EOptions, log: Log) -> list[str]:
+    """The server command lines of every pair ``options`` asks for, P then D, nothing
+    started or built (the venvs given, or ``VENV`` where hybridpd would prepare one; the
+    tiny model where the run would write it)."""
+    o = options
+    plan = _Plan.of(o, log)
+    if o.pin is None:
+        raise E2EUsageError("Missing option '--pin'.")
+    arch = "qwen3_5" if o.tiny_arch == "auto" else o.tiny_arch
+    variant = "state-sensitive" if o.scenario == "correctness" else "default"
+    model = str(o.model) if o.model else str(
+        cache.cache_dir() / "e2e" / "models" / f"tiny-{arch}-{spec_id(o.seed, arch, variant)}"
+    )
+    opts = _server_options(o, plan)
+    lines = []
+    for build in plan.builds:
+        venv = plan.venv(o, build) or Path("VENV")
+        env = Env(build, Path(venv) / "bin" / "python", Path(venv), None, None, False, {})
+        for connector in plan.connectors:
+            lines.append(f"# {build} / {connector}")
+            lines += pair_mod.dry_run_lines(env, model, connector, o.role, opts)
+    return lines
+
+
 def _server_options(o: E2EOptions, plan: _Plan) -> pair_mod.ServerOptions:
     return pair_mod.ServerOptions(
         device=o.device, block_size=o.block_size, max_model_len=plan.max_model_len,
         decode_prefix_caching=o.decode_prefix_caching, gpus=plan.gpus,
-        gpu_memory_utilization=o.gpu_memory_utilization, extra_args=tuple(o.server_args),
+        gpu_memory_utilization=pair_mod.memory_share(o.gpu_memory_utilization, plan.gpus),
+        extra_args=tuple(o.server_args),
         ready_timeout=o.ready_timeout, decode_num_blocks=plan.decode_num_blocks,
         front=o.front,
         speculative_config=(json.dumps(plan.speculative, separators=(",", ":"))

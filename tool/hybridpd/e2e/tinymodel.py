@@ -173,6 +173,31 @@ def corpus(seed: int, n_lines: int = 4000) -> list[str]:
 # --------------------------------------------------------------------------- writing
 
 
+#: The models the e2e scenarios use: the smoke scenario's and the correctness scenario's.
+E2E_MODELS = (("qwen3_5", 0, "default"), ("qwen3_5", 0, "state-sensitive"))
+
+
+def cached_models(root: Path) -> list[Path]:
+    """The :data:`E2E_MODELS` directories under ``root`` (the e2e's model cache), each
+    checked against its manifest; HybridpdError (one line) when one is missing or
+    differs. (Imported by hybridpd ``bundle``; never run in the e2e venv.)"""
+    from hybridpd.errors import HybridpdError
+
+    found = []
+    for arch, seed, variant in E2E_MODELS:
+        path = Path(root) / f"tiny-{arch}-{spec_id(seed, arch, variant)}"
+        if not (path / MANIFEST).is_file():
+            raise HybridpdError(
+                f"the tiny model ({variant}) is not in the cache ({path.name}): "
+                "`hybridpd e2e --device cpu --tiny` writes it"
+            )
+        for name, sha in json.loads((path / MANIFEST).read_text())["files"].items():
+            if _sha256(path / name) != sha:
+                raise HybridpdError(f"{path / name} is not the file its {MANIFEST} names")
+        found.append(path)
+    return found
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

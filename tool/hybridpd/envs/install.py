@@ -150,6 +150,17 @@ def install(
     pin = pick_pin(series, pin, dest, variant, log)
     dest = dest or Path(f"vllm-{pin.version}")
     venv = venv or Path(f"venv-{pin.version}")
+    applied = patched_checkout(series, pin, dest, source, log)
+    return dataclasses.replace(
+        environment(pin, dest, venv, variant=variant, torch=torch, log=log), applied=applied
+    )
+
+
+def patched_checkout(
+    series: Series, pin: Pin, dest: Path, source: Source = "sdist", log: Log = quiet
+) -> ApplyResult:
+    """Check out ``pin`` into ``dest`` (or reuse a checkout of it there) and apply its
+    series (idempotent)."""
     if dest.exists() and any(dest.iterdir()):
         found = checkout_pin(series, dest)
         if found.version != pin.version:
@@ -164,9 +175,7 @@ def install(
         log(applied.recovered)
     log(f"series: {len(applied.applied)} applied, {len(applied.already)} already applied")
     guard.fault("install:applied")
-    return dataclasses.replace(
-        environment(pin, dest, venv, variant=variant, torch=torch, log=log), applied=applied
-    )
+    return applied
 
 
 def environment(
