@@ -189,6 +189,22 @@ def _flag(cmd: list[str], name: str) -> str | None:
     return cmd[cmd.index(name) + 1] if name in cmd else None
 
 
+def _record_server_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list:
+    """Pairs start on a :class:`_Recorder` each (returned, filled as pairs start); the
+    correctness scenario answers at once, all checks passed."""
+    recorders: list = []
+
+    def start_pair(procs, env, model, connector, role, opts, progress):
+        recorders.append(_Recorder(tmp_path))
+        return pair_mod._start_pair_once(recorders[-1], env, model, connector, role, opts,
+                                         progress)
+
+    monkeypatch.setattr(pair_mod, "start_pair", start_pair)
+    monkeypatch.setattr(correctness, "run_correctness", lambda *a, **k: {
+        "requests": [], "outputs_match_baseline": True, "checks": {}})
+    return recorders
+
+
 @pytest.mark.parametrize(("scenario", "given", "max_model_len", "blocks"), [
     # The correctness scenario's pool, 16 blocks of 128 tokens: 3 Mamba groups take 2
     # blocks each, the null block 1, leaving 9 for attention.
@@ -202,16 +218,7 @@ def test_the_servers_get_a_max_model_len_the_decode_pool_holds(
     scenario, given, max_model_len, blocks,
 ) -> None:
     _, series = standard_project(tmp_path)
-    recorders = []
-
-    def start_pair(procs, env, model, connector, role, opts, progress):
-        recorders.append(_Recorder(tmp_path))
-        return pair_mod._start_pair_once(recorders[-1], env, model, connector, role, opts,
-                                         progress)
-
-    monkeypatch.setattr(pair_mod, "start_pair", start_pair)
-    monkeypatch.setattr(correctness, "run_correctness", lambda *a, **k: {
-        "requests": [], "outputs_match_baseline": True, "checks": {}})
+    recorders = _record_server_starts(tmp_path, monkeypatch)
     result = run_mod.run(series, _options(tmp_path, series, scenario=scenario, **given), [], print)
     [started] = [r.started for r in recorders]
     assert [_flag(started[s], "--max-model-len") for s in ("prefill", "decode")] == [
@@ -225,16 +232,7 @@ def test_speculative_config_goes_to_both_servers_and_sizes_the_decode_pool(
     tmp_path: Path, stood_in: _Calls, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, series = standard_project(tmp_path)
-    recorders = []
-
-    def start_pair(procs, env, model, connector, role, opts, progress):
-        recorders.append(_Recorder(tmp_path))
-        return pair_mod._start_pair_once(recorders[-1], env, model, connector, role, opts,
-                                         progress)
-
-    monkeypatch.setattr(pair_mod, "start_pair", start_pair)
-    monkeypatch.setattr(correctness, "run_correctness", lambda *a, **k: {
-        "requests": [], "outputs_match_baseline": True, "checks": {}})
+    recorders = _record_server_starts(tmp_path, monkeypatch)
     monkeypatch.setattr(run_mod, "_acceptance", lambda pair, log: {
         "decode": {"draft_tokens": 100, "accepted_tokens": 95, "acceptance_rate": 0.95},
         "prefill": None})
