@@ -150,10 +150,10 @@ if [[ ( "$full" = 1 || "$upstream" = 1 ) && " $pins " == *" 0.32.0 "* && " $pins
 fi
 
 # hybridpd bench replay on 0.33.0's real classes: the connector sets with a store child
-# (LMCacheMP, Offloading, both orders) and MTP on the decode instance, 8 prompts each
-# (the full tier: six replays of two builds, about 10 minutes on 2 cores).
-if [[ "$full" = 1 && " $pins " == *" 0.33.0 "* ]]; then
-  step "hybridpd bench replay, store sets and MTP (0.33.0, real test environment)" \
+# (LMCacheMP, Offloading, both orders) and MTP on the decode instance (also on 0.32.0's),
+# 8 prompts each (the full tier: seven replays of two builds, about 12 minutes on 2 cores).
+if [[ "$full" = 1 && " $pins " == *" 0.33.0 "* && " $pins " == *" 0.32.0 "* ]]; then
+  step "hybridpd bench replay, store sets and MTP (0.33.0 and 0.32.0, real test environments)" \
     env HYBRIDPD_BENCH_REAL=1 "$venv/bin/python" -m pytest tests/tool/test_bench_real.py \
     -q -p no:cacheprovider
 fi

@@ -1,11 +1,12 @@
-"""``hybridpd bench replay`` on 0.33.0's real scheduler classes: the connector sets with a
-store child (lmcache's LMCacheMPConnector, vLLM's OffloadingConnector, each beside NIXL in
-both orders) and speculative decoding (MTP) on the decode instance, each replayed stock
-then patched at a small scale. The figures asserted are vLLM's own counts, read back.
+"""``hybridpd bench replay`` on 0.33.0's real scheduler classes (MTP also on 0.32.0's): the
+connector sets with a store child (lmcache's LMCacheMPConnector, vLLM's OffloadingConnector,
+each beside NIXL in both orders) and speculative decoding (MTP) on the decode instance, each
+replayed stock then patched at a small scale. The figures asserted are vLLM's own counts,
+read back.
 
-Needs the pin's test environment (``hybridpd test --pin 0.33.0`` builds it; CI runs this
-file in its full tier, with ``HYBRIDPD_BENCH_REAL=1``); skipped otherwise, with the
-command that runs it.
+Needs the pins' test environments (``hybridpd test --pin 0.33.0`` and ``--pin 0.32.0``
+build them; CI runs this file in its full tier, with ``HYBRIDPD_BENCH_REAL=1``); skipped
+otherwise, with the command that runs it.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ SMALL = deployment.Workload(num_prompts=8, output_len=8, concurrency=4)
 CHILD = {"lmcache": "LMCacheMPConnector", "offloading": "OffloadingConnector"}
 
 
-def _replay(connector: str, **extra) -> replay.ReplayReport:
+def _replay(connector: str, pin: str = "0.33.0", **extra) -> replay.ReplayReport:
     series = load(ROOT / "patches" / "series.toml")
-    options = replay.ReplayOptions(series.pin("0.33.0"), SMALL, connector=connector,
+    options = replay.ReplayOptions(series.pin(pin), SMALL, connector=connector,
                                    store_blocks=64, **extra)
     return replay.run(series, options)
 
@@ -71,3 +72,14 @@ def test_mtp_runs_vllms_settings_and_gives_up_one_block_per_request() -> None:
     block = report.cost_model["block_size"]
     assert patched["limit_tokens"] - patched["hit_tokens"] == patched["limited_requests"] * block
     assert "draft_ms_per_step" in report.cost_model["per_step_and_pull"]
+
+
+def test_mtp_on_0_32_sizes_the_offloading_tier_and_drops_the_last_matched_block() -> None:
+    # v0.32's Offloading manager publishes only its chunk count (the tier is sized
+    # from a probe's), and its coordinator flags the drafting groups (eagle_group_ids).
+    report = _replay("offloading+nixl", pin="0.32.0", speculative=Speculative("mtp", 3))
+    patched = report.results["patched"]
+    assert patched["store_blocks"] == 64
+    assert patched["speculative"]["drops_last_matched_block"] is True
+    block = report.cost_model["block_size"]
+    assert patched["limit_tokens"] - patched["hit_tokens"] == patched["limited_requests"] * block

@@ -243,11 +243,21 @@ def speculative_settings(sched, nixl) -> dict[str, Any]:
             nixl._prefill_backoff() if nixl is not None and hasattr(nixl, "_prefill_backoff")
             else None
         ),
-        "drops_last_matched_block": bool(
-            getattr(coordinator, "drop_eagle_group_ids", None)
-            or getattr(coordinator, "use_eagle", False)
-        ),
+        "drops_last_matched_block": explain_driver().drops_last_matched_block(coordinator),
     }
+
+
+def explain_driver():
+    """``hybridpd explain``'s driver (beside this script's package; it imports only the
+    standard library at load): one reading of the releases' speculative settings."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "explain", "driver.py")
+    spec = importlib.util.spec_from_file_location("hybridpd_explain_driver", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def serving_child(connector, request_id: str) -> str:

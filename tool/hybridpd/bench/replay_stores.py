@@ -23,6 +23,11 @@ from typing import Any, Sequence
 
 #: The builders' name of each bench set whose children differ from theirs (the
 #: builders' ``nixl+lmcache`` is LMCacheConnectorV1; the deployed set is LMCacheMP).
+#: The probe tier's bytes (the scheduler side allocates nothing for it): 1 TiB holds
+#: tens of thousands of chunks, so ``PROBE_BYTES // chunks`` is a chunk's aligned size
+#: to within a byte for any ``store_blocks`` below that count (``scheduler`` checks the
+#: tier it then builds holds exactly ``store_blocks``).
+PROBE_BYTES = 1 << 40
 BUILDERS_KIND = {"nixl+lmcache": "nixl+lmcachemp", "lmcache+nixl": "lmcachemp+nixl"}
 
 
@@ -102,9 +107,13 @@ class Stores:
         cpu_bytes = None
         if self.offloading:
             # vLLM sizes the tier from bytes: ask it for the bytes of one chunk.
-            probe = self._build(new_config(self.connectors()), kv_cache_config)
-            info = self._offloading(probe).manager._config_info
-            per_chunk = info["cpu_kv_cache_size_bytes"] // info["cpu_num_chunks"]
+            probe = self._build(new_config(self.connectors(PROBE_BYTES)), kv_cache_config)
+            manager = self._offloading(probe).manager
+            info = getattr(manager, "_config_info", None)
+            if info:  # v0.33 publishes the tier's sizes
+                per_chunk = info["cpu_kv_cache_size_bytes"] // info["cpu_num_chunks"]
+            else:  # v0.32: only the chunk count, PROBE_BYTES // (aligned chunk size)
+                per_chunk = PROBE_BYTES // manager._num_chunks
             cpu_bytes = per_chunk * self.store_blocks
         sched = self._build(new_config(self.connectors(cpu_bytes)), kv_cache_config)
         if self.offloading:

@@ -204,7 +204,7 @@ def _speculative(sched) -> dict:
         "nixl_prefill_backoff": (nixl._prefill_backoff()
                                  if nixl is not None and hasattr(nixl, "_prefill_backoff")
                                  else None),
-        "drops_last_matched_block": _drops_last_matched_block(coordinator),
+        "drops_last_matched_block": drops_last_matched_block(coordinator),
     }
 
 
@@ -225,7 +225,7 @@ def kv_events(sched) -> list[dict]:
     return groups
 
 
-def _drops_last_matched_block(coordinator) -> bool:
+def drops_last_matched_block(coordinator) -> bool:
     """Whether vLLM's coordinator drops a hit's last matched block for the draft: v0.33
     names the groups that drop (``drop_eagle_group_ids``; lookahead hashes flag groups
     that do not), v0.32 drops for every flagged group (``eagle_group_ids``), older
