@@ -38,7 +38,8 @@ Answer: it reproduces. With ``--separate-object-groups`` (the layout LMCache's d
 require for hybrid models) the Mamba object of chunk 2 is stored from column 2, the
 lookup of B returns 3 chunks, and the bytes B resumes from at 768 are exactly the
 state at 512, on vLLM 0.33.0 (Gated-DeltaNet checkpoints) and 0.32.0 (the same spec:
-Mamba2's ``mamba_mixer2`` checkpoints) with lmcache 0.5.6 and this series. In the
+Mamba2's ``mamba_mixer2`` checkpoints) with lmcache 0.5.6 and this series without
+the patch below. In the
 default shared layout the same chunk is stored with the same page, but in this
 scenario chunks 0-1 (vLLM's null block) are not stored (null-recurrent-slot-not-stored),
 so no lookup reaches it; stock LMCache stores them (null pages, never read at a
@@ -46,8 +47,13 @@ so no lookup reaches it; stock LMCache stores them (null pages, never read at a
 reading: stock LMCache does not register a hybrid KV cache on CPU). Nothing in it is
 device-specific: the chunk-to-block mapping of the store is the one every device uses,
 and vLLM writes these checkpoints on CUDA (FlashInfer's GDN prefill, ``mamba_mixer2``).
-No carried patch fixes it yet: the case is marked xfail(strict), so the series stays
-green while it reproduces and turns red the day it stops.
+
+Patch: displaced-mamba-checkpoint-not-stored. LMCache's connector (scheduler side)
+applies vLLM's own checkpoint rule to each step and nulls the tracked Mamba slot of a
+checkpoint that is not at its column's end, so the store skips that chunk's Mamba
+object (null-recurrent-slot-not-stored) and B gets no hit that resumes there. A
+prompt of whole blocks (s = 1024: P = 768, column 2's end) keeps its 768-token hit
+from the right state: the guard that the patch does not null every checkpoint.
 
 What is real: vLLM's Scheduler (the host pin's) with MTP and LMCacheMPConnector
 (its scheduler side against the server), which decides the step, hands out the
@@ -63,9 +69,10 @@ kernels write it (vLLM's CPU backend has no prefill checkpoint export to run).
 The comparison is bitwise: the bytes in the block the request resumes from, after
 LMCache's retrieve, against the state of a cold run after exactly 768 tokens
 (``_state(B, 768)``). The states at 512 and 768 differ in every layer (asserted), so
-a state from the wrong position cannot pass; the guard writes the state at 768 into
-column 2 (what the checkpoint holds without MTP) and the same comparison passes, so
-it does not fail for another reason (the mutation in the other direction).
+a state from the wrong position cannot pass; a second guard writes the state at 768
+into column 2 (what the checkpoint holds without MTP) and stores column 2's block as
+the unpatched connector does, and the same comparison passes, so it does not fail for
+another reason (the mutation in the other direction).
 """
 
 import functools
@@ -79,10 +86,17 @@ from lmcache_patches import deployment
 from patches import builders
 
 N = deployment.BLOCK
+HIT = 3 * N  # the prefix A and B share: A's whole chunks at S
 S = 1000  # one prefill step, not a multiple of the block
-HIT = 3 * N  # the whole chunks of A
-A = builders.prompt(S, seed=11)
-B = A[:HIT] + builders.prompt(200, seed=12)
+S_WHOLE = 4 * N  # one prefill step of whole blocks: the checkpoint at column 2's end
+PATCH = "displaced-mamba-checkpoint-not-stored"
+
+
+def _prompt_a(s: int) -> list[int]:
+    return builders.prompt(s, seed=11)
+
+
+B = _prompt_a(S)[:HIT] + builders.prompt(200, seed=12)
 CONV, SSM = deployment.STATE_SHAPES
 
 
@@ -175,18 +189,22 @@ def _mtp_instance(server, max_num_batched_tokens=4 * N):
         ),
     )
     deployment.register(worker, server)
+    # The engine sets both on the scheduler's KV cache config too (EngineCore).
+    worker.kv_cache_config.hash_block_size = N
+    worker.kv_cache_config.cache_hit_alignment_tokens = N
     sched = builders.scheduler(config, worker.kv_cache_config)
     return config, worker, sched
 
 
-def _prefill_one_step(config, worker, sched, mutate: bool):
-    """Schedule A in one step and write what the model writes: the checkpoint
+def _prefill_one_step(config, worker, sched, a: list[int], mutate: bool):
+    """Schedule ``a`` in one step and write what the model writes: the checkpoint
     where vLLM's worker-side builder says, the final state in the step's last
     column. Returns the request's block table, the checkpoint's position and
     block per layer, and the store LMCache's connector issues after the step."""
     from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointBuilder
 
-    req = builders.request(A, block_size=N)
+    s = len(a)
+    req = builders.request(a, block_size=N)
     sched.add_request(req)
     output = None
     deadline = time.monotonic() + 30
@@ -196,7 +214,7 @@ def _prefill_one_step(config, worker, sched, mutate: bool):
             break
         sched.update_from_output(output, builders.model_runner_output([]))
         time.sleep(0.02)
-    assert output.num_scheduled_tokens[req.request_id] == S, "A is one prefill step"
+    assert output.num_scheduled_tokens[req.request_id] == s, "A is one prefill step"
     new = next(r for r in output.scheduled_new_reqs if r.req_id == req.request_id)
     block_ids = [list(ids) for ids in new.block_ids]
     store = next(
@@ -213,9 +231,9 @@ def _prefill_one_step(config, worker, sched, mutate: bool):
         )
         meta = builder.build(
             SimpleNamespace(
-                query_start_loc=torch.tensor([0, S], dtype=torch.int32),
-                query_start_loc_cpu=torch.tensor([0, S], dtype=torch.int32),
-                seq_lens_cpu_upper_bound=torch.tensor([S], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, s], dtype=torch.int32),
+                query_start_loc_cpu=torch.tensor([0, s], dtype=torch.int32),
+                seq_lens_cpu_upper_bound=torch.tensor([s], dtype=torch.int32),
                 block_table_tensor=torch.tensor([block_ids[group]], dtype=torch.int32),
             ),
             [0],
@@ -223,49 +241,59 @@ def _prefill_one_step(config, worker, sched, mutate: bool):
         assert meta is not None, "vLLM writes an interior checkpoint in this step"
         position = meta.offsets[0]  # the query starts at 0
         checkpoint[name] = int(meta.state_indices[0])
-        final[name] = block_ids[group][-(-S // N) - 1]  # column cdiv(S, N) - 1
-    _write(worker, final, _state(A, S))
-    _write(worker, checkpoint, _state(A, HIT if mutate else position))
+        final[name] = block_ids[group][-(-s // N) - 1]  # column cdiv(s, N) - 1
+    _write(worker, final, _state(a, s))
+    _write(worker, checkpoint, _state(a, HIT if mutate else position))
     return block_ids, position, checkpoint, store
 
 
-@pytest.mark.parametrize(
-    "mutate",
-    [
-        pytest.param(False, id="mtp", marks=pytest.mark.xfail(
-            strict=True,
-            reason="reproduced, no carried fix: the chunk ending a one-step MTP "
-            "prefill is stored with the state one block before its end",
-        )),
-        pytest.param(True, id="guard-state-at-chunk-end"),
-    ],
-)
-def test_a_hit_resumes_from_the_state_at_its_end(mutate):
+@pytest.mark.patch(PATCH)
+def test_a_hit_never_resumes_from_a_checkpoint_before_its_end():
+    """S = 1000: column 2 holds the state at 512; no hit of B resumes from it."""
+    _run(S, mutate=False)
+
+
+def test_a_checkpoint_at_its_chunk_end_keeps_its_hit():
+    """S = 1024: column 2 holds the state at 768, its end; B resumes from it."""
+    _run(S_WHOLE, mutate=False)
+
+
+def test_guard_the_state_at_the_chunk_end_resumes_right():
+    """S = 1000 with the state at 768 in column 2, stored as the unpatched
+    connector stores it: B resumes right, so the comparison can pass."""
+    _run(S, mutate=True)
+
+
+def _run(s: int, mutate: bool) -> None:
     with deployment.lmcache_server(["--separate-object-groups"]) as server:
         config, worker, sched = _mtp_instance(server)
         try:
-            _check(config, worker, sched, server, mutate)
+            prefill = _prefill_one_step(config, worker, sched, _prompt_a(s), mutate)
+            _check(worker, server, *prefill, s, mutate)
         finally:
             sched.shutdown()
 
 
-def _check(config, worker, sched, server, mutate):
-    block_ids, position, checkpoint, store = _prefill_one_step(
-        config, worker, sched, mutate
-    )
-    # The derivation in the docstring, as vLLM computed it.
-    assert position == 2 * N
+def _check(worker, server, block_ids, position, checkpoint, store, s, mutate):
+    a = _prompt_a(s)
+    # The derivation in the docstring, as vLLM computed it: floor(s / N) * N - N.
+    assert position == (3 * N if s == S_WHOLE else 2 * N)
     col = HIT // N - 1
     assert all(block_ids[worker.group_of(n)][col] == b for n, b in checkpoint.items())
-    assert (store.start, store.end) == (0, HIT)
+    assert (store.start, store.end) == (0, s // N * N)
+    stored_block_ids = [list(ids) for ids in store.block_ids]
+    if mutate:  # what the unpatched connector sends: column 2's checkpoint block
+        for name, block in checkpoint.items():
+            stored_block_ids[worker.group_of(name)][col] = block
     # What the connector's store sends the server (the worker forwards it as is).
-    stored = server.store(A[: store.end], store.block_ids)
+    stored = server.store(a[: store.end], stored_block_ids)
     # The decode instance (or this one after a restart): its prefix cache is empty.
     hit = server.lookup(B, "b")
-    if not stored[-1] or any(
-        store.block_ids[worker.group_of(n)][col] == 0 for n in worker.mamba_layers
+    if not stored[col] or any(
+        stored_block_ids[worker.group_of(n)][col] == 0 for n in worker.mamba_layers
     ):
         # The chunk whose Mamba page is not its end state is not stored as one.
+        assert s % N, "a checkpoint at its column's end is stored"
         assert hit < HIT // N
         return
     assert hit == HIT // N
@@ -283,10 +311,10 @@ def _check(config, worker, sched, server, mutate):
     assert server.retrieve(B[:HIT], fresh, "b-load")
     loaded = _read(worker, resume)
     want = _state(B, HIT)  # a cold run of B after exactly HIT tokens
-    wrong = _state(A, position)
+    wrong = _state(a, 2 * N)  # the checkpoint of a one-step prefill of S tokens
     assert all(not torch.equal(w, x) for w, x in zip(want, wrong))
     from_position = all(torch.equal(l, x) for l, x in zip(loaded, wrong))
     assert all(torch.equal(l, w) for l, w in zip(loaded, want)), (
         f"B resumes at {HIT} from the state at "
-        f"{position if from_position else 'an unknown position'}"
+        f"{2 * N if from_position else 'an unknown position'}"
     )
