@@ -11,11 +11,13 @@ on every pin:
   from v0.32), with ``block_size`` the group's block size: the scheduler's
   (realigned) block size, which a router's ``--kv-event-block-size`` must equal;
 - a Mamba group caches only the blocks that hold a state (the block where a
-  scheduled chunk ended): its ``BlockStored`` lists those hashes alone, while
-  its ``token_ids`` still span every block of the range, the skipped ones too
-  (vllm#44451). A consumer that pairs ``block_hashes[i]`` with the i-th
+  scheduled chunk ended). Stock lists those hashes alone in a ``BlockStored``
+  whose ``token_ids`` still span every block of the range, the skipped ones too
+  (vllm#44451): a consumer that pairs ``block_hashes[i]`` with the i-th
   ``block_size`` chunk of ``token_ids`` pairs the state's hash with the
-  prompt's first tokens;
+  prompt's first tokens. With ``kv-events-stored-per-block-run`` the pool
+  publishes one ``BlockStored`` per run of consecutive cached blocks: each
+  hash with its own tokens, the run's parent the hash of the block before it;
 - the full-attention group announces every prefix block, also those inside
   which no Mamba state is cached: a router that scores on them predicts a hit
   vLLM does not have (it resumes only where a Mamba state is cached). Read per
@@ -43,6 +45,8 @@ from ..builders import (
     vllm_config,
 )
 
+#: The patch that makes every ``BlockStored`` pair each hash with its own tokens.
+PER_RUN = "kv-events-stored-per-block-run"
 NUM_MAMBA_GROUPS = 3
 #: The first prompt: five full blocks and three tokens, prefilled in one chunk.
 PROMPT_BLOCKS = 5
@@ -61,9 +65,9 @@ class EventLog:
         return events
 
 
-def events_scheduler(num_blocks: int = 200):
+def events_scheduler(num_blocks: int = 200, max_num_batched_tokens: int = 1024):
     """A hybrid instance without a KV connector, KV events on, and its log."""
-    config = vllm_config(kv_role=None)
+    config = vllm_config(kv_role=None, max_num_batched_tokens=max_num_batched_tokens)
     config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     sched = scheduler(
         config, hybrid_kv_cache_config(num_blocks=num_blocks, num_mamba_groups=NUM_MAMBA_GROUPS)
@@ -112,20 +116,25 @@ def test_each_group_publishes_its_blocks_at_the_schedulers_block_size():
                 assert event.kv_cache_spec_kind == ("full_attention" if group == 0 else "mamba")
 
 
-def test_a_mamba_group_publishes_only_its_state_block_with_every_token_of_the_range():
-    """What stock publishes for a Mamba group (vllm#44451): one hash, the block
-    holding the state at the end of the chunk, and the tokens of all five
-    blocks; no field says which chunk the hash belongs to."""
+@pytest.mark.patch(PER_RUN)
+def test_a_mamba_group_publishes_its_state_block_with_its_own_tokens_and_parent():
+    """A Mamba group publishes one hash, the block holding the state at the end
+    of the chunk. Stock sends it with the tokens of all five blocks and no
+    parent, and no field says which chunk the hash belongs to (vllm#44451);
+    patched, the event holds that block's tokens alone and its parent is the
+    hash of the block before it (not cached in the Mamba group), so a consumer
+    chains it to the attention group's run."""
     _, log, req = first_prefill()
     stored = stored_by_group(log.take())
     hashes = external_hashes(req)
+    last = PROMPT_BLOCKS - 1
 
     for group in range(1, 1 + NUM_MAMBA_GROUPS):
         [mamba] = stored[group]
-        assert mamba.block_hashes == [hashes[PROMPT_BLOCKS - 1]]
-        assert mamba.parent_block_hash is None
-        assert len(mamba.token_ids) == PROMPT_BLOCKS * BLOCK_SIZE
-        assert not hasattr(mamba, "block_offsets") or mamba.block_offsets is None
+        assert mamba.block_hashes == [hashes[last]]
+        assert mamba.token_ids == req.prompt_token_ids[last * BLOCK_SIZE : PROMPT_BLOCKS * BLOCK_SIZE]
+        assert mamba.parent_block_hash == hashes[last - 1]
+        assert mamba.parent_block_hash in stored[0][0].block_hashes
 
 
 def _chunk_owner_mismatches(events, req) -> list[tuple[int, int, int]]:
@@ -155,17 +164,46 @@ def test_full_attention_events_pair_each_hash_with_its_tokens():
     assert events and _chunk_owner_mismatches(events, req) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "vllm#44451 (open; fix proposed in vllm#44488): a Mamba group's BlockStored "
-        "lists only the blocks holding a state, while token_ids span the skipped "
-        "blocks too, so block_hashes[i] is not the i-th chunk of token_ids"
-    ),
-)
+@pytest.mark.patch(PER_RUN)
 def test_every_stored_hash_is_paired_with_its_own_tokens():
+    """vllm#44451: on stock a Mamba group's BlockStored lists only the blocks
+    holding a state while its token_ids span the skipped blocks too, so
+    block_hashes[i] is not the i-th chunk of token_ids."""
     _, log, req = first_prefill()
     assert _chunk_owner_mismatches(log.take(), req) == []
+
+
+@pytest.mark.patch(PER_RUN)
+@pytest.mark.parametrize("chunk_blocks", [None, 2], ids=["one-chunk", "chunks-of-2-blocks"])
+def test_each_group_chains_its_stored_hashes_to_their_logical_parents(chunk_blocks):
+    """A consumer that links every stored hash to its parent (the event's
+    parent for its first hash, the hash before it in the event for the others)
+    rebuilds the prompt's own hash chain in every group: a Mamba group's state
+    blocks, skipped blocks between them, hang under the hashes the
+    full-attention group announces for the blocks before them. On stock a Mamba
+    group's hash hangs under the hash before the whole range (or none)."""
+    max_tokens = 1024 if chunk_blocks is None else chunk_blocks * BLOCK_SIZE
+    sched, log = events_scheduler(max_num_batched_tokens=max_tokens)
+    req = request(prompt(PROMPT_BLOCKS * BLOCK_SIZE + 3))
+    run_local_prefill(sched, req)
+    hashes = external_hashes(req)
+    logical_parent = {h: (hashes[j - 1] if j else None) for j, h in enumerate(hashes)}
+
+    stored = stored_by_group(log.take())
+    assert sorted(stored) == list(range(1 + NUM_MAMBA_GROUPS))
+    for group, events in stored.items():
+        linked = {}
+        for event in events:
+            parent = event.parent_block_hash
+            for block_hash in event.block_hashes:
+                linked[block_hash] = parent
+                parent = block_hash
+        assert linked, group
+        assert linked == {h: logical_parent[h] for h in linked}, group
+        if chunk_blocks is not None:
+            # A state block after every chunk: runs with skipped blocks between.
+            assert len(events) > 1 and len(linked) > 1, group
+    assert set().union(*(s.block_hashes for s in stored[0])) == set(hashes[:PROMPT_BLOCKS])
 
 
 def announced_by_group(events) -> dict[int, set]:
