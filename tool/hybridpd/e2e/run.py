@@ -261,7 +261,10 @@ def _speculative_decode_blocks(o: E2EOptions, speculative: dict) -> int:
     Speculative decoding gives each Mamba group a page per speculative token and an
     MTP drafter regroups the layers (the tiny model: 2 Mamba groups instead of 3), so
     a pool of 16 plus those pages (22 for 3 tokens, 1.22 requests of 1024 tokens) left
-    the concurrent requests room enough that a run saw no preemption."""
+    the concurrent requests room enough that a run saw no preemption. Measured, this
+    one (19) does not preempt either: D holds one concurrent request at a time (1 + N
+    pages per Mamba group at admission), which alone never outgrows the pool; a pool
+    that preempts must admit two (docs/e2e.md)."""
     length = o.max_model_len
     if length is None:
         length = pair_mod.pool_max_model_len(CORRECTNESS_DECODE_BLOCKS, o.block_size,
