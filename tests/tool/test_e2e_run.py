@@ -244,14 +244,39 @@ def test_speculative_config_goes_to_both_servers_and_sizes_the_decode_pool(
     assert [_flag(started[s], "--speculative-config") for s in ("prefill", "decode")] == [
         '{"method":"mtp","num_speculative_tokens":3}'] * 2
     # The tiny model with its MTP module, 5 layers (3 linear, 2 full): 2 Mamba groups,
-    # each holding 3 pages more per request.
+    # each holding 3 pages more per request; the smallest pool that holds 1024 tokens
+    # with them (22, 16 plus those pages, left room enough that D never preempted).
     assert ("tiny", "qwen3_5", "state-sensitive-mtp", "mtp") in stood_in
-    assert _flag(started["decode"], "--num-gpu-blocks-override") == "22"
+    assert _flag(started["decode"], "--num-gpu-blocks-override") == "19"
+    assert _flag(started["decode"], "--max-model-len") == "1024"
     # A tiny model whose drafts are accepted nearly always no longer tests rejection.
     assert result.failures == [
         "patched / nixl: the decode instance accepted 0.95 of the MTP module's drafts, "
         "outside 0.2..0.8 (the tiny model's MTP weights no longer draft as designed)"]
     assert "decode accepted 95 of 100 drafted tokens" in result.paths["md"].read_text()
+
+
+@pytest.mark.parametrize(("given", "n", "max_model_len", "blocks"), [
+    ({"max_model_len": 1024}, 1, "1024", "15"),  # 1 null + 2 x (2 + 1) + 8
+    ({}, 3, "1152", "20"),  # the length 16 blocks hold without MTP: 1 + 2 x 5 + 9
+    ({"decode_num_blocks": 24}, 3, "1664", "24"),  # a pool given is the pool
+])
+def test_the_speculative_decode_pool_is_the_smallest_that_holds_max_model_len(
+    tmp_path: Path, stood_in: _Calls, monkeypatch: pytest.MonkeyPatch,
+    given, n, max_model_len, blocks,
+) -> None:
+    _, series = standard_project(tmp_path)
+    recorders = _record_server_starts(tmp_path, monkeypatch)
+    monkeypatch.setattr(run_mod, "_acceptance", lambda pair, log: {
+        "decode": {"draft_tokens": 100, "accepted_tokens": 50, "acceptance_rate": 0.5},
+        "prefill": None})
+    spec = f'{{"method": "mtp", "num_speculative_tokens": {n}}}'
+    run_mod.run(series, _options(tmp_path, series, scenario="correctness",
+                                 speculative_config=spec, **given), [], print)
+    [started] = [r.started for r in recorders]
+    assert _flag(started["decode"], "--num-gpu-blocks-override") == blocks
+    assert [_flag(started[s], "--max-model-len") for s in ("prefill", "decode")] == [
+        max_model_len] * 2
 
 
 def test_a_speculative_config_the_tiny_model_cannot_serve_is_one_line(
@@ -282,6 +307,19 @@ def test_the_pool_arithmetic() -> None:
     with_mtp = list(pair_mod.QWEN35_LAYER_TYPES) + ["full_attention"]
     assert pair_mod.kv_cache_groups(with_mtp) == (2, 1)
     assert pair_mod.pool_max_model_len(22, 128, with_mtp, speculative_tokens=3) == 1408
+    # The smallest pool for a length: the null block, 2 + 3 pages in each of the 2
+    # Mamba groups, 8 attention blocks for 1024 tokens (the lookahead takes none beyond
+    # max_model_len); a block less holds a request of 896 tokens.
+    assert pair_mod.pool_blocks(1024, 128, with_mtp, speculative_tokens=3) == 19
+    assert pair_mod.pool_max_model_len(19, 128, with_mtp, speculative_tokens=3) == 1024
+    assert pair_mod.pool_max_model_len(18, 128, with_mtp, speculative_tokens=3) == 896
+    assert pair_mod.pool_blocks(1152, 128, qwen35) == 16
+    for layers, n in ((qwen35, 0), (with_mtp, 1), (with_mtp, 3), (qwen35, 2)):
+        for length in (1, 127, 128, 129, 1000, 1024, 1025, 4096):
+            for bs in (128, 256):
+                blocks = pair_mod.pool_blocks(length, bs, layers, speculative_tokens=n)
+                assert pair_mod.pool_max_model_len(blocks, bs, layers, n) >= length
+                assert pair_mod.pool_max_model_len(blocks - 1, bs, layers, n) < length
 
 
 def test_the_tiny_models_without_mtp_keep_their_cache_ids() -> None:

@@ -267,6 +267,21 @@ def pool_max_model_len(
     return max(0, usable // max(attention, 1) * block_size)
 
 
+def pool_blocks(
+    model_len: int, block_size: int, layer_types: list[str] | tuple[str, ...],
+    speculative_tokens: int = 0,
+) -> int:
+    """The smallest pool (``--num-gpu-blocks-override``) vLLM starts with at
+    ``--max-model-len model_len``: the inverse of :func:`pool_max_model_len`, the null
+    block, :data:`MAMBA_ALIGN_BLOCKS` plus one page per speculative token in each Mamba
+    group, and ceil(model_len / block_size) in each attention group. The lookahead costs
+    no attention block beyond those: vLLM allocates a request's lookahead slots only up
+    to ``max_model_len`` (``KVCacheManager.allocate_slots``)."""
+    mamba, attention = kv_cache_groups(layer_types)
+    return (1 + (MAMBA_ALIGN_BLOCKS + speculative_tokens) * mamba
+            + -(-model_len // block_size) * max(attention, 1))
+
+
 # --------------------------------------------------------------------------- a pair
 
 

@@ -235,10 +235,9 @@ class _Plan:
         speculative = _speculative(o)
         blocks = o.decode_num_blocks
         if blocks is None and o.scenario == "correctness":
-            # Each Mamba group holds a page more per speculative token: the pool grows
-            # by as many, so that a request leaves the same room as without them.
-            mamba, _ = pair_mod.kv_cache_groups(_layer_types(o))
-            blocks = CORRECTNESS_DECODE_BLOCKS + mamba * speculative_tokens(speculative)
+            blocks = CORRECTNESS_DECODE_BLOCKS
+            if speculative:
+                blocks = _speculative_decode_blocks(o, speculative)
         max_model_len = _max_model_len(o, blocks, bool(lmcache))
         return cls(connectors, gpus, builds, bool(lmcache), blocks, max_model_len, speculative)
 
@@ -250,8 +249,28 @@ class _Plan:
 
 #: The correctness scenario's decode pool in blocks (``--decode-num-blocks``' default
 #: there): small enough that its concurrent requests preempt (see CorrectnessOptions).
-#: With speculative decoding, one more per Mamba group and speculative token.
+#: With speculative decoding, see :func:`_speculative_decode_blocks`.
 CORRECTNESS_DECODE_BLOCKS = 16
+
+
+def _speculative_decode_blocks(o: E2EOptions, speculative: dict) -> int:
+    """The correctness scenario's decode pool with speculative decoding: the smallest
+    vLLM starts with at ``--max-model-len`` (left out: the length the pool of
+    :data:`CORRECTNESS_DECODE_BLOCKS` holds without it), lookahead pages included.
+
+    Speculative decoding gives each Mamba group a page per speculative token and an
+    MTP drafter regroups the layers (the tiny model: 2 Mamba groups instead of 3), so
+    a pool of 16 plus those pages (22 for 3 tokens, 1.22 requests of 1024 tokens) left
+    the concurrent requests room enough that a run saw no preemption. Measured, this
+    one (19) does not preempt either: D holds one concurrent request at a time (1 + N
+    pages per Mamba group at admission), which alone never outgrows the pool; a pool
+    that preempts must admit two (docs/e2e.md)."""
+    length = o.max_model_len
+    if length is None:
+        length = pair_mod.pool_max_model_len(CORRECTNESS_DECODE_BLOCKS, o.block_size,
+                                             _layer_types(o, drafter=False))
+    return pair_mod.pool_blocks(length, o.block_size, _layer_types(o),
+                                speculative_tokens(speculative))
 
 
 def _speculative(o: E2EOptions) -> dict | None:
@@ -325,12 +344,12 @@ def _longest_request(o: E2EOptions, lmcache: bool) -> int:
     return o.prefix_len + o.suffix_len + o.output_len
 
 
-def _layer_types(o: E2EOptions) -> list[str] | tuple[str, ...]:
+def _layer_types(o: E2EOptions, drafter: bool = True) -> list[str] | tuple[str, ...]:
     """The model's layer types before anything is built: the tiny model's spec, a
     local model's config.json, else Qwen3.5's layout (a hub id); with MTP, its
     modules' full-attention layers after them (vLLM groups the drafter's KV cache with
-    the target's)."""
-    mtp = _is_mtp(_speculative(o))
+    the target's; ``drafter`` False: without them)."""
+    mtp = drafter and _is_mtp(_speculative(o))
     if o.tiny:
         return list(SPEC["layer_types"]) + ["full_attention"] * mtp
     data: dict = {}
