@@ -73,11 +73,14 @@ class Network:
         """A network with a new id and a /24 that overlaps none of ``taken`` (default:
         this machine's routes and addresses)."""
         taken = list(taken if taken is not None else _taken_networks())
-        for _ in range(500):
-            a, b = secrets.randbelow(_RANGE[1] - _RANGE[0] + 1) + _RANGE[0], secrets.randbelow(256)
-            net = ipaddress.IPv4Network(f"10.{a}.{b}.0/24")
+        # A random one first (two runs at once rarely pick the same), then each in turn.
+        start = secrets.randbelow((_RANGE[1] - _RANGE[0] + 1) * 256)
+        count = (_RANGE[1] - _RANGE[0] + 1) * 256
+        for i in range(count):
+            a, b = divmod((start + i) % count, 256)
+            net = ipaddress.IPv4Network(f"10.{_RANGE[0] + a}.{b}.0/24")
             if not any(net.overlaps(t) for t in taken):
-                return cls(secrets.token_hex(3), f"10.{a}.{b}")
+                return cls(secrets.token_hex(3), f"10.{_RANGE[0] + a}.{b}")
         raise NetnsError("no free private /24 in 10.200.0.0/16-10.254.255.0/24 for the "
                          "simulated hosts: this machine's routes cover them all")
 
