@@ -84,14 +84,15 @@ class Entry:
     @classmethod
     def of(cls, name: str, pid: int, shm: tuple[str, ...] = (),
            root: int | None = None) -> Entry | None:
-        """The entry of a process just started (None: it or the holder ``root`` is
-        already gone)."""
+        """The entry of a process just started (None: it is already gone). A holder
+        ``root`` already gone is recorded with start time -1: no /dev/shm of its is
+        ever read or removed."""
         ident = proc.identity(pid)
-        held = proc.identity(root) if root is not None else None
-        if ident is None or (root is not None and held is None):
+        if ident is None:
             return None
+        held = proc.identity(root) if root is not None else None
         return cls(name, pid, ident.pgid, ident.start_time, {}, tuple(shm),
-                   (root, held.start_time) if held is not None else None)
+                   None if root is None else (root, held.start_time if held else -1))
 
     def to_json(self) -> dict[str, Any]:
         return {
