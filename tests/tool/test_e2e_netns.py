@@ -275,3 +275,44 @@ def test_a_sigkilled_runs_network_is_removed_by_reap(tmp_path: Path) -> None:
                 (run_dir / reap.RECORD).read_text())["network"]))
         except (OSError, ValueError, KeyError):
             pass
+
+
+def test_the_decode_side_and_its_lmcache_server_share_a_host(tmp_path: Path) -> None:
+    """lmcache+nixl on two hosts: the lmcache server joins the decode host (their
+    /dev/shm is one), listens on its address, and the decode instance's connector and
+    the readiness check name that address; the prefill host runs vLLM alone."""
+    started: dict[str, dict] = {}
+
+    class Procs:
+        log_dir = tmp_path
+        procs: dict = {}
+
+        def start(self, name, cmd, env=None, cwd=None, shm=(), root=None):
+            started[name] = {"cmd": list(cmd), "env": dict(env or {}), "root": root}
+
+        def wait_ready(self, urls, timeout, progress):
+            started[next(iter(urls))]["ready"] = next(iter(urls.values()))
+            return {n: 1.0 for n in urls}
+
+    class Env:
+        python = Path("/v/bin/python")
+
+    hosts = pair_mod.Hosts(NET, {"p": 111, "d": 222})
+    pair = pair_mod._start_pair_once(Procs(), Env(), "m", "lmcache+nixl", "kv_both",
+                                     pair_mod.ServerOptions(hosts="netns"), print, hosts)
+    lm, p, d = started["lmcache"], started["prefill"], started["decode"]
+    assert lm["cmd"][:5] == ["nsenter", "--target=222", "--net", "--ipc", "--mount"]
+    assert lm["root"] == 222 and lm["cmd"][lm["cmd"].index("--host") + 1] == "10.231.4.3"
+    assert lm["ready"].startswith("http://10.231.4.3:")
+    assert p["cmd"][1] == "--target=111" and p["root"] == 111
+    assert p["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.231.4.2"
+    assert d["env"]["UCX_NET_DEVICES"] == "hpda1b2c3dn" and d["root"] == 222
+    kv = json.loads(d["cmd"][d["cmd"].index("--kv-transfer-config") + 1])
+    lm_child = kv["kv_connector_extra_config"]["connectors"][0]
+    assert lm_child["kv_connector_extra_config"]["lmcache.mp.host"] == "tcp://10.231.4.3"
+    assert (pair.prefill, pair.decode) == (f"http://10.231.4.2:{p['cmd'][p['cmd'].index('--port') + 1]}",
+                                           f"http://10.231.4.3:{d['cmd'][d['cmd'].index('--port') + 1]}")
+    assert pair.front.startswith("http://127.0.0.1:") and pair.network == NET
+    # The router runs here, in the root namespace, and names both hosts' addresses.
+    router = started["router"]["cmd"]
+    assert router[0] != "nsenter" and pair.prefill in router and pair.decode in router

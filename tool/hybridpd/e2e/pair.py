@@ -380,8 +380,9 @@ def _start_pair_once(
     role: str,
     opts: ServerOptions,
     progress: Log,
-    hosts: Hosts,
+    hosts: Hosts | None = None,
 ) -> Pair:
+    hosts = hosts or Hosts()
     ports = {name: free_port() for name in ("prefill", "decode", "front")}
     nixl_ports = {"prefill": free_port(), "decode": free_port()}
     commands = {}
