@@ -37,11 +37,11 @@ import os
 import re
 import secrets
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from hybridpd import proc
 from hybridpd.errors import HybridpdError
 
 #: ``--hosts`` values: every process on this host, or prefill and decode on two
@@ -137,10 +137,10 @@ def check_usable() -> None:
         raise NetnsError(f"--hosts netns needs {', '.join(missing)} (iproute2, util-linux)")
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise NetnsError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+def _ip(*args: str, check: bool = True) -> proc.Completed:
+    done = proc.run(["ip", *args], env=dict(os.environ), timeout=60)
+    if check and not done.ok:
+        raise NetnsError(f"ip {' '.join(args)}: {done.tail()}")
     return done
 
 
@@ -174,11 +174,11 @@ def remove(net: Network) -> list[str]:
                 continue
             done = _ip("netns", "delete", name, check=False)
         else:
-            if _ip("link", "show", "dev", name, check=False).returncode != 0:
+            if not _ip("link", "show", "dev", name, check=False).ok:
                 continue
             done = _ip("link", "delete", "dev", name, check=False)
-        if done.returncode != 0 and name in exists(net):
-            raise NetnsError(f"cannot remove {name}: {done.stderr.strip()}")
+        if not done.ok and name in exists(net):
+            raise NetnsError(f"cannot remove {name}: {done.tail()}")
         # A veth end goes with its namespace, possibly while it is removed here.
         removed.append(name)
     return removed
@@ -188,7 +188,7 @@ def exists(net: Network) -> list[str]:
     """The names of ``net`` that exist now."""
     return [n for n in net.names()
             if (Path("/run/netns", n).exists() if n.startswith("hpd-")
-                else _ip("link", "show", "dev", n, check=False).returncode == 0)]
+                else _ip("link", "show", "dev", n, check=False).ok)]
 
 
 def holder_command(net: Network, side: str) -> list[str]:
