@@ -243,7 +243,7 @@ def test_the_server_starts_before_the_decode_instance_whose_record_names_its_shm
         log_dir = tmp_path
         procs: dict = {}
 
-        def start(self, name, cmd, env=None, cwd=None, shm=()):
+        def start(self, name, cmd, env=None, cwd=None, shm=(), root=None):
             started.append((name, tuple(shm)))
 
         def wait_ready(self, urls, timeout, progress):

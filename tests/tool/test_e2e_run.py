@@ -178,7 +178,7 @@ class _Recorder:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir, self.started = log_dir, {}
 
-    def start(self, name, cmd, env=None, cwd=None, shm=()):
+    def start(self, name, cmd, env=None, cwd=None, shm=(), root=None):
         self.started[name] = cmd
 
     def wait_ready(self, urls, timeout, progress):
@@ -368,7 +368,7 @@ def test_the_router_starts_once_both_instances_answer(
     order = []
 
     class Recorder(_Recorder):
-        def start(self, name, cmd, env=None, cwd=None, shm=()):
+        def start(self, name, cmd, env=None, cwd=None, shm=(), root=None):
             order.append(("start", name))
             super().start(name, cmd, env, cwd, shm)
 

@@ -217,7 +217,8 @@ def test_start_pair_starts_again_on_new_ports_when_a_port_was_taken(monkeypatch,
 
     monkeypatch.setattr(pair_mod, "_start_pair_once", once)
     said = []
-    pair = pair_mod.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
+    pair = pair_mod.start_pair(Procs(), None, "m", "nixl", "kv_both", pair_mod.ServerOptions(),
+                               said.append)
     assert pair.decode == "d" and len(attempts) == 3
     assert stopped == ["proxy", "decode", "prefill"] * 2
     assert "starting the pair again on new ports (2/3)" in said[0]
@@ -225,7 +226,8 @@ def test_start_pair_starts_again_on_new_ports_when_a_port_was_taken(monkeypatch,
     attempts.clear()
     monkeypatch.setattr(pair_mod, "START_ATTEMPTS", 2)
     with pytest.raises(StartupFailed):
-        pair_mod.start_pair(Procs(), None, "m", "nixl", "kv_both", None, said.append)
+        pair_mod.start_pair(Procs(), None, "m", "nixl", "kv_both", pair_mod.ServerOptions(),
+                               said.append)
 
 
 def test_start_pair_does_not_retry_other_startup_failures(monkeypatch) -> None:
@@ -236,4 +238,4 @@ def test_start_pair_does_not_retry_other_startup_failures(monkeypatch) -> None:
 
     monkeypatch.setattr(pair_mod, "_start_pair_once", once)
     with pytest.raises(StartupFailed, match="something else"):
-        pair_mod.start_pair(None, None, "m", "nixl", "kv_both", None, print)
+        pair_mod.start_pair(None, None, "m", "nixl", "kv_both", pair_mod.ServerOptions(), print)

@@ -13,6 +13,7 @@ import click
 
 from hybridpd.cli import jsonout
 from hybridpd.cli.options import connector_option, log, pin_option, torch_option
+from hybridpd.e2e import netns as netns_mod
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
@@ -68,7 +69,7 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--reap", "reap_dir", metavar="DIR",
               type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Only end the servers a killed run into DIR (its --out) left running, "
-              "and remove their shared-memory files.")
+              "and remove their shared-memory files and simulated hosts' network.")
 @click.option("--device", type=click.Choice(DEVICES), default=_D.device, show_default=True)
 @click.option("--model", metavar="ID_OR_PATH", help="Model to serve (GPU: Qwen/Qwen3.5-35B-A3B).")
 @click.option("--tiny", is_flag=True, help="Write and serve a 4-layer random-weight Qwen3.5-architecture model.")
@@ -90,6 +91,12 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
               help="What PD requests go through: vLLM's router (vllm-router "
               f"{router_mod.VERSION}, installed into the e2e venvs) or hybridpd's proxy. "
               "correctness sends its concurrent requests' two steps itself either way.")
+@click.option("--hosts", type=click.Choice(netns_mod.HOSTS), default=_D.hosts,
+              show_default=True,
+              help="one: every process on this host. netns (root): prefill and decode each "
+              "on a simulated host (network, IPC and mount namespaces of its own, joined by "
+              "a bridge the run makes), NIXL's KV over UCX TCP on that link, checked in "
+              "UCX's log.")
 @click.option("--scenario", type=click.Choice(run_mod.SCENARIOS), default=_D.scenario, show_default=True)
 @click.option("--compare", type=click.Choice(["stock"]), help="Also run the stock build (OFF column).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),

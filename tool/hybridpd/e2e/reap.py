@@ -26,7 +26,13 @@ with other hosts or containers never lets one act on another's processes. Invari
   process's);
 - a record whose writer (the hybridpd process that started the groups, pid and start
   time) still runs is refused with one line: that run is alive and reaps its own;
-- the record is deleted once every group in it is handled.
+- the record is deleted once every group in it is handled, and the network of
+  simulated hosts it names (``--hosts netns``, :mod:`.netns`: namespaces and links,
+  recorded before they are made) is removed;
+- a server on a simulated host has the ``/dev/shm`` of that host, whose holder process
+  the entry names (``root``: pid and start time): its files are read and removed as
+  ``/proc/<holder>/root/dev/shm/...`` only while that holder runs with its recorded
+  start time; once it is gone, so is that tmpfs and everything in it.
 
 A SIGKILL between a fork and the record's write would leave a group no record names;
 :meth:`~.servers.Processes.start` writes the record before it returns, so that window is
@@ -40,6 +46,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -47,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd import cache, guard, proc
+from hybridpd.e2e import netns
 from hybridpd.errors import HybridpdError, LocalFileError
 
 #: The record's name in a run directory.
@@ -69,14 +77,22 @@ class Entry:
     start_time: int
     members: dict[int, int] = dataclasses.field(default_factory=dict)  # pid -> start time
     shm: tuple[str, ...] = ()
+    # The holder (pid, start time) of the simulated host whose /dev/shm the globs
+    # name (netns.py); None: this host's.
+    root: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, name: str, pid: int, shm: tuple[str, ...] = ()) -> Entry | None:
-        """The entry of a process just started (None: it is already gone)."""
+    def of(cls, name: str, pid: int, shm: tuple[str, ...] = (),
+           root: int | None = None) -> Entry | None:
+        """The entry of a process just started (None: it is already gone). A holder
+        ``root`` already gone is recorded with start time -1: no /dev/shm of its is
+        ever read or removed."""
         ident = proc.identity(pid)
         if ident is None:
             return None
-        return cls(name, pid, ident.pgid, ident.start_time, {}, tuple(shm))
+        held = proc.identity(root) if root is not None else None
+        return cls(name, pid, ident.pgid, ident.start_time, {}, tuple(shm),
+                   None if root is None else (root, held.start_time if held else -1))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,13 +100,15 @@ class Entry:
             "start_time": self.start_time,
             "members": [[p, s] for p, s in sorted(self.members.items())],
             "shm": list(self.shm),
+            **({"root": list(self.root)} if self.root is not None else {}),
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Entry:
         return cls(str(data["name"]), int(data["pid"]), int(data["pgid"]),
                    int(data["start_time"]), {int(p): int(s) for p, s in data.get("members", [])},
-                   tuple(str(g) for g in data.get("shm", [])))
+                   tuple(str(g) for g in data.get("shm", [])),
+                   (int(data["root"][0]), int(data["root"][1])) if data.get("root") else None)
 
     def known(self) -> dict[int, int]:
         """Every recorded pid of the group with its start time."""
@@ -108,19 +126,37 @@ class Entry:
         return new
 
     def shm_paths(self) -> set[Path]:
-        """The files under /dev/shm the globs name now."""
+        """The files under /dev/shm the globs name now (under the simulated host's,
+        while its holder runs; none once it is gone)."""
+        base = shm_dir(self.root)
+        if base is None:
+            return set()
         out: set[Path] = set()
         for pattern in self.shm:
+            if base != SHM and pattern.startswith(f"{SHM}/"):
+                pattern = f"{base}/{pattern[len(str(SHM)) + 1:]}"
             for pid in self.known() if "{pid}" in pattern else (None,):
                 expanded = pattern.replace("{pid}", str(pid)) if pid is not None else pattern
                 out |= {Path(p) for p in glob.glob(expanded)}
         return {p for p in out if _under_shm(p)}
 
 
-def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None) -> None:
-    """Write the record of ``entries`` started by ``writer`` (delete it when there are
-    none)."""
-    if not entries:
+def shm_dir(root: tuple[int, int] | None) -> Path | None:
+    """/dev/shm, or that of the simulated host whose holder is ``root`` (pid, start
+    time) as seen from here; None where that holder is gone (and its tmpfs with it)."""
+    if root is None:
+        return SHM
+    now = proc.identity(root[0])
+    if now is None or now.start_time != root[1]:
+        return None
+    return Path(f"/proc/{root[0]}/root/dev/shm")
+
+
+def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None,
+          network: dict | None = None) -> None:
+    """Write the record of ``entries`` started by ``writer`` and of the ``network`` of
+    simulated hosts it made (delete it when there is neither)."""
+    if not entries and network is None:
         path.unlink(missing_ok=True)
         _named(path).unlink(missing_ok=True)
         return
@@ -128,6 +164,7 @@ def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None)
         "boot_id": proc.boot_id(),
         "writer": [writer.pid, writer.start_time] if writer else None,
         "processes": [e.to_json() for e in entries],
+        **({"network": network} if network is not None else {}),
     }
     guard.write_atomic(path, json.dumps(doc, indent=2) + "\n")
     named = _named(path)  # after the record: a name never points at a record to come
@@ -136,7 +173,8 @@ def write(path: Path, entries: list[Entry], writer: proc.Identity | None = None)
 
 
 def read(path: Path) -> tuple[str, list[Entry]]:
-    """The boot id and entries of a record; a record that cannot be read is an error
+    """The boot id and entries of a record (:func:`read_network` its network); a
+    record that cannot be read is an error
     that names it (never a reason to signal anything), and so is one whose writer still
     runs (:class:`StillRunning`)."""
     try:
@@ -160,6 +198,38 @@ def read(path: Path) -> tuple[str, list[Entry]]:
                            f"{writer[0]}) is still running; stop it (it reaps its own) "
                            "or use another --out")
     return boot, entries
+
+
+def read_network(path: Path) -> netns.Network | None:
+    """The network of simulated hosts a record names (None: none); an error that names
+    the record where it cannot be read."""
+    try:
+        data = json.loads(path.read_text()).get("network")
+        return netns.Network.from_json(data) if data is not None else None
+    except OSError as exc:
+        raise LocalFileError.from_os_error(exc) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise LocalFileError(f"{path}: its network is not one e2e made ({exc}); "
+                             "remove its namespaces and links by hand") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkReaped:
+    """What :func:`reap` removed of a recorded network of simulated hosts."""
+
+    record: Path
+    network: str  # its id
+    removed: tuple[str, ...]
+
+    def line(self) -> str:
+        what = (f"removed {', '.join(self.removed)}" if self.removed
+                else "already gone")
+        return f"{self.record.parent}: network of simulated hosts {self.network} {what}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"record": str(self.record), "network": self.network,
+                "outcome": "removed" if self.removed else "gone",
+                "removed": list(self.removed)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,20 +265,20 @@ def records(directory: Path) -> list[Path]:
     return [p for p in found if p.is_file()]
 
 
-def reap(directory: Path, grace: float = 5.0) -> list[Reaped]:
+def reap(directory: Path, grace: float = 5.0) -> list[Reaped | NetworkReaped]:
     """End what the runs recorded in ``directory`` left running (see the module's
     invariants); what was done with each recorded group."""
-    out: list[Reaped] = []
+    out: list[Reaped | NetworkReaped] = []
     for path in records(directory):
         out.extend(_reap_record(path, grace))
     return out
 
 
-def reap_registered(grace: float = 5.0) -> tuple[list[Reaped], list[str]]:
+def reap_registered(grace: float = 5.0) -> tuple[list[Reaped | NetworkReaped], list[str]]:
     """End what killed runs left wherever they wrote (the records named in
     ``<cache>/e2e/live/``); a live run's record is left to it. What was done with each
     group, and a line per record that could not be read (kept, never signalled)."""
-    out: list[Reaped] = []
+    out: list[Reaped | NetworkReaped] = []
     unreadable: list[str] = []
     if not _live().is_dir():
         return out, unreadable
@@ -238,10 +308,20 @@ def reap_registered(grace: float = 5.0) -> tuple[list[Reaped], list[str]]:
     return out, unreadable
 
 
-def _reap_record(path: Path, grace: float) -> list[Reaped]:
+def _reap_record(path: Path, grace: float) -> list[Reaped | NetworkReaped]:
     boot, entries = read(path)
+    network = read_network(path)
     same_boot = boot == proc.boot_id()
-    out = [_reap_one(path, entry, same_boot, grace) for entry in entries]
+    out: list[Reaped | NetworkReaped] = [
+        _reap_one(path, entry, same_boot, grace) for entry in entries]
+    if network is not None and same_boot:
+        # Its servers are ended: nothing holds the namespaces any more. (Another boot
+        # has none of them: /run/netns and the links do not outlive one.)
+        try:
+            removed = netns.remove(network)
+        except netns.NetnsError as exc:
+            raise LocalFileError(f"{path}: {exc.message}; the record is kept") from None
+        out.append(NetworkReaped(path, network.id, tuple(removed)))
     path.unlink(missing_ok=True)
     _named(path).unlink(missing_ok=True)
     return out
@@ -286,9 +366,26 @@ def _reap_one(path: Path, entry: Entry, same_boot: bool, grace: float) -> Reaped
 
 
 def owned_shm(pgid: int) -> set[Path]:
-    """The files under /dev/shm the live members of group ``pgid`` map or hold open."""
-    return {p for pid in proc.group_members(pgid) for p in proc.shm_files(pid)
-            if _under_shm(p)}
+    """The files under /dev/shm the live members of group ``pgid`` map or hold open; a
+    member in another mount namespace (a simulated host's) names its own /dev/shm,
+    reached here through ``/proc/<pid>/root``."""
+    mine = _mount_ns("self")
+    out: set[Path] = set()
+    for pid in proc.group_members(pgid):
+        theirs = _mount_ns(str(pid))
+        for p in proc.shm_files(pid):
+            if theirs is not None and theirs != mine:
+                p = Path(f"/proc/{pid}/root{p}")
+            if _under_shm(p):
+                out.add(p)
+    return out
+
+
+def _mount_ns(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
 
 
 def _end_group(pgid: int, grace: float) -> None:
@@ -305,8 +402,13 @@ def _end_group(pgid: int, grace: float) -> None:
         time.sleep(0.05)
 
 
+#: A simulated host's /dev/shm seen from the root mount namespace.
+_HOST_SHM = re.compile(r"^/proc/\d+/root/dev/shm$")
+
+
 def _under_shm(path: Path) -> bool:
-    return path.parent == SHM and ".." not in path.parts
+    return ".." not in path.parts and (
+        path.parent == SHM or bool(_HOST_SHM.match(str(path.parent))))
 
 
 def _remove(paths: set[Path]) -> tuple[str, ...]:

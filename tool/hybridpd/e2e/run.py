@@ -19,6 +19,7 @@ from hybridpd import cache, proc, progress
 from hybridpd import speculative as spec_mod
 from hybridpd.e2e import correctness, metrics, prefix_repetition, smoke
 from hybridpd.e2e import lmcache as lm
+from hybridpd.e2e import netns
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import router as router_mod
@@ -89,6 +90,9 @@ class E2EOptions:
     # vLLM's --speculative-config JSON, passed to both instances (P is also the
     # single-instance reference); None: no speculative decoding.
     speculative_config: str | None = None
+    # Where P and D run (netns.HOSTS): this host, or two simulated ones, each in
+    # network, IPC and mount namespaces of its own (e2e/netns.py).
+    hosts: str = "one"
 
     def to_json(self) -> dict:
         """The report's ``options`` (its shape a contract: the pin as ``version``)."""
@@ -165,6 +169,8 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
             "front": (f"vllm-router {router_mod.VERSION}" if o.front == "router"
                       else "hybridpd proxy"),
             **({"speculative_config": plan.speculative} if plan.speculative else {}),
+            **({"hosts": "netns: prefill and decode in network, IPC and mount namespaces of "
+                         f"their own, UCX_TLS={netns.UCX_TLS}"} if o.hosts == "netns" else {}),
         },
         notes=notes,
     )
@@ -208,6 +214,17 @@ class _Plan:
                 )
         if o.front not in router_mod.FRONTS:
             raise E2EUsageError(f"--front {o.front}: choose {' or '.join(router_mod.FRONTS)}")
+        if o.hosts not in netns.HOSTS:
+            raise E2EUsageError(f"--hosts {o.hosts}: choose {' or '.join(netns.HOSTS)}")
+        if o.hosts == "netns":
+            if o.device != "cpu":
+                raise E2EUsageError(
+                    "--hosts netns runs on CPU only so far: UCX over TCP alone moves host "
+                    "memory, and a GPU's KV would need UCX's CUDA transports beside it")
+            try:
+                netns.check_usable()
+            except netns.NetnsError as exc:
+                raise E2EUsageError(exc.message) from None
         gpus = tuple(g.strip() for g in o.gpus.split(","))
         if len(gpus) not in (1, 2):
             raise E2EUsageError("--gpus takes two GPU ids (P,D), or one that P and D share")
@@ -395,6 +412,7 @@ def _server_options(o: E2EOptions, plan: _Plan) -> pair_mod.ServerOptions:
         front=o.front,
         speculative_config=(json.dumps(plan.speculative, separators=(",", ":"))
                             if plan.speculative else None),
+        hosts=o.hosts,
     )
 
 
@@ -480,6 +498,8 @@ class _PairRun:
                     t1 = time.monotonic()
                     result = self._scenario(pair, procs, log)
                     t2 = time.monotonic()
+                    if pair.network is not None:
+                        _transport(pair.network, procs, result, log)
                     if self.opts.speculative_config is not None:
                         result["speculative"] = _acceptance(pair, log)
                     if lm.uses_lmcache(self.connector):
@@ -542,6 +562,25 @@ class _PairRun:
 ACCEPTANCE = (0.2, 0.8)
 
 
+def _transport(network: netns.Network, procs: Processes, result: dict, log: Log) -> None:
+    """The simulated hosts' proof: NIXL's transfers went over TCP on the link
+    (:func:`.netns.tcp_verdict` on the instances' logs); into ``result``'s checks
+    (``nixl_over_tcp``) and figures (``network``, ``ucx_transports``)."""
+    logs = {}
+    for side, name in (("p", "prefill"), ("d", "decode")):
+        try:
+            logs[side] = procs.procs[name].log.read_text(errors="replace")
+        except OSError as exc:
+            raise E2EError(f"cannot read the {name} instance's log: {exc}") from None
+    ok, seen = netns.tcp_verdict(network, logs)
+    result.setdefault("checks", {})["nixl_over_tcp"] = ok
+    result["network"] = network.to_json()
+    result["ucx_transports"] = seen
+    log(f"   UCX transports between the hosts: decode "
+        f"{', '.join(seen['remote_endpoints'].get('d', [])) or 'none'}, prefill "
+        f"{', '.join(seen['remote_endpoints'].get('p', [])) or 'none'}")
+
+
 def _acceptance(pair: pair_mod.Pair, log: Log) -> dict:
     """Each instance's drafted and accepted tokens over the whole run (vLLM's
     ``vllm:spec_decode_num_*`` counters)."""
@@ -598,6 +637,12 @@ def _failures(
     hit exactly for the connector sets upstream handles)."""
     where = run.where
     out = []
+    if not (run.checks or {}).get("nixl_over_tcp", True):
+        seen = run.figures.get("ucx_transports") or {}
+        out.append(f"{where}: NIXL's transfers between the simulated hosts did not go over "
+                   f"{seen.get('expected', 'TCP')} alone (UCX's protocol tables: "
+                   f"{seen.get('remote_endpoints')}, other transports "
+                   f"{seen.get('other_transports')})")
     if not (run.checks or {}).get("lmcache_removed_exited_segments", True):
         out.append(f"{where}: the lmcache server left the stopped decode instance's "
                    "shared-memory segments behind (or it registered none): "

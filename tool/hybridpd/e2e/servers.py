@@ -15,7 +15,8 @@ Invariants:
   after a failure) stops every group it started: SIGTERM, a grace period, then
   SIGKILL, and waits for each direct child so none is left as a zombie; a signal that
   arrives while it does so is held until it is done (then raised), never left to cut
-  the reaping short; it removes the shared-memory files the record names;
+  the reaping short; it removes the shared-memory files the record names, then the
+  network of simulated hosts (:mod:`.netns`) the record names, once nothing runs in it;
 - a process that exits while it is expected to run is a failure that names it: the
   watchdog thread wakes the main thread with a real signal (``SIGUSR1``, sent to that
   thread), whose handler raises there, so even a blocking call (a sleep, a request
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from hybridpd import proc as proc_mod
+from hybridpd.e2e import netns
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.errors import HybridpdError
 from hybridpd.proc import group_members
@@ -207,6 +209,7 @@ class Processes:
         self.procs: dict[str, Proc] = {}
         self.record = self.log_dir / reap_mod.RECORD
         self._entries: dict[str, reap_mod.Entry] = {}
+        self.network: netns.Network | None = None  # recorded before it is made
         self._writer = proc_mod.identity(os.getpid())
         self._closing = False
         self._holding = False  # in start(): between the fork and the record
@@ -273,10 +276,12 @@ class Processes:
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         shm: Sequence[str] = (),
+        root: int | None = None,
     ) -> Proc:
         """Start ``name`` in its own session and record it. ``shm``: globs of the
         shared-memory files it may leave under /dev/shm (``{pid}``: any pid of its
-        group), removed when it is stopped or reaped."""
+        group), removed when it is stopped or reaped; ``root``: the holder pid of the
+        simulated host it runs on, whose /dev/shm that is (:mod:`.netns`)."""
         if name in self.procs and self.procs[name].popen.poll() is None:
             raise E2EError(f"{name} is already running")
         log = self.log_dir / f"{name}.log"
@@ -289,7 +294,7 @@ class Processes:
             proc = Proc(name, cmd, log, popen)
             with self._lock:
                 self.procs[name] = proc
-                entry = reap_mod.Entry.of(name, popen.pid, tuple(shm))
+                entry = reap_mod.Entry.of(name, popen.pid, tuple(shm), root)
                 if entry is not None:
                     self._entries[name] = entry
                     self._write_record()
@@ -301,7 +306,21 @@ class Processes:
 
     def _write_record(self) -> None:
         """Write processes.json (the caller holds the lock)."""
-        reap_mod.write(self.record, list(self._entries.values()), self._writer)
+        reap_mod.write(self.record, list(self._entries.values()), self._writer,
+                       self.network.to_json() if self.network is not None else None)
+
+    def make_network(self, network: netns.Network) -> None:
+        """Record ``network``, then make it (:func:`.netns.create`); :meth:`close`
+        removes it, or a later reap where this run is killed."""
+        if self.network is not None:
+            raise E2EError(f"this run already has the network {self.network.id}")
+        with self._lock:
+            self.network = network
+            self._write_record()
+        try:
+            netns.create(network)
+        except netns.NetnsError as exc:
+            raise E2EError(f"cannot make the simulated hosts' network: {exc.message}") from None
 
     def _record_members(self) -> None:
         """Add the members each group gained (vLLM's engine core, its workers)."""
@@ -339,6 +358,21 @@ class Processes:
         owned = {p.name: reap_mod.owned_shm(p.pid) for p in procs}
         self._terminate(procs)
         self._forget(owned)
+        self._remove_network()
+
+    def _remove_network(self) -> None:
+        """Remove the run's network once no recorded group is left in it (a group left
+        keeps it, and the record, for a later reap)."""
+        with self._lock:
+            if self.network is None or self._entries:
+                return
+            try:
+                netns.remove(self.network)
+            except netns.NetnsError as exc:
+                raise E2EError(f"{exc.message}; `hybridpd e2e --reap {self.log_dir}` "
+                               "removes it") from None
+            self.network = None
+            self._write_record()
 
     def _forget(self, owned: Mapping[str, set[Path]]) -> None:
         """Drop stopped groups from the record and remove their shared-memory files
