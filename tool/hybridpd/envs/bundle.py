@@ -48,6 +48,7 @@ from hybridpd import proc as proc_mod
 from hybridpd.envs import build as build_mod
 from hybridpd.envs import parts as parts_mod
 from hybridpd.envs import pdextras
+from hybridpd.envs import runkit
 from hybridpd.envs import wheel_overlay as wo
 from hybridpd.errors import HybridpdError, UsageError
 from hybridpd.progress import Log, quiet
@@ -238,6 +239,11 @@ class _Clock:
         self._last = now
 
 
+def wheel_cache(target: Target) -> Path:
+    """Where downloads for ``target`` are kept, so a second bundle fetches only what changed."""
+    return cache.cache_dir() / "bundle" / "wheels" / f"cp{target.python_version.replace('.', '')}"
+
+
 def check_options(out: Path, variant: str, split_mib: int | None) -> None:
     if variant not in build_mod.DISTRIBUTIONS:
         raise UsageError(f"unknown variant {variant!r} (choose {', '.join(build_mod.DISTRIBUTIONS)})")
@@ -258,16 +264,19 @@ def make_bundle(
     split_mib: int | None,
     models: Sequence[Path] = (),
     links: Path | None = None,
+    tool_wheels: Sequence[Path] = (),
+    series_dir: Path | None = None,
     log: Log = quiet,
     clock: _Clock | None = None,
 ) -> BundleResult:
     """Write the bundle of the patched ``checkout`` (of ``pin``) into ``out``, which must
-    not exist or be empty. BundleError (one line) on failure, with nothing at ``out``."""
+    not exist or be empty. With ``series_dir``, also what runs it on the host
+    (:mod:`hybridpd.envs.runkit`: ``tool_wheels``, the series, ``run.sh``). BundleError
+    (one line) on failure, with nothing at ``out``."""
     out = Path(out).absolute()
     check_options(out, variant, split_mib)
     clock = clock or _Clock()
-    root = cache.cache_dir()
-    links = links or root / "bundle" / "wheels" / f"cp{target.python_version.replace('.', '')}"
+    links = links or wheel_cache(target)
     links.mkdir(parents=True, exist_ok=True)
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
@@ -277,6 +286,12 @@ def make_bundle(
         with scratch.tree("bundle-") as work:
             manifest = _make(checkout, pin, stage, work, variant, target, reuse, split_mib,
                              models, links, log, clock)
+        if series_dir is not None:
+            manifest["runner"] = {"script": runkit.SCRIPT,
+                                  "files": runkit.write(stage, tool_wheels, series_dir)}
+            clock.timings.pop("total")
+            clock.lap("runner")
+            clock.timings["total"] = round(time.monotonic() - clock.started, 1)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
             out.rmdir()
@@ -431,5 +446,12 @@ def bundle(
     dest.parent.mkdir(parents=True, exist_ok=True)
     patched_checkout(series, pin, dest, log=log)
     clock.lap("checkout")
-    return make_bundle(dest, pin, out, variant=variant, target=target, reuse=reuse,
-                       split_mib=split_mib, models=models, log=log, clock=clock)
+    links = wheel_cache(target)
+    links.mkdir(parents=True, exist_ok=True)
+    with scratch.tree("bundle-tool-") as work:
+        tool_wheels = runkit.build_tool_wheels(work / "tool", target.pip_args(), links, log=log)
+        clock.lap("hybridpd wheels")
+        return make_bundle(dest, pin, out, variant=variant, target=target, reuse=reuse,
+                           split_mib=split_mib, models=models, links=links,
+                           tool_wheels=tool_wheels, series_dir=series.path.parent, log=log,
+                           clock=clock)
