@@ -243,12 +243,13 @@ def test_rehearsal_offline(release, real_tool_wheels, tmp_path: Path) -> None:
     """The bundle's run.sh on a host with no network at all (``unshare -n``), no git and
     no pip configuration: hybridpd from the bundle's wheels, the patched and stock venvs,
     the models, and the e2e's CUDA server command lines (--dry-run)."""
-    unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "-n", sys.executable, "-c",
+    # As root a network namespace of its own; otherwise inside a user namespace (-r).
+    isolate = [shutil.which("unshare") or "unshare", "-n" if os.geteuid() == 0 else "-rn"]
+    probe = subprocess.run([*isolate, sys.executable, "-c",
                             "import socket; socket.create_connection(('192.0.2.1', 80), 2)"],
                            capture_output=True, text=True)
-    assert unshare and "Network is unreachable" in probe.stderr, (
-        "unshare -n must give a namespace without a network: " + probe.stderr[-300:])
+    assert "Network is unreachable" in probe.stderr, (
+        f"{' '.join(isolate)} must give a namespace without a network: {probe.stderr[-300:]}")
     bundle = release["tmp"] / "bundle"
     _run_bundle(release, bundle, tool_wheels=real_tool_wheels, series_dir=SERIES_DIR)
     bin_dir = tmp_path / "bin"  # what run.sh needs of the host, and no git
@@ -259,7 +260,7 @@ def test_rehearsal_offline(release, real_tool_wheels, tmp_path: Path) -> None:
            if not k.startswith(("PIP_", "HYBRIDPD_", "VIRTUAL_ENV", "GIT_PYTHON"))}
     env.update(PATH=str(bin_dir), PYTHON=sys.executable, PIP_CONFIG_FILE=os.devnull)
     out = tmp_path / "results"
-    done = subprocess.run([unshare, "-n", str(bin_dir / "sh"), str(bundle / "run.sh"),
+    done = subprocess.run([*isolate, str(bin_dir / "sh"), str(bundle / "run.sh"),
                            "--device", "cuda", "--gpus", "0", "--dry-run", "--out", str(out)],
                           capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
