@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from hybridpd.e2e import run as run_mod
 from hybridpd.envs import bundle as bundle_mod
-from hybridpd.envs import offline_run, runkit, wheelhouse
+from hybridpd.e2e import offline_run
+from hybridpd.envs import runkit, wheelhouse
 from hybridpd.series import model as series_mod
 from test_bundle import _bundle, _wheel, make_release
 

@@ -15,7 +15,7 @@ from hybridpd.e2e import tinymodel
 from hybridpd.cli.options import State, dir_option, json_flag, log, pin_option
 from hybridpd.envs import build as build_mod
 from hybridpd.envs import bundle as bundle_mod
-from hybridpd.envs import offline_run
+from hybridpd.e2e import offline_run
 from hybridpd.progress import quiet
 from hybridpd.series.model import Pin
 

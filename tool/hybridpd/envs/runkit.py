@@ -11,7 +11,7 @@ A bare host has no package index, no git and no hybridpd. Beside the payload par
 - ``run.sh``: the one command an operator runs in the unpacked bundle. It installs
   hybridpd into ``venvs/tool`` with no index, keeps hybridpd's cache inside the bundle
   (``cache/``), lets GitPython load where git is absent, and hands over to
-  ``hybridpd run-bundle`` (:mod:`hybridpd.envs.offline_run`) with the arguments it got.
+  ``hybridpd run-bundle`` (:mod:`hybridpd.e2e.offline_run`) with the arguments it got.
 
 These files are small (a few MiB in all), each well under any part size, so they travel
 as they are; ``bundle.json`` lists each with its sha256 (``runner``).
