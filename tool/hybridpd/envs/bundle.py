@@ -124,6 +124,25 @@ def wheel_requirements(wheel: Path, markers: Mapping[str, str]) -> list[Requirem
     return out
 
 
+def cuda_extras(
+    wheels: Mapping[str, Path], cuda: str, markers: Mapping[str, str]
+) -> dict[str, list[Requirement]]:
+    """``{dist: requirements}``: what each wheel's ``cu<cuda>`` extra adds, for the wheels
+    that offer one. nvidia-cutlass-dsl, which vLLM requires, brings its CUDA 12 libraries
+    by default and its CUDA 13 ones only with ``[cu13]``."""
+    extra = f"cu{cuda}"
+    out = {}
+    for name, wheel in sorted(wheels.items()):
+        with zipfile.ZipFile(wheel) as zf:
+            meta = wo.wheel_metadata(zf)
+        if extra not in re.findall(r"^Provides-Extra:\s*(\S+)\s*$", meta, re.M):
+            continue
+        base = {str(r) for r in wheel_requirements(wheel, markers)}
+        out[name] = [r for r in wheel_requirements(wheel, {**markers, "extra": extra})
+                     if str(r) not in base]
+    return out
+
+
 def cuda_major(wheel: Path, package: str = build_mod.PACKAGE) -> str | None:
     """The CUDA major the wheel's compiled modules link (``libcudart.so.N``); None when
     none does (a CPU wheel)."""
@@ -191,6 +210,31 @@ def pip_download(
         tail = errors[-1] if errors and not errors[-1].endswith("Exception:") else lines[-1]
         raise BundleError(f"pip could not download {' '.join(map(str, requirements))[:200]} "
                           f"for Python {target.python_version}: {tail[:300]}")
+
+
+def _cuda_extras(
+    got: Mapping[str, Path], cuda: str, markers: Mapping[str, str], wheels: Path,
+    target: Target, links: Path, reuse: Mapping[str, str | None],
+) -> dict[str, list[Requirement]]:
+    """The wheels of every dependency's ``cu<cuda>`` extra (:func:`cuda_extras`) into
+    ``wheels``, each without dependencies, which must be bundled already."""
+    extras = cuda_extras(got, cuda, markers)
+    wanted = [f"{r.name}{r.specifier}" for reqs in extras.values() for r in reqs]
+    if not wanted:
+        return extras
+    pip_download(wanted, wheels, target, links, no_deps=True)
+    have = _wheels(wheels)
+    for reqs in extras.values():
+        for req in reqs:
+            wheel = have.get(canonicalize_name(req.name))
+            if wheel is None:
+                raise BundleError(f"pip downloaded no {req.name} wheel")
+            missing = sorted({canonicalize_name(r.name) for r in wheel_requirements(wheel, markers)}
+                             - set(have) - set(reuse))
+            if missing:
+                raise BundleError(f"{wheel.name} needs {', '.join(missing)}, which the "
+                                  "bundle's dependencies do not hold")
+    return extras
 
 
 @dataclass
@@ -352,6 +396,8 @@ def _make(
         if name in got:
             got[name].unlink()
     got = _wheels(wheels)
+    extras = _cuda_extras(got, cuda, markers, wheels, target, links, reuse) if cuda else {}
+    got = _wheels(wheels)
     reused = reused_requirements(got, reuse, markers)
     if "torch" in reused:
         reused["torch"].cuda = cuda
@@ -409,7 +455,10 @@ def _make(
         "distribution": distribution, "python_version": target.python_version,
         "platforms": list(target.platforms), "cuda": cuda,
         "reuse": {name: r.to_json() for name, r in reused.items()},
-        "install": [f"{distribution}=={pin.version}", f"{nixl_name}=={nixl_version}"],
+        "install": [f"{distribution}=={pin.version}", f"{nixl_name}=={nixl_version}",
+                    *(f"{name}[cu{cuda}]=={parse_wheel_filename(got[name].name)[1]}"
+                      for name in extras)],
+        "cuda_extras": {name: [str(r) for r in reqs] for name, reqs in extras.items()},
         "no_deps": [f"nixl=={nixl_version}"],
         "nixl": {"distribution": nixl_name, "version": nixl_version},
         "wheels": sorted(got),
