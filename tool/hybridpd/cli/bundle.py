@@ -87,8 +87,8 @@ def _render(result: bundle_mod.BundleResult) -> None:
             + (f" (CUDA {entry['cuda']})" if entry.get("cuda") else "")
             for name, entry in m["reuse"].items()))
     if m.get("runner"):
-        click.echo(f"  on the host, in the bundle: ./run.sh   (./run.sh --help; --dry-run "
-                   "prints the server command lines)")
+        click.echo("  on the host, in the bundle: PYTHON=<the interpreter with torch> ./run.sh "
+                   "(--help; --dry-run prints the server command lines)")
     else:
         click.echo(f"  on the host: hybridpd install --wheelhouse {result.out}")
 
