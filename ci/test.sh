@@ -29,7 +29,8 @@
 #      with lmcache built without its allocation, null-slot or exited-worker segment fixes).
 #
 # Tiers. Every run does steps 1 (the fault sweep at one kill point per command; `--full`
-# adds every point, HYBRIDPD_FAULT_SWEEP=full), 2, 3 (the patch tests: red->green and the
+# adds every point, HYBRIDPD_FAULT_SWEEP=full, and the offline bundle's rehearsal under
+# `unshare -n`), 2, 3 (the patch tests: red->green and the
 # state-level property, on every ported pin), 3b, 4 and 5 (the CPU e2e gates). vLLM's own tests of the
 # touched modules are the upstream tier: `--upstream` runs the reduced selection on the
 # patched tree against the committed stock baseline (tool/hybridpd/data/upstream/), `--full`
@@ -95,6 +96,14 @@ if [ "$full" = 1 ]; then
   step "fault sweep, every state point (port, --continue/--skip/--abort, export-pr)" \
     env HYBRIDPD_FAULT_SWEEP=full "$venv/bin/python" -m pytest tests/tool/test_fault_sweep.py \
     -q -p no:cacheprovider -n 2
+fi
+# The offline bundle's rehearsal: a bundle (fake release, hybridpd's real wheel and its
+# dependencies) installed and dry-run by its own run.sh under `unshare -n`, with no git
+# and no pip configuration (tests/tool/test_bundle_run.py; about 3 minutes on 2 cores).
+if [ "$full" = 1 ]; then
+  step "offline bundle rehearsal (run.sh under unshare -n)" \
+    env HYBRIDPD_BUNDLE_REHEARSAL=1 "$venv/bin/python" -m pytest tests/tool/test_bundle_run.py \
+    -k rehearsal -q -p no:cacheprovider
 fi
 step "hybridpd check" "$hpd" check
 step "hybridpd check (LMCache series)" "$hpd" --series patches/lmcache check

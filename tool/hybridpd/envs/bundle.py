@@ -48,6 +48,7 @@ from hybridpd import proc as proc_mod
 from hybridpd.envs import build as build_mod
 from hybridpd.envs import parts as parts_mod
 from hybridpd.envs import pdextras
+from hybridpd.envs import runkit
 from hybridpd.envs import wheel_overlay as wo
 from hybridpd.errors import HybridpdError, UsageError
 from hybridpd.progress import Log, quiet
@@ -123,6 +124,25 @@ def wheel_requirements(wheel: Path, markers: Mapping[str, str]) -> list[Requirem
     return out
 
 
+def cuda_extras(
+    wheels: Mapping[str, Path], cuda: str, markers: Mapping[str, str]
+) -> dict[str, list[Requirement]]:
+    """``{dist: requirements}``: what each wheel's ``cu<cuda>`` extra adds, for the wheels
+    that offer one. nvidia-cutlass-dsl, which vLLM requires, brings its CUDA 12 libraries
+    by default and its CUDA 13 ones only with ``[cu13]``."""
+    extra = f"cu{cuda}"
+    out = {}
+    for name, wheel in sorted(wheels.items()):
+        with zipfile.ZipFile(wheel) as zf:
+            meta = wo.wheel_metadata(zf)
+        if extra not in re.findall(r"^Provides-Extra:\s*(\S+)\s*$", meta, re.M):
+            continue
+        base = {str(r) for r in wheel_requirements(wheel, markers)}
+        out[name] = [r for r in wheel_requirements(wheel, {**markers, "extra": extra})
+                     if str(r) not in base]
+    return out
+
+
 def cuda_major(wheel: Path, package: str = build_mod.PACKAGE) -> str | None:
     """The CUDA major the wheel's compiled modules link (``libcudart.so.N``); None when
     none does (a CPU wheel)."""
@@ -192,6 +212,31 @@ def pip_download(
                           f"for Python {target.python_version}: {tail[:300]}")
 
 
+def _cuda_extras(
+    got: Mapping[str, Path], cuda: str, markers: Mapping[str, str], wheels: Path,
+    target: Target, links: Path, reuse: Mapping[str, str | None],
+) -> dict[str, list[Requirement]]:
+    """The wheels of every dependency's ``cu<cuda>`` extra (:func:`cuda_extras`) into
+    ``wheels``, each without dependencies, which must be bundled already."""
+    extras = cuda_extras(got, cuda, markers)
+    wanted = [f"{r.name}{r.specifier}" for reqs in extras.values() for r in reqs]
+    if not wanted:
+        return extras
+    pip_download(wanted, wheels, target, links, no_deps=True)
+    have = _wheels(wheels)
+    for reqs in extras.values():
+        for req in reqs:
+            wheel = have.get(canonicalize_name(req.name))
+            if wheel is None:
+                raise BundleError(f"pip downloaded no {req.name} wheel")
+            missing = sorted({canonicalize_name(r.name) for r in wheel_requirements(wheel, markers)}
+                             - set(have) - set(reuse))
+            if missing:
+                raise BundleError(f"{wheel.name} needs {', '.join(missing)}, which the "
+                                  "bundle's dependencies do not hold")
+    return extras
+
+
 @dataclass
 class Reused:
     """A distribution the host provides: what the bundled wheels require of it."""
@@ -238,6 +283,11 @@ class _Clock:
         self._last = now
 
 
+def wheel_cache(target: Target) -> Path:
+    """Where downloads for ``target`` are kept, so a second bundle fetches only what changed."""
+    return cache.cache_dir() / "bundle" / "wheels" / f"cp{target.python_version.replace('.', '')}"
+
+
 def check_options(out: Path, variant: str, split_mib: int | None) -> None:
     if variant not in build_mod.DISTRIBUTIONS:
         raise UsageError(f"unknown variant {variant!r} (choose {', '.join(build_mod.DISTRIBUTIONS)})")
@@ -258,16 +308,19 @@ def make_bundle(
     split_mib: int | None,
     models: Sequence[Path] = (),
     links: Path | None = None,
+    tool_wheels: Sequence[Path] = (),
+    series_dir: Path | None = None,
     log: Log = quiet,
     clock: _Clock | None = None,
 ) -> BundleResult:
     """Write the bundle of the patched ``checkout`` (of ``pin``) into ``out``, which must
-    not exist or be empty. BundleError (one line) on failure, with nothing at ``out``."""
+    not exist or be empty. With ``series_dir``, also what runs it on the host
+    (:mod:`hybridpd.envs.runkit`: ``tool_wheels``, the series, ``run.sh``). BundleError
+    (one line) on failure, with nothing at ``out``."""
     out = Path(out).absolute()
     check_options(out, variant, split_mib)
     clock = clock or _Clock()
-    root = cache.cache_dir()
-    links = links or root / "bundle" / "wheels" / f"cp{target.python_version.replace('.', '')}"
+    links = links or wheel_cache(target)
     links.mkdir(parents=True, exist_ok=True)
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
@@ -277,6 +330,12 @@ def make_bundle(
         with scratch.tree("bundle-") as work:
             manifest = _make(checkout, pin, stage, work, variant, target, reuse, split_mib,
                              models, links, log, clock)
+        if series_dir is not None:
+            manifest["runner"] = {"script": runkit.SCRIPT,
+                                  "files": runkit.write(stage, tool_wheels, series_dir)}
+            clock.timings.pop("total")
+            clock.lap("runner")
+            clock.timings["total"] = round(time.monotonic() - clock.started, 1)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
             out.rmdir()
@@ -337,6 +396,8 @@ def _make(
         if name in got:
             got[name].unlink()
     got = _wheels(wheels)
+    extras = _cuda_extras(got, cuda, markers, wheels, target, links, reuse) if cuda else {}
+    got = _wheels(wheels)
     reused = reused_requirements(got, reuse, markers)
     if "torch" in reused:
         reused["torch"].cuda = cuda
@@ -394,7 +455,10 @@ def _make(
         "distribution": distribution, "python_version": target.python_version,
         "platforms": list(target.platforms), "cuda": cuda,
         "reuse": {name: r.to_json() for name, r in reused.items()},
-        "install": [f"{distribution}=={pin.version}", f"{nixl_name}=={nixl_version}"],
+        "install": [f"{distribution}=={pin.version}", f"{nixl_name}=={nixl_version}",
+                    *(f"{name}[cu{cuda}]=={parse_wheel_filename(got[name].name)[1]}"
+                      for name in extras)],
+        "cuda_extras": {name: [str(r) for r in reqs] for name, reqs in extras.items()},
         "no_deps": [f"nixl=={nixl_version}"],
         "nixl": {"distribution": nixl_name, "version": nixl_version},
         "wheels": sorted(got),
@@ -431,5 +495,12 @@ def bundle(
     dest.parent.mkdir(parents=True, exist_ok=True)
     patched_checkout(series, pin, dest, log=log)
     clock.lap("checkout")
-    return make_bundle(dest, pin, out, variant=variant, target=target, reuse=reuse,
-                       split_mib=split_mib, models=models, log=log, clock=clock)
+    links = wheel_cache(target)
+    links.mkdir(parents=True, exist_ok=True)
+    with scratch.tree("bundle-tool-") as work:
+        tool_wheels = runkit.build_tool_wheels(work / "tool", target.pip_args(), links, log=log)
+        clock.lap("hybridpd wheels")
+        return make_bundle(dest, pin, out, variant=variant, target=target, reuse=reuse,
+                           split_mib=split_mib, models=models, links=links,
+                           tool_wheels=tool_wheels, series_dir=series.path.parent, log=log,
+                           clock=clock)

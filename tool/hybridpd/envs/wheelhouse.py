@@ -224,10 +224,13 @@ def _pip(py: Path, *args: str | Path) -> None:
 
 
 def install(
-    bundle: Path, venv: Path, *, python: Path | str | None = None, log: Log = quiet
+    bundle: Path, venv: Path, *, python: Path | str | None = None, stock: bool = False,
+    log: Log = quiet,
 ) -> WheelhouseResult:
     """Install the bundle at ``bundle`` into ``venv`` with no network (see the module
-    docstring). WheelhouseError (one line) when a check or step fails."""
+    docstring); ``stock``: the release as published, without the patched files (the
+    e2e's comparison), proven to import the release's own files. WheelhouseError (one
+    line) when a check or step fails."""
     bundle, venv = Path(bundle).absolute(), Path(venv).absolute()
     manifest = load(bundle)
     log(f"checking {len(manifest['parts'])} part(s) of {bundle}")
@@ -261,6 +264,15 @@ def install(
                     if canonicalize_name(parse_wheel_filename(w.name)[0]) == distribution), None)
     if release is None:
         raise WheelhouseError(f"the bundle holds no {distribution} wheel")
+    if stock:
+        with zipfile.ZipFile(release) as zf:  # what the release itself has at those paths
+            names = set(zf.namelist())
+            changes = [wo.Change("M", c.path, zf.read(c.path)) for c in changes
+                       if c.path in names]
+        result = WheelhouseResult(venv, py, manifest)
+        result.proof = prove(py, changes, manifest["variant"], venv, result.warnings, log,
+                             kind="release's")
+        return result
     site = Path(build_mod.venv_paths(py)["platlib"])
     log(f"overlaying {len(changes)} patched files")
     with zipfile.ZipFile(release) as zf:
@@ -275,18 +287,20 @@ def install(
 
 
 def prove(
-    py: Path, changes: list[wo.Change], variant: str, cwd: Path, warnings: list[str], log: Log
+    py: Path, changes: list[wo.Change], variant: str, cwd: Path, warnings: list[str], log: Log,
+    kind: str = "patched",
 ) -> dict:
-    """The venv imports the patched files and ``nixl._api``; whether the compiled ops load."""
+    """The venv imports the ``kind`` (patched, or the release's) files and ``nixl._api``;
+    whether the compiled ops load."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("HF_HUB_OFFLINE", "1")
     if variant == "cpu":
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    log("checking that the venv imports the patched files and nixl._api")
+    log(f"checking that the venv imports the {kind} files and nixl._api")
     proof = build_mod.prove_overlay(py, changes, env, cwd=cwd)
     wrong = [f["path"] for f in proof["files"] if not f["ok"]]
     if wrong:
-        raise WheelhouseError(f"the venv does not import the patched {', '.join(wrong)}")
+        raise WheelhouseError(f"the venv does not import the {kind} {', '.join(wrong)}")
     nixl = proc_mod.run([py, "-c", "import nixl._api"], capture=True, env=env, cwd=cwd)
     if nixl.returncode != 0:
         tail = (nixl.stderr or "").strip().splitlines()[-1:] or ["no output"]
