@@ -13,6 +13,7 @@ import click
 
 from hybridpd.cli import jsonout
 from hybridpd.cli.options import connector_option, log, pin_option, torch_option
+from hybridpd.e2e import fleet as fleet_mod
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
@@ -121,7 +122,16 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--concurrency", type=int, default=_D.concurrency, show_default=True, help="prefix-repetition.")
 @click.option("--decode-num-blocks", type=int, metavar="N",
               help="The decode instance's KV pool in blocks (--num-gpu-blocks-override); "
-              "correctness: small enough to preempt. [default: correctness 16, else from memory]")
+              "correctness: small enough to preempt; fleet: each decode instance's, "
+              "too small for every prefix. [default: correctness 16, fleet the prefixes "
+              "of an even share of the fleet and one request, else from memory]")
+@click.option("--decode-instances", type=int, default=_D.decode_instances, show_default=True,
+              help="fleet: decode instances behind the router.")
+@click.option("--policy", "policies", multiple=True, metavar="POLICY",
+              type=click.Choice(router_mod.DECODE_POLICIES),
+              help="fleet: vllm-router's --decode-policy to measure; repeat for several, "
+              "each on the same fleet. [default: "
+              f"{' '.join(fleet_mod.DEFAULT_POLICIES)}]")
 @click.option("--gpus", default=_D.gpus, show_default=True,
               help="cuda: GPU of P, GPU of D; one id: P and D share that GPU, each with "
               "half of --gpu-memory-utilization.")
@@ -170,6 +180,7 @@ def e2e_command(state, as_json, reap_dir, dry_run, **params):
         return
     if params["pin"] is None:
         raise click.MissingParameter(param_hint="'--pin'", param_type="option")
+    params["policies"] = params["policies"] or _D.policies
     options = run_mod.E2EOptions(**params)
     if dry_run:
         return click.echo("\n".join(run_mod.dry_run(state.series, options, log)))
