@@ -128,7 +128,7 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--decode-instances", type=int, default=_D.decode_instances, show_default=True,
               help="fleet: decode instances behind the router.")
 @click.option("--policy", "policies", multiple=True, metavar="POLICY",
-              type=click.Choice(router_mod.DECODE_POLICIES),
+              type=click.Choice(router_mod.DECODE_POLICIES), default=_D.policies,
               help="fleet: vllm-router's --decode-policy to measure; repeat for several, "
               "each on the same fleet. [default: "
               f"{' '.join(fleet_mod.DEFAULT_POLICIES)}]")
@@ -171,6 +171,9 @@ def e2e_command(state, as_json, reap_dir, dry_run, **params):
       hybridpd e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \\
         --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit
 
+    --scenario fleet serves 1 prefill and --decode-instances decode instances instead,
+    with a router per --policy over them (docs/fleet.md).
+
     A run killed with SIGKILL leaves its servers running; the next run (into any
     --out), or `hybridpd e2e --reap DIR`, ends them (by process group, after checking
     each recorded process's start time).
@@ -180,7 +183,6 @@ def e2e_command(state, as_json, reap_dir, dry_run, **params):
         return
     if params["pin"] is None:
         raise click.MissingParameter(param_hint="'--pin'", param_type="option")
-    params["policies"] = params["policies"] or _D.policies
     options = run_mod.E2EOptions(**params)
     if dry_run:
         return click.echo("\n".join(run_mod.dry_run(state.series, options, log)))
