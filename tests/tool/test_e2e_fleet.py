@@ -339,3 +339,72 @@ def test_a_fleet_of_stand_in_processes_is_recorded_and_reaped(
     [argv] = [line for line in (run_dir / "router-kv_aware.log").read_text().splitlines()
               if line.startswith("argv: ")]
     assert "--decode-policy kv_aware" in argv and argv.count("--decode ") == 2
+
+
+# --------------------------------------------------------------------------- routing probe
+
+#: A stand-in router for the probe: PD mode's two steps, its decode instances in turn.
+TOY_ROUTER = textwrap.dedent(
+    """\
+    import itertools, json, sys, urllib.request
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    argv = sys.argv[1:]
+    port = int(argv[argv.index("--port") + 1])
+    prefill = argv[argv.index("--prefill") + 1]
+    decodes = itertools.cycle([argv[i + 1] for i, a in enumerate(argv) if a == "--decode"])
+
+    def post(url, body):
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+        with urllib.request.urlopen(req) as resp:
+            return resp.read()
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            post(prefill, body)
+            answer = post(next(decodes), body)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *a):
+            pass
+
+    HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def test_the_probe_reads_each_requests_decode_instance_from_the_stand_ins(
+    tmp_path: Path
+) -> None:
+    from hybridpd.e2e import routing
+
+    script = tmp_path / "toy_router.py"
+    script.write_text(TOY_ROUTER)
+    router = tmp_path / "bin" / "vllm-router"
+    router.parent.mkdir()
+    router.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    router.chmod(0o755)
+    work = routing.prompts(3, 2, 20, 4, seed=1)
+    assert sorted(p for p, _ in work) == [0, 0, 1, 1, 2, 2]
+    chosen = routing.probe(router, "round_robin", 2, work, tmp_path / "logs", timeout=30)
+    assert chosen == [0, 1, 0, 1, 0, 1]
+    assert reap_mod.reap(tmp_path / "logs") == []
+
+
+def test_spread_counts_the_requests_that_are_new_to_their_instance() -> None:
+    from hybridpd.e2e import routing
+
+    work = [(0, "a"), (1, "b"), (0, "c"), (1, "d")]
+    # Alternating: each prefix lands on both instances, 4 firsts against the ideal 2.
+    assert routing.spread(work, [0, 1, 1, 0], 2) == {
+        "requests": [2, 2], "prefixes": [2, 2], "first_on_instance": 4, "ideal_first": 2}
+    # All on one: the ideal firsts, but one instance holds every prefix.
+    assert routing.spread(work, [0, 0, 0, 0], 2) == {
+        "requests": [4, 0], "prefixes": [2, 0], "first_on_instance": 2, "ideal_first": 2}
