@@ -48,6 +48,15 @@ def test_the_default_pool_holds_an_even_share_of_the_prefixes_and_not_all() -> N
     assert fleet_mod.decode_blocks(three, TINY) == 18
 
 
+def test_each_instance_gets_cores_of_its_own_where_there_are_enough() -> None:
+    sixteen = list(range(16))
+    assert [fleet_mod.cpu_binding(i, 3, "P" if i == 0 else "D", sixteen) for i in range(3)] == [
+        "0,1,2,3,4", "5,6,7,8,9", "10,11,12,13,14,15"]
+    # Two cores for three instances: the pair's halves, the decode instances sharing one.
+    assert [fleet_mod.cpu_binding(i, 3, "P" if i == 0 else "D", [0, 1]) for i in range(3)] == [
+        "0", "1", "1"]
+
+
 def _options(tmp_path: Path, series, **kw) -> run_mod.E2EOptions:
     given = dict(scenario="fleet", prefix_len=300, suffix_len=32, num_prefixes=4,
                  output_len=8, num_prompts=16, concurrency=1)
@@ -63,6 +72,7 @@ def _options(tmp_path: Path, series, **kw) -> run_mod.E2EOptions:
     ({"num_prompts": 3}, "--num-prompts 3 is fewer than --num-prefixes 4"),
     ({"prefix_len": 100}, "--prefix-len 100 is shorter than a block"),
     ({"decode_num_blocks": 40}, "a decode pool of 40 blocks holds all 4 prefixes"),
+    ({"connectors": ("lmcache+nixl",)}, "lmcache+nixl: the fleet scenario does not start"),
 ])
 def test_a_fleet_that_cannot_measure_anything_is_refused_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: dict, message: str

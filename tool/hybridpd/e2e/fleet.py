@@ -120,15 +120,30 @@ def start_fleet(
     names = ["prefill", *(decode_name(i) for i in range(decode_instances))]
     ports = {n: free_port() for n in names}
     commands = {}
-    for name in names:
+    for index, name in enumerate(names):
         side = "P" if name == "prefill" else "D"
         cmd = pair_mod.instance_command(env, model, connector, role, opts, side, ports[name])
-        procs.start(name, cmd, pair_mod.server_env(opts, side, free_port()), cwd=procs.log_dir)
+        environ = pair_mod.server_env(opts, side, free_port())
+        if opts.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, len(names), side)
+        procs.start(name, cmd, environ, cwd=procs.log_dir)
         commands[name] = cmd
     urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
     ready = procs.wait_ready({n: u + "/v1/models" for n, u in urls.items()},
                              opts.ready_timeout, progress)
     return Fleet(urls["prefill"], [urls[n] for n in names[1:]], ready, commands)
+
+
+def cpu_binding(index: int, count: int, side: str, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of instance ``index`` of ``count`` (the prefill
+    instance first): a share of the cores of its own where there is one for each,
+    else the pair's halves (the decode instances then share the second half)."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < count:
+        return pair_mod.cpu_binding(side, cores)
+    size = len(cores) // count
+    mine = cores[index * size:(index + 1) * size if index < count - 1 else len(cores)]
+    return ",".join(str(c) for c in mine)
 
 
 def router_command(env: Env, fleet: Fleet, policy: str, port: int,

@@ -276,6 +276,10 @@ def _fleet_plan(o: E2EOptions, blocks: int | None) -> int:
     if o.front != "router":
         raise E2EUsageError("the fleet scenario needs --front router (the proxy has one "
                             "decode instance)")
+    with_lmcache = [c for c in o.connectors if lm.uses_lmcache(c)]
+    if with_lmcache:
+        raise E2EUsageError(f"{', '.join(with_lmcache)}: the fleet scenario does not start "
+                            "an lmcache server per decode instance; give NIXL sets")
     if o.decode_instances < 2:
         raise E2EUsageError(f"--decode-instances {o.decode_instances}: a fleet has at least 2")
     bad = [p for p in o.policies if p not in router_mod.DECODE_POLICIES]
