@@ -14,6 +14,7 @@ import click
 from hybridpd.cli import jsonout
 from hybridpd.cli.options import connector_option, log, pin_option, torch_option
 from hybridpd.e2e import netns as netns_mod
+from hybridpd.e2e import fleet as fleet_mod
 from hybridpd.e2e import pair as pair_mod
 from hybridpd.e2e import reap as reap_mod
 from hybridpd.e2e import report as report_mod
@@ -128,7 +129,16 @@ def reproducing_argv(ctx: click.Context) -> list[str]:
 @click.option("--concurrency", type=int, default=_D.concurrency, show_default=True, help="prefix-repetition.")
 @click.option("--decode-num-blocks", type=int, metavar="N",
               help="The decode instance's KV pool in blocks (--num-gpu-blocks-override); "
-              "correctness: small enough to preempt. [default: correctness 16, else from memory]")
+              "correctness: small enough to preempt; fleet: each decode instance's, "
+              "too small for every prefix. [default: correctness 16, fleet the prefixes "
+              "of an even share of the fleet and one request, else from memory]")
+@click.option("--decode-instances", type=int, default=_D.decode_instances, show_default=True,
+              help="fleet: decode instances behind the router.")
+@click.option("--policy", "policies", multiple=True, metavar="POLICY",
+              type=click.Choice(router_mod.DECODE_POLICIES), default=_D.policies,
+              help="fleet: vllm-router's --decode-policy to measure; repeat for several, "
+              "each on the same fleet. [default: "
+              f"{' '.join(fleet_mod.DEFAULT_POLICIES)}]")
 @click.option("--gpus", default=_D.gpus, show_default=True,
               help="cuda: GPU of P, GPU of D; one id: P and D share that GPU, each with "
               "half of --gpu-memory-utilization.")
@@ -167,6 +177,9 @@ def e2e_command(state, as_json, reap_dir, dry_run, **params):
     CPU CI gate (red on stock, green on patched):
       hybridpd e2e --pin 0.32.0 --device cpu --tiny --scenario smoke \\
         --connector nixl --connector nixl+decodebench --compare stock --expect-patched-hit
+
+    --scenario fleet serves 1 prefill and --decode-instances decode instances instead,
+    with a router per --policy over them (docs/fleet.md).
 
     A run killed with SIGKILL leaves its servers running; the next run (into any
     --out), or `hybridpd e2e --reap DIR`, ends them (by process group, after checking

@@ -48,11 +48,40 @@ def run_prefix_repetition(
     pair: Pair, procs: Processes, env: Env, model: str, opts: BenchOptions, out_dir: Path,
     log: Log,
 ) -> dict:
-    result_name = "bench.json"
+    before = settled_scrape(pair.decode, wait=0.5)
+    summary, cmd = run_bench(pair.front, procs, env, model, opts, out_dir, log)
+    after = settled_scrape(pair.decode)
+    return {
+        "workload": workload(opts),
+        "bench": summary,
+        "requests": [],
+        "decode_prefix_cache_hits": int(after.delta(before, metrics.PREFIX_CACHE_HITS)),
+        "decode_prefix_cache_queries": int(after.delta(before, metrics.PREFIX_CACHE_QUERIES)),
+        "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES)),
+        "outputs_match_baseline": None,
+        "bench_command": cmd,
+    }
+
+
+def workload(opts: BenchOptions) -> dict:
+    return {
+        "prefix_len": opts.prefix_len, "suffix_len": opts.suffix_len,
+        "num_prefixes": opts.num_prefixes, "output_len": opts.output_len,
+        "num_prompts": opts.num_prompts, "concurrency": opts.concurrency,
+    }
+
+
+def run_bench(
+    front: str, procs: Processes, env: Env, model: str, opts: BenchOptions, out_dir: Path,
+    log: Log, name: str = "bench",
+) -> tuple[dict, list[str]]:
+    """Run ``vllm bench serve`` against ``front`` as process ``name`` (its result in
+    ``<out_dir>/<name>.json``); its summary and command line."""
+    result_name = f"{name}.json"
     cmd = [
         str(env.python), "-c", _BENCH_SERVE,
         "--backend", "vllm",
-        "--base-url", pair.front,
+        "--base-url", front,
         "--endpoint", "/v1/completions",
         "--model", "e2e",
         "--tokenizer", model,
@@ -67,17 +96,15 @@ def run_prefix_repetition(
         "--ignore-eos",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", result_name,
     ]
-    before = settled_scrape(pair.decode, wait=0.5)
     env_vars = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env_vars.update(HF_HUB_OFFLINE="1")
-    bench = procs.start("bench", cmd, env_vars, cwd=out_dir)
+    bench = procs.start(name, cmd, env_vars, cwd=out_dir)
     bench.expect_running = False  # its exit is the end of the scenario, not a failure
     while bench.popen.poll() is None:
         procs.check()
         time.sleep(1)
     if bench.popen.returncode != 0:
         raise bench.failure(f"exited with status {bench.popen.returncode}")
-    after = settled_scrape(pair.decode)
     data = json.loads((out_dir / result_name).read_text())
     keep = (
         "completed", "duration", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
@@ -89,17 +116,4 @@ def run_prefix_repetition(
         f"  prefix_repetition: TTFT mean {summary['mean_ttft_ms']:.0f} ms, "
         f"output {summary['output_throughput']:.1f} tok/s"
     )
-    return {
-        "workload": {
-            "prefix_len": opts.prefix_len, "suffix_len": opts.suffix_len,
-            "num_prefixes": opts.num_prefixes, "output_len": opts.output_len,
-            "num_prompts": opts.num_prompts, "concurrency": opts.concurrency,
-        },
-        "bench": summary,
-        "requests": [],
-        "decode_prefix_cache_hits": int(after.delta(before, metrics.PREFIX_CACHE_HITS)),
-        "decode_prefix_cache_queries": int(after.delta(before, metrics.PREFIX_CACHE_QUERIES)),
-        "kv_bytes_transferred": int(after.delta(before, metrics.NIXL_BYTES)),
-        "outputs_match_baseline": None,
-        "bench_command": cmd,
-    }
+    return summary, cmd

@@ -262,7 +262,50 @@ def correctness_table(report: E2EReport) -> list[str]:
     return lines
 
 
+def _share(hits: int | None, limit: int | None) -> str:
+    return "—" if hits is None or not limit else f"{hits / limit * 100:.1f}%"
+
+
+def fleet_table(report: E2EReport) -> list[str]:
+    """Per connector and decode policy: the decode instances' summed hit, stock (OFF)
+    and patched (ON), against the block-rounded limit, and each instance's share."""
+    runs: dict[tuple[str, str], dict[str, RunResult]] = {}
+    for r in report.runs:
+        if "policy" in r.figures:
+            runs.setdefault((r.connector, r.figures["policy"]), {})[r.build] = r
+    lines = [
+        "| connector | decode policy | limit (tokens) | OFF fleet hit | ON fleet hit "
+        "| OFF of limit | ON of limit | OFF per instance: hit (requests) "
+        "| ON per instance: hit (requests) | OFF TTFT (ms) | ON TTFT (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for (connector, policy), by in runs.items():
+        off, on = by.get("stock"), by.get("patched")
+        limit = (on or off).figures.get("hit_limit_tokens")
+
+        def each(r: RunResult | None) -> str:
+            if r is None:
+                return "—"
+            return " / ".join(f"{i['prefix_cache_hits']} ({i['requests']})"
+                              for i in r.figures.get("instances", []))
+
+        def hit(r: RunResult | None) -> int | None:
+            return None if r is None else r.decode_prefix_cache_hits
+
+        def ttft(r: RunResult | None) -> str:
+            return _num(None if r is None else r.figures.get("bench", {}).get("mean_ttft_ms"))
+
+        lines.append(
+            f"| {connector} | {policy} | {_num(limit)} | {_num(hit(off))} | {_num(hit(on))} "
+            f"| {_share(hit(off), limit)} | {_share(hit(on), limit)} | {each(off)} "
+            f"| {each(on)} | {ttft(off)} | {ttft(on)} |"
+        )
+    return lines
+
+
 def table(report: E2EReport) -> list[str]:
+    if report.scenario == "fleet":
+        return fleet_table(report)
     if report.scenario == "correctness":
         return correctness_table(report)
     return bench_table(report) if report.scenario == "prefix-repetition" else smoke_table(report)
@@ -289,6 +332,12 @@ def markdown(report: E2EReport) -> str:
         *table(report),
         "",
     ]
+    if report.scenario == "fleet":
+        lines += ["Fleet: 1 prefill and N decode instances behind `vllm-router`, one router "
+                  "per decode policy over the same instances, every prefix cache reset before "
+                  "each policy, the same prompts in the same order. fleet hit = Δ "
+                  "`vllm:prefix_cache_hits` summed over the decode instances; limit = every "
+                  "request but the first of each prefix taking the prefix's whole blocks.", ""]
     if report.scenario == "correctness":
         lines += [f"The sequential PD requests go through {_front(report)}; the concurrent ones "
                   "(the preemption phase) do not: every prefill is sent first, then every "

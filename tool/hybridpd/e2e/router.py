@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Sequence
 
 from hybridpd import proc
 from hybridpd.e2e.servers import E2EError
@@ -73,16 +74,30 @@ def require(python: Path) -> None:
                        "there, or give --front proxy")
 
 
-def command(python: Path, port: int, metrics_port: int, prefill: str, decode: str,
-            ready_timeout: float) -> list[str]:
-    """The router's command line in PD mode for one prefill and one decode instance."""
+#: The decode policies of vllm-router 0.1.17 (``--decode-policy``). In PD mode none of
+#: them reads the decode instances' KV events: ``--kv-event-source`` is refused there
+#: ("only supported in regular mode"), ``--pd-kv-events`` feeds a kv_aware *prefill*
+#: policy only, and a kv_aware decode policy scores load (pending plus active decode
+#: requests, with optional session affinity), not cached blocks.
+DECODE_POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two",
+                   "consistent_hash", "sticky_least_loaded")
+
+
+def command(python: Path, port: int, metrics_port: int, prefill: str,
+            decode: str | Sequence[str], ready_timeout: float,
+            decode_policy: str | None = None) -> list[str]:
+    """The router's command line in PD mode for one prefill instance and one decode
+    instance, or several (``decode`` a sequence) picked by ``decode_policy`` (None: the
+    router's default)."""
+    decodes = [decode] if isinstance(decode, str) else list(decode)
     return [
         str(binary(python)),
         "--host", "127.0.0.1",
         "--port", str(port),
         "--vllm-pd-disaggregation",
         "--prefill", prefill,
-        "--decode", decode,
+        *[arg for url in decodes for arg in ("--decode", url)],
+        *(["--decode-policy", decode_policy] if decode_policy is not None else []),
         "--kv-connector", "nixl",
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),

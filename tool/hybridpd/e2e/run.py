@@ -18,6 +18,7 @@ from pathlib import Path
 from hybridpd import cache, proc, progress
 from hybridpd import speculative as spec_mod
 from hybridpd.e2e import correctness, metrics, prefix_repetition, smoke
+from hybridpd.e2e import fleet as fleet_mod
 from hybridpd.e2e import lmcache as lm
 from hybridpd.e2e import netns
 from hybridpd.e2e import pair as pair_mod
@@ -36,7 +37,7 @@ class E2EUsageError(UsageError):
     """Options of ``hybridpd e2e`` that do not go together."""
 
 
-SCENARIOS = ("smoke", "prefix-repetition", "correctness")
+SCENARIOS = ("smoke", "prefix-repetition", "correctness", "fleet")
 
 _SERVER, _SMOKE, _BENCH = (
     pair_mod.ServerOptions(), smoke.SmokeOptions(), prefix_repetition.BenchOptions()
@@ -93,6 +94,10 @@ class E2EOptions:
     # Where P and D run (netns.HOSTS): this host, or two simulated ones, each in
     # network, IPC and mount namespaces of its own (e2e/netns.py).
     hosts: str = "one"
+    # fleet: decode instances behind the router, and the router's decode policies to
+    # measure, one after the other on the same instances.
+    decode_instances: int = 2
+    policies: tuple[str, ...] = fleet_mod.DEFAULT_POLICIES
 
     def to_json(self) -> dict:
         """The report's ``options`` (its shape a contract: the pin as ``version``)."""
@@ -177,6 +182,11 @@ def run(series: Series, options: E2EOptions, command: list[str], log: Log) -> E2
     failures: list[str] = []
     for build in plan.builds:
         for connector in plan.connectors:
+            if o.scenario == "fleet":
+                report.runs += _FleetRun(o, envs[build], build, connector, model, opts,
+                                         out_dir / f"{build}-{connector}").run(
+                                             report, out_dir, log)
+                continue
             pair = _PairRun(o, envs[build], build, connector, model, vocab, opts,
                             out_dir / f"{build}-{connector}")
             report.runs.append(pair.run(report, out_dir, log))
@@ -251,6 +261,8 @@ class _Plan:
                                 f"--prompt-tokens {o.prompt_tokens}")
         speculative = _speculative(o)
         blocks = o.decode_num_blocks
+        if o.scenario == "fleet":
+            blocks = _fleet_plan(o, blocks)
         if blocks is None and o.scenario == "correctness":
             blocks = CORRECTNESS_DECODE_BLOCKS
             if speculative:
@@ -262,6 +274,52 @@ class _Plan:
     def venv(o: E2EOptions, build: str) -> Path | None:
         """The venv the user gave for ``build``; None: hybridpd prepares one."""
         return o.patched_venv if build == "patched" else o.stock_venv
+
+
+def fleet_options(o: E2EOptions) -> fleet_mod.FleetOptions:
+    return fleet_mod.FleetOptions(
+        o.decode_instances, tuple(o.policies),
+        prefix_repetition.BenchOptions(o.prefix_len, o.suffix_len, o.num_prefixes,
+                                       o.output_len, o.num_prompts, o.concurrency, o.seed),
+        o.block_size)
+
+
+def _fleet_plan(o: E2EOptions, blocks: int | None) -> int:
+    """The fleet's checks; its decode pool (``--decode-num-blocks`` or the default of
+    :func:`.fleet.decode_blocks`)."""
+    if o.device != "cpu":
+        raise E2EUsageError("the fleet scenario runs on CPU so far (--device cpu)")
+    if o.front != "router":
+        raise E2EUsageError("the fleet scenario needs --front router (the proxy has one "
+                            "decode instance)")
+    if o.hosts != "one":
+        raise E2EUsageError(f"--hosts {o.hosts}: the fleet scenario runs its instances on "
+                            "this host so far (--hosts one)")
+    with_lmcache = [c for c in o.connectors if lm.uses_lmcache(c)]
+    if with_lmcache:
+        raise E2EUsageError(f"{', '.join(with_lmcache)}: the fleet scenario does not start "
+                            "an lmcache server per decode instance; give NIXL sets")
+    if o.decode_instances < 2:
+        raise E2EUsageError(f"--decode-instances {o.decode_instances}: a fleet has at least 2")
+    bad = [p for p in o.policies if p not in router_mod.DECODE_POLICIES]
+    if bad or not o.policies:
+        raise E2EUsageError(f"--policy {', '.join(bad) or '(none)'}: choose from "
+                            f"{', '.join(router_mod.DECODE_POLICIES)}")
+    if o.num_prompts < o.num_prefixes:
+        raise E2EUsageError(f"--num-prompts {o.num_prompts} is fewer than --num-prefixes "
+                            f"{o.num_prefixes}: every prefix needs a request")
+    fo = fleet_options(o)
+    if fleet_mod.prefix_blocks(o.prefix_len, o.block_size) == 0:
+        raise E2EUsageError(f"--prefix-len {o.prefix_len} is shorter than a block "
+                            f"({o.block_size} tokens): no decode-side hit is possible")
+    types = _layer_types(o)
+    blocks = fleet_mod.decode_blocks(fo, types) if blocks is None else blocks
+    if fleet_mod.holds_every_prefix(fo, blocks, types):
+        raise E2EUsageError(
+            f"a decode pool of {blocks} blocks holds all {o.num_prefixes} prefixes: nothing "
+            "evicts, so every policy reaches the limit; give fewer --decode-num-blocks or "
+            "more --num-prefixes")
+    return blocks
 
 
 #: The correctness scenario's decode pool in blocks (``--decode-num-blocks``' default
@@ -398,6 +456,10 @@ def dry_run(series: Series, options: E2EOptions, log: Log) -> list[str]:
         env = Env(build, Path(venv) / "bin" / "python", Path(venv), None, None, False, {})
         for connector in plan.connectors:
             lines.append(f"# {build} / {connector}")
+            if o.scenario == "fleet":
+                lines += fleet_mod.dry_run_lines(env, model, connector, o.role, opts,
+                                                 fleet_options(o))
+                continue
             lines += pair_mod.dry_run_lines(env, model, connector, o.role, opts)
     return lines
 
@@ -554,6 +616,58 @@ class _PairRun:
                                            o.seed),
             self.run_dir, log,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _FleetRun:
+    """One (build, connector) as a fleet: a prefill and ``decode_instances`` decode
+    instances, a router per decode policy, and every process reaped; one run of the
+    report per policy."""
+
+    o: E2EOptions
+    env: Env
+    build: str
+    connector: str
+    model: str
+    opts: pair_mod.ServerOptions
+    run_dir: Path
+
+    def run(self, report: report_mod.E2EReport, out_dir: Path,
+            log: Log) -> list[report_mod.RunResult]:
+        o = self.o
+        log(f"== {self.build} / {self.connector}: starting prefill, {o.decode_instances} "
+            f"decode instances, a router per policy ({', '.join(o.policies)}; logs: "
+            f"{self.run_dir})")
+        t0 = time.monotonic()
+        results: list[dict] = []
+
+        def runs() -> list[report_mod.RunResult]:
+            return [report_mod.RunResult.from_json({
+                "build": self.build, "connector": self.connector, **r,
+                "total_s": round(time.monotonic() - t0, 1), "logs": str(self.run_dir),
+            }) for r in results]
+
+        try:
+            with Processes(self.run_dir) as procs:
+                try:
+                    fleet_mod.run_fleet(procs, self.env, self.model, self.connector, o.role,
+                                        self.opts, fleet_options(o), self.run_dir, log,
+                                        results)
+                except E2EError:
+                    procs.check_soon()
+                    raise
+            left = procs.leftovers()
+            if left:
+                raise E2EError(f"processes left running after the run: {left}")
+        except (E2EError, KeyboardInterrupt) as exc:
+            report.runs += runs()
+            report.runs.append(report_mod.RunResult.failed(
+                self.build, self.connector, str(exc), self.run_dir))
+            report_mod.write(report, out_dir, None)
+            if isinstance(exc, KeyboardInterrupt):
+                raise Interrupted(f"interrupted; logs kept in {self.run_dir}") from None
+            raise E2EError(f"{self.build} / {self.connector}: {exc}") from None
+        return runs()
 
 
 #: The acceptance rate (accepted / drafted tokens, vLLM's counters on the decode
