@@ -146,8 +146,66 @@ def test_retried_load_after_a_failed_one_is_admitted(kind, workload):
     admissions = [a for a in checker.admissions if a.request_id == failed.request_id]
     # Admitted with its load, which failed, then again once the pool held it once.
     loads = [i for i, a in enumerate(admissions) if a.external_tokens > 0]
-    assert loads and loads[0] < len(admissions) - 1, admissions
+    assert loads, admissions
+    assert loads[0] < len(admissions) - 1, admissions
     assert failed.is_finished()
+
+
+@pytest.mark.patch(FAILED_LOAD_PATCH)
+@pytest.mark.vllm_versions(str(FAILED_LOAD_SELF_RESERVATION))
+def test_failed_load_waits_out_a_pause_of_new_requests():
+    """pause(mode="wait") (PauseState.PAUSED_NEW) admits only the requests that
+    hold KV blocks. A request whose async load failed with nothing valid holds
+    none: it now waits until the engine resumes, as a preempted request does,
+    and the drain ends without it (stock recomputed it during the drain)."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    from ..builders import (
+        hybrid_kv_cache_config,
+        model_runner_output,
+        prompt,
+        remote_prefill_params,
+        request,
+        scheduler,
+        step,
+        vllm_config,
+    )
+
+    config = vllm_config(kv_load_failure_policy="recompute")
+    sched = scheduler(config, hybrid_kv_cache_config(num_blocks=400))
+    req = request(prompt(3 * BLOCK_SIZE + 1),
+                  kv_transfer_params=remote_prefill_params(4), max_tokens=2)
+    sched.add_request(req)
+    step(sched)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req in sched._inflight_prefills
+
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    # The worker reports the load failed as a whole: nothing valid, blocks freed.
+    output = sched.schedule()
+    assert not output.num_scheduled_tokens
+    sched.update_from_output(output, model_runner_output(
+        [], finished_recving={req.request_id}, failed_recving={req.request_id}))
+
+    output = sched.schedule()
+    # Stock: scheduled during the drain, recomputing its whole prompt.
+    assert req.request_id not in output.num_scheduled_tokens, output.num_scheduled_tokens
+    # It went to the head of the queue of requests that hold no KV, holding no
+    # blocks and reserving none; the drain counts nothing left.
+    assert req.status == RequestStatus.WAITING
+    assert req.num_computed_tokens == 0
+    assert sched.waiting.peek_request() is req
+    assert req not in sched.kv_holding_waiting
+    assert req not in sched._inflight_prefills
+    assert sched.get_num_unfinished_requests() == 0
+
+    # Resumed: admitted as a new request (NIXL offers its load once) and served.
+    sched.set_pause_state(PauseState.UNPAUSED)
+    output = step(sched)
+    assert output.num_scheduled_tokens.get(req.request_id), output.num_scheduled_tokens
+    for _ in range(4):
+        step(sched)
+    assert req.is_finished() and req.num_output_tokens == 2
 
 
 #: Releases whose scheduler keeps multi-module MTP's prefill lookahead (it ends
