@@ -203,6 +203,7 @@ def vllm_config(
     async_scheduling: bool = False,
     spec_method: str = "ngram",
     mtp_modules: int | None = None,
+    disable_eagle_block_drop: bool = False,
 ) -> VllmConfig:
     """A VllmConfig of a PD instance with the hybrid allocator enabled.
 
@@ -222,8 +223,9 @@ def vllm_config(
     ``num_speculative_tokens`` times: vLLM treats it as EAGLE, a prefill
     lookahead of 1 token, NIXL's back-off of 1 (the Mamba state's), the last
     matched block dropped (``drop_eagle_block``) and ``num_speculative_tokens``
-    lookahead slots. ``async_scheduling``: vLLM's AsyncScheduler (see
-    :func:`scheduler`).
+    lookahead slots. ``disable_eagle_block_drop``: the speculative config's
+    option of that name (keep the trailing cached block EAGLE-like drafters
+    drop). ``async_scheduling``: vLLM's AsyncScheduler (see :func:`scheduler`).
     """
     if spec_method not in ("ngram", "mtp"):
         raise ValueError(spec_method)
@@ -278,6 +280,7 @@ def vllm_config(
         speculative_config = SpeculativeConfig(
             **method_args,
             num_speculative_tokens=num_speculative_tokens,
+            **({"disable_eagle_block_drop": True} if disable_eagle_block_drop else {}),
             target_model_config=model_config,
             target_parallel_config=parallel_config,
         )

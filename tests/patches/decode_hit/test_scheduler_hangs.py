@@ -14,11 +14,13 @@ retry that does not fit yet still waits at the head of the KV-holding queue,
 ahead of a remote prefill whose load landed and whose blocks it waits for.
 
 Patch: mamba-align-mtp-lookahead-chunk. With multi-module MTP (3 or more
-modules) a NIXL remote prefill one token past a block boundary resumes inside
-its last full block; the Mamba align rule (a chunk that starts inside a block
-ends at that block's end) and the MTP prefill lookahead (no chunk ends fewer
-than ``num_spec`` tokens before the prompt does) together leave it no chunk,
-and it never runs.
+modules) a NIXL remote prefill 1 to ``num_spec - 2`` tokens past a block
+boundary resumes inside its last full block; the Mamba align rule (a chunk that
+starts inside a block ends at that block's end) and the MTP prefill lookahead
+(no chunk ends fewer than ``num_spec`` tokens before the prompt does) together
+leave it no chunk, and it never runs. Without a KV connector, a prefill where no
+trailing cached block is dropped (``disable_eagle_block_drop``) reaches the same
+state from its own chunking.
 
 Each hang is detected as it happens (:func:`failed_load_self_reservation`, or
 ``mamba_state.deadlock``, after the workload's 600 scheduler steps):
@@ -146,8 +148,66 @@ def test_retried_load_after_a_failed_one_is_admitted(kind, workload):
     admissions = [a for a in checker.admissions if a.request_id == failed.request_id]
     # Admitted with its load, which failed, then again once the pool held it once.
     loads = [i for i, a in enumerate(admissions) if a.external_tokens > 0]
-    assert loads and loads[0] < len(admissions) - 1, admissions
+    assert loads, admissions
+    assert loads[0] < len(admissions) - 1, admissions
     assert failed.is_finished()
+
+
+@pytest.mark.patch(FAILED_LOAD_PATCH)
+@pytest.mark.vllm_versions(str(FAILED_LOAD_SELF_RESERVATION))
+def test_failed_load_waits_out_a_pause_of_new_requests():
+    """pause(mode="wait") (PauseState.PAUSED_NEW) admits only the requests that
+    hold KV blocks. A request whose async load failed with nothing valid holds
+    none: it now waits until the engine resumes, as a preempted request does,
+    and the drain ends without it (stock recomputed it during the drain)."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    from ..builders import (
+        hybrid_kv_cache_config,
+        model_runner_output,
+        prompt,
+        remote_prefill_params,
+        request,
+        scheduler,
+        step,
+        vllm_config,
+    )
+
+    config = vllm_config(kv_load_failure_policy="recompute")
+    sched = scheduler(config, hybrid_kv_cache_config(num_blocks=400))
+    req = request(prompt(3 * BLOCK_SIZE + 1),
+                  kv_transfer_params=remote_prefill_params(4), max_tokens=2)
+    sched.add_request(req)
+    step(sched)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req in sched._inflight_prefills
+
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    # The worker reports the load failed as a whole: nothing valid, blocks freed.
+    output = sched.schedule()
+    assert not output.num_scheduled_tokens
+    sched.update_from_output(output, model_runner_output(
+        [], finished_recving={req.request_id}, failed_recving={req.request_id}))
+
+    output = sched.schedule()
+    # Stock: scheduled during the drain, recomputing its whole prompt.
+    assert req.request_id not in output.num_scheduled_tokens, output.num_scheduled_tokens
+    # It went to the head of the queue of requests that hold no KV, holding no
+    # blocks and reserving none; the drain counts nothing left.
+    assert req.status == RequestStatus.WAITING
+    assert req.num_computed_tokens == 0
+    assert sched.waiting.peek_request() is req
+    assert req not in sched.kv_holding_waiting
+    assert req not in sched._inflight_prefills
+    assert sched.get_num_unfinished_requests() == 0
+
+    # Resumed: admitted as a new request (NIXL offers its load once) and served.
+    sched.set_pause_state(PauseState.UNPAUSED)
+    output = step(sched)
+    assert output.num_scheduled_tokens.get(req.request_id), output.num_scheduled_tokens
+    for _ in range(4):
+        step(sched)
+    assert req.is_finished() and req.num_output_tokens == 2
 
 
 #: Releases whose scheduler keeps multi-module MTP's prefill lookahead (it ends
@@ -158,8 +218,9 @@ def test_retried_load_after_a_failed_one_is_admitted(kind, workload):
 #: a remote prefill can resume inside a block that ends fewer than ``num_spec``
 #: tokens before the prompt does (a prompt one token past a block boundary,
 #: with 3). The only chunk the align rule allows is then one the lookahead
-#: forbids: the scheduler cuts it to nothing, the request never runs, and as
-#: the head of the waiting queue it blocks every request behind it.
+#: forbids: the scheduler cuts it to nothing and the request never runs, keeping
+#: its blocks (v0.33.0 passes over it each step; on v0.32.0 a waiting one also
+#: stops the waiting queue behind it).
 MTP_LOOKAHEAD_HANG = SpecifierSet(">=0.32")
 
 
@@ -232,4 +293,58 @@ def test_multi_module_mtp_remote_prefill_past_a_block_boundary_is_served(prefix_
     assert adm.prefiller_end == req.num_prompt_tokens - 2 == prefix_blocks * BLOCK_SIZE - 1
     assert adm.external_tokens == adm.prefiller_end
     assert adm.serving_connector is not None and "Nixl" in adm.serving_connector
+    assert req.is_finished() and req.num_output_tokens == 1
+
+
+#: Steps of :func:`test_multi_module_mtp_prefill_past_a_block_boundary_runs`: a
+#: 34-token prompt, block size 16, 3 MTP modules (lookahead 3), no KV connector,
+#: nothing cached. The first chunk would end on the block boundary at 32, which
+#: the lookahead cuts to 31 (2 tokens would be left); the next must end at 32
+#: again (align rule), 2 tokens before the prompt's end, and is cut to nothing.
+#: Patched it is kept: 1 token, then the last 2.
+MTP_LOOKAHEAD_NO_CONNECTOR_STEPS = [31, 1, 2]
+
+
+@pytest.mark.patch(MTP_LOOKAHEAD_PATCH)
+@pytest.mark.vllm_versions(str(MTP_LOOKAHEAD_HANG))
+def test_multi_module_mtp_prefill_past_a_block_boundary_runs():
+    """Without a KV connector: a prefill where no trailing cached block is
+    dropped (disable_eagle_block_drop) reaches the same state from its own
+    chunking. Stock: 31 tokens, then none, every step (the request keeps
+    running with its blocks and never finishes its prefill)."""
+    from ..builders import (
+        hybrid_kv_cache_config,
+        model_runner_output,
+        prompt,
+        request,
+        scheduler,
+        vllm_config,
+    )
+
+    config = vllm_config(kv_role=None, num_speculative_tokens=3, spec_method="mtp",
+                         mtp_modules=3, disable_eagle_block_drop=True)
+    # A real MTP speculative config with 3 modules: the lookahead is 3.
+    assert config.speculative_config.method == "mtp"
+    assert config.num_prefill_lookahead_tokens == 3
+    sched = scheduler(config, hybrid_kv_cache_config(num_blocks=400,
+                                                     num_speculative_blocks=3))
+    assert sched.need_mamba_block_aligned_split
+    req = request(prompt(2 * BLOCK_SIZE + 2), max_tokens=1)
+    sched.add_request(req)
+
+    steps = []
+    for _ in range(len(MTP_LOOKAHEAD_NO_CONNECTOR_STEPS) + 2):
+        output = sched.schedule()
+        steps.append(output.num_scheduled_tokens.get(req.request_id, 0))
+        # A partial prefill samples nothing; the step that ends it samples a token.
+        sampled = {rid for rid in output.num_scheduled_tokens
+                   if not sched.requests[rid].is_prefill_chunk}
+        sched.update_from_output(output, model_runner_output(
+            [sched.requests[rid] for rid in output.num_scheduled_tokens],
+            sampling=sampled))
+        if req.is_finished():
+            break
+
+    # Stock: [31, 0, 0, 0, 0].
+    assert steps == MTP_LOOKAHEAD_NO_CONNECTOR_STEPS, steps
     assert req.is_finished() and req.num_output_tokens == 1

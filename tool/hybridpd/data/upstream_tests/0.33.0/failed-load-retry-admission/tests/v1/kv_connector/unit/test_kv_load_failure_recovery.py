@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import pytest
 
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
@@ -512,6 +513,8 @@ def test_failed_async_load_does_not_block_a_landed_load_behind_it():
         landed.request_id: 1,
     }
     assert failed.status == RequestStatus.WAITING
+    assert scheduler.waiting.peek_request() is failed
+    assert failed not in scheduler.kv_holding_waiting
 
     # Once `local` and `landed` are done, `failed` is recomputed.
     for _ in range(3):
@@ -526,4 +529,53 @@ def test_failed_async_load_does_not_block_a_landed_load_behind_it():
             break
     assert scheduler_output.num_scheduled_tokens == {failed.request_id: 5 * block_size}
     scheduler.update_from_output(scheduler_output, create_model_runner_output([failed]))
-    assert failed.is_finished() and landed.is_finished() and local.is_finished()
+    assert failed.is_finished()
+    assert landed.is_finished()
+    assert local.is_finished()
+
+
+@pytest.mark.cpu_test
+def test_failed_async_load_waits_out_a_pause_of_new_requests():
+    """pause(mode="wait") (PAUSED_NEW) admits only requests that hold KV. A
+    failed async load that freed its blocks holds none: it waits for the
+    resume, as a preempted request does, and the drain ends without it."""
+    scheduler = create_scheduler(
+        create_vllm_config(kv_load_failure_policy="recompute"), num_blocks=16
+    )
+    block_size = scheduler.block_size
+    request = create_request(num_tokens=4 * block_size, max_tokens=1)
+    num_matched = [3 * block_size]
+
+    def get_num_new_matched_tokens(request: Request, _: int) -> tuple[int, bool]:
+        # The load is offered once: the retry recomputes.
+        if num_matched:
+            return num_matched.pop(), True
+        return 0, False
+
+    scheduler.connector = create_mock_connector()
+    scheduler.connector.get_loaded_kv_cache_group_ids.return_value = (0,)
+    scheduler.connector.get_num_new_matched_tokens.side_effect = (
+        get_num_new_matched_tokens
+    )
+    scheduler.connector.request_finished.return_value = (False, None)
+    scheduler.connector.take_events.return_value = ()
+    scheduler.add_request(request)
+    scheduler_output = scheduler.schedule()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    _fail_async_load(scheduler, scheduler_output, request)
+    scheduler_output = scheduler.schedule()
+    assert request.request_id not in scheduler_output.num_scheduled_tokens
+    assert request.status == RequestStatus.WAITING
+    assert scheduler.waiting.peek_request() is request
+    assert request not in scheduler.kv_holding_waiting
+    assert scheduler.get_num_unfinished_requests() == 0
+
+    scheduler.set_pause_state(PauseState.UNPAUSED)
+    scheduler_output = scheduler.schedule()
+    assert scheduler_output.num_scheduled_tokens == {request.request_id: 4 * block_size}
+    scheduler.update_from_output(
+        scheduler_output, create_model_runner_output([request])
+    )
+    assert request.is_finished()
