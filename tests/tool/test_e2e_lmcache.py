@@ -58,6 +58,14 @@ def test_the_server_command_is_lmcaches_own_on_loopback() -> None:
     assert "--separate-object-groups" not in cmd  # LMCache's default layout
 
 
+def test_on_a_simulated_host_both_of_the_servers_listeners_bind_its_address() -> None:
+    # The readiness check polls the HTTP listener from the root namespace: on
+    # loopback (lmcache's default) it is unreachable there.
+    cmd = lm.server_command(Path("/v/bin/python"), 6555, 6556, host="10.9.8.3")
+    args = dict(zip(cmd[2::2], cmd[3::2]))
+    assert args["--host"] == args["--http-host"] == "10.9.8.3"
+
+
 def test_lmcache_cases_reset_the_decode_cache_before_each_load() -> None:
     rng = random.Random(0)
     cases = correctness.lmcache_cases(lambda n: [rng.randrange(2, 100) for _ in range(n)], 16)

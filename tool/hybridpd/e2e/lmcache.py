@@ -227,10 +227,13 @@ def install(python: Path, wheel_path: Path, log: Log) -> None:
 
 def server_command(python: Path, port: int, http_port: int, host: str = "127.0.0.1") -> list[str]:
     """``lmcache server`` on ``host`` (loopback, or the decode instance's simulated
-    host's address; it exits without --eviction-policy when given --l1-size-gb)."""
+    host's address; it exits without --eviction-policy when given --l1-size-gb). Its
+    HTTP server binds loopback unless told (--http-host): the readiness check reaches
+    it at ``host`` from outside a simulated host."""
     return [
         str(Path(python).parent / "lmcache"), "server",
-        "--host", host, "--port", str(port), "--http-port", str(http_port),
+        "--host", host, "--port", str(port),
+        "--http-host", host, "--http-port", str(http_port),
         "--chunk-size", str(CHUNK_SIZE), "--l1-size-gb", str(L1_SIZE_GB),
         "--eviction-policy", "LRU",
     ]
