@@ -23,10 +23,12 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 6
 
 
-def _cache_and_take_events(layout: str, block_mask: list[bool] | None = None):
-    """Cache all NUM_BLOCKS full blocks of a request in one call, with a null
-    block wherever ``layout`` has "-" (a cached block: "x"), and return the
-    request and the events published."""
+def _cache_and_take_events(
+    layout: str, block_mask: list[bool] | None = None, num_cached_blocks: int = 0
+):
+    """Cache the full blocks of a request from ``num_cached_blocks`` to
+    NUM_BLOCKS in one call, with a null block wherever ``layout`` has "-" (a
+    cached block: "x"), and return the request and the events published."""
     kv_cache_utils.init_none_hash(sha256)
     pool = BlockPool(
         num_gpu_blocks=16,
@@ -45,7 +47,7 @@ def _cache_and_take_events(layout: str, block_mask: list[bool] | None = None):
     pool.cache_full_blocks(
         request=req,
         blocks=blocks,
-        num_cached_blocks=0,
+        num_cached_blocks=num_cached_blocks,
         num_full_blocks=NUM_BLOCKS,
         block_size=BLOCK_SIZE,
         kv_cache_group_id=1,
@@ -77,7 +79,7 @@ def _shape(events) -> list[tuple]:
     [
         # Mamba align mode: only the block where the chunk ended is cached.
         ("-----x", [(5, 6)]),
-        # Two chunks ending in the same call, and a run from block 0.
+        # Several runs in one call (synthetic layouts), and a run from block 0.
         ("xx--x-", [(0, 2), (4, 5)]),
         ("-xx--x", [(1, 3), (5, 6)]),
         # No block skipped: one event, as before.
@@ -101,6 +103,14 @@ def test_block_stored_events_split_at_masked_blocks():
     )
 
     assert _shape(events) == _expected(req, [(0, 1), (3, 5)])
+
+
+def test_block_stored_event_of_a_later_call_has_its_runs_parent():
+    # A chunked prefill caches from num_cached_blocks on: the parent is the
+    # block right before the run, not the one before the call's range.
+    req, events = _cache_and_take_events("xx---x", num_cached_blocks=2)
+
+    assert _shape(events) == _expected(req, [(5, 6)])
 
 
 def test_no_block_stored_event_when_every_block_is_skipped():
