@@ -10,9 +10,11 @@ checks that failed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from hybridpd import cache, proc, progress
@@ -529,6 +531,22 @@ def _model(
     return str(path), manifest["vocab_size"], notes
 
 
+@contextlib.contextmanager
+def _reaped(run_dir: Path) -> Iterator[Processes]:
+    """The processes of one run, all reaped when the block ends: an E2EError raised
+    inside is explained by a server that died, if one did; after the block, one left
+    running is an E2EError."""
+    with Processes(run_dir) as procs:
+        try:
+            yield procs
+        except E2EError:
+            procs.check_soon()
+            raise
+    left = procs.leftovers()
+    if left:
+        raise E2EError(f"processes left running after the run: {left}")
+
+
 @dataclasses.dataclass(frozen=True)
 class _PairRun:
     """One (build, connector): a fresh prefill, decode and front, the scenario, and the
@@ -551,31 +569,23 @@ class _PairRun:
         show, done = progress.printer()
         t0 = time.monotonic()
         try:
-            with Processes(self.run_dir) as procs:
-                try:
-                    pair = pair_mod.start_pair(procs, self.env, self.model, self.connector,
-                                               self.o.role, self.opts, show)
-                    done()
-                    log(f"   ready: {pair.ready_s}")
-                    t1 = time.monotonic()
-                    result = self._scenario(pair, procs, log)
-                    t2 = time.monotonic()
-                    if pair.network is not None:
-                        _transport(pair.network, procs, result, log)
-                    if self.opts.speculative_config is not None:
-                        result["speculative"] = _acceptance(pair, log)
-                    if lm.uses_lmcache(self.connector):
-                        shm = lm.segments_after_stop(procs, log)
-                        result.setdefault("checks", {})[
-                            "lmcache_removed_exited_segments"] = shm.pop("check")
-                        result.update(shm)
-                except E2EError:
-                    # Whatever broke, a server that died is the explanation to report.
-                    procs.check_soon()
-                    raise
-            left = procs.leftovers()
-            if left:
-                raise E2EError(f"processes left running after the run: {left}")
+            with _reaped(self.run_dir) as procs:
+                pair = pair_mod.start_pair(procs, self.env, self.model, self.connector,
+                                           self.o.role, self.opts, show)
+                done()
+                log(f"   ready: {pair.ready_s}")
+                t1 = time.monotonic()
+                result = self._scenario(pair, procs, log)
+                t2 = time.monotonic()
+                if pair.network is not None:
+                    _transport(pair.network, procs, result, log)
+                if self.opts.speculative_config is not None:
+                    result["speculative"] = _acceptance(pair, log)
+                if lm.uses_lmcache(self.connector):
+                    shm = lm.segments_after_stop(procs, log)
+                    result.setdefault("checks", {})[
+                        "lmcache_removed_exited_segments"] = shm.pop("check")
+                    result.update(shm)
         except (E2EError, KeyboardInterrupt) as exc:
             done()
             report.runs.append(report_mod.RunResult.failed(
@@ -648,17 +658,9 @@ class _FleetRun:
             }) for r in results]
 
         try:
-            with Processes(self.run_dir) as procs:
-                try:
-                    fleet_mod.run_fleet(procs, self.env, self.model, self.connector, o.role,
-                                        self.opts, fleet_options(o), self.run_dir, log,
-                                        results)
-                except E2EError:
-                    procs.check_soon()
-                    raise
-            left = procs.leftovers()
-            if left:
-                raise E2EError(f"processes left running after the run: {left}")
+            with _reaped(self.run_dir) as procs:
+                fleet_mod.run_fleet(procs, self.env, self.model, self.connector, o.role,
+                                    self.opts, fleet_options(o), self.run_dir, log, results)
         except (E2EError, KeyboardInterrupt) as exc:
             report.runs += runs()
             report.runs.append(report_mod.RunResult.failed(
