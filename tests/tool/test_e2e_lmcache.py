@@ -86,6 +86,22 @@ def test_lmcache_cases_reset_the_decode_cache_before_each_load() -> None:
     assert len(n1) == 600 and n2[:300] == n1[:300] and len(n2) == 360
 
 
+def test_with_mtp_l1_puts_vllms_checkpoint_at_the_end_of_the_chunk_l2_takes() -> None:
+    # vLLM's rule (use_eagle_block_drop): the step's interior checkpoint is the state
+    # at floor(s / B) * B - B, kept in column cdiv(s, B) - 2; LMCache serves chunk 0
+    # (256 tokens) only with the state at 256 in its last column.
+    for block in (128, 256):
+        s = correctness.l1_tokens(correctness.CorrectnessOptions(block_size=block,
+                                                                 speculative=True))
+        assert s // block * block - block == 256
+        assert (-(-s // block) - 1) * block == 256  # the column's end
+    # Without speculative decoding the state at the last boundary of the step (256).
+    assert correctness.l1_tokens(correctness.CorrectnessOptions()) == 300
+    cases = correctness.correctness_cases(1000, correctness.CorrectnessOptions(
+        lmcache=True, speculative=True))
+    assert [len(c["prompt"]) for c in cases if c.get("lmcache") == "store"] == [384] * 3 + [600]
+
+
 def test_correctness_adds_the_lmcache_cases_only_for_lmcache_sets() -> None:
     plain = correctness.correctness_cases(1000, correctness.CorrectnessOptions())
     with_lm = correctness.correctness_cases(1000, correctness.CorrectnessOptions(lmcache=True))

@@ -244,10 +244,11 @@ def test_speculative_config_goes_to_both_servers_and_sizes_the_decode_pool(
     assert [_flag(started[s], "--speculative-config") for s in ("prefill", "decode")] == [
         '{"method":"mtp","num_speculative_tokens":3}'] * 2
     # The tiny model with its MTP module, 5 layers (3 linear, 2 full): 2 Mamba groups,
-    # each holding 3 pages more per request; the smallest pool that holds 1024 tokens
-    # with them (22, 16 plus those pages, left room enough that D never preempted).
+    # each holding 3 pages more per request. The smallest pool that holds 1024 tokens
+    # with them (19) admits one concurrent request at a time and never preempts; this
+    # one admits two (pair.concurrent_pool_blocks).
     assert ("tiny", "qwen3_5", "state-sensitive-mtp", "mtp") in stood_in
-    assert _flag(started["decode"], "--num-gpu-blocks-override") == "19"
+    assert _flag(started["decode"], "--num-gpu-blocks-override") == "27"
     assert _flag(started["decode"], "--max-model-len") == "1024"
     # A tiny model whose drafts are accepted nearly always no longer tests rejection.
     assert result.failures == [
@@ -257,11 +258,17 @@ def test_speculative_config_goes_to_both_servers_and_sizes_the_decode_pool(
 
 
 @pytest.mark.parametrize(("given", "n", "max_model_len", "blocks"), [
-    ({"max_model_len": 1024}, 1, "1024", "15"),  # 1 null + 2 x (2 + 1) + 8
-    ({}, 3, "1152", "20"),  # the length 16 blocks hold without MTP: 1 + 2 x 5 + 9
+    # Two concurrent requests: 1 null + (4 prefix blocks + 2 cached states) +
+    # 2 x (2 attention blocks + 2 Mamba groups x (1 + N) pages).
+    ({"max_model_len": 1024}, 1, "1024", "19"),
+    ({"max_model_len": 1024}, 3, "1024", "27"),
+    # A --max-model-len that needs more: the smallest pool that holds it (1 + 2 x 5 + 24).
+    ({"max_model_len": 3072}, 3, "3072", "35"),
+    # Left out: what the two-request pool holds, 16 attention blocks.
+    ({}, 3, "2048", "27"),
     ({"decode_num_blocks": 24}, 3, "1664", "24"),  # a pool given is the pool
 ])
-def test_the_speculative_decode_pool_is_the_smallest_that_holds_max_model_len(
+def test_the_speculative_decode_pool_admits_two_concurrent_requests(
     tmp_path: Path, stood_in: _Calls, monkeypatch: pytest.MonkeyPatch,
     given, n, max_model_len, blocks,
 ) -> None:
@@ -314,6 +321,17 @@ def test_the_pool_arithmetic() -> None:
     assert pair_mod.pool_max_model_len(19, 128, with_mtp, speculative_tokens=3) == 1024
     assert pair_mod.pool_max_model_len(18, 128, with_mtp, speculative_tokens=3) == 896
     assert pair_mod.pool_blocks(1152, 128, qwen35) == 16
+    # Two concurrent prompts of 737 tokens sharing a 512-token prefix (the correctness
+    # scenario's): the null block, 4 prefix blocks and a cached state per Mamba group,
+    # then per request 2 attention blocks and 1 + N pages per Mamba group. Measured
+    # on vLLM 0.32.0: preemption from 27 blocks for N = 3 (26: none), 19 for N = 1.
+    assert pair_mod.concurrent_pool_blocks(512, 737, 128, with_mtp, 3) == 27
+    assert pair_mod.concurrent_pool_blocks(512, 737, 128, with_mtp, 1) == 19
+    # The lookahead past a block boundary takes a block more per request.
+    assert pair_mod.concurrent_pool_blocks(512, 766, 128, with_mtp, 3) == 29
+    assert pair_mod.concurrent_pool_blocks(512, 737, 128, with_mtp, 3, requests=3) == 37
+    # No whole prefix block: nothing is shared.
+    assert pair_mod.concurrent_pool_blocks(100, 200, 128, with_mtp, 1) == 1 + 2 * (2 + 4)
     for layers, n in ((qwen35, 0), (with_mtp, 1), (with_mtp, 3), (qwen35, 2)):
         for length in (1, 127, 128, 129, 1000, 1024, 1025, 4096):
             for bs in (128, 256):

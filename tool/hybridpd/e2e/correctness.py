@@ -56,6 +56,9 @@ class CorrectnessOptions:
     seed: int = 0
     # LMCache sets: requests the decode instance's LMCache serves (see lmcache_cases).
     lmcache: bool = False
+    # Both instances draft with MTP (--speculative-config): vLLM keeps Mamba
+    # checkpoints a block back (see lmcache_cases).
+    speculative: bool = False
     # Stop at the first request whose free-running output differs from the reference
     # (beyond a near-tie): a gate that must go red needs no concurrent phase and no
     # teacher-forced scoring, which are most of a run's time.
@@ -168,7 +171,7 @@ def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
          "prompt": prefix + tokens(bs // 2 + 3), "max_tokens": n},
     ]
     if opts.lmcache:
-        cases += lmcache_cases(tokens, n)
+        cases += lmcache_cases(tokens, n, l1_tokens(opts))
     cases = [{**c, "group": 0} for c in cases]
     cases += [
         {"label": f"E{i} concurrent", "via": "pd",
@@ -192,14 +195,31 @@ def longest_request(opts: CorrectnessOptions) -> int:
 LMCACHE_HIT_ATTEMPTS = 3
 
 
-def lmcache_cases(tokens, max_tokens: int) -> list[dict]:
+def l1_tokens(opts: CorrectnessOptions) -> int:
+    """The length of the prompt L1 whose first chunk LMCache serves to L2: one prefill
+    step whose Mamba checkpoint vLLM keeps at the chunk's end (see lmcache_cases).
+
+    Without speculative decoding vLLM keeps the state at the last block boundary of
+    the step, 256 for 300 tokens with blocks of 128 or 256. With MTP it keeps it a
+    block further back (``use_eagle_block_drop``: ``floor(s / B) * B - B`` in column
+    ``cdiv(s, B) - 2``), at a column's end only for a multiple of the block size: a
+    prompt of a chunk and a block (384 with the MTP model's blocks of 128) puts it at
+    256. Any other length stores the chunk with no state (a checkpoint that is not at
+    its column's end is not stored), and LMCache serves L2 nothing."""
+    if opts.speculative:
+        return lmcache_mod.CHUNK_SIZE + opts.block_size
+    return 300
+
+
+def lmcache_cases(tokens, max_tokens: int, l1_len: int = 300) -> list[dict]:
     """Requests the decode instance's LMCache serves: plain requests to D, each second
     one after D's prefix cache was reset (``reset_decode``), so that its prefix comes
     from LMCache, not from D's own blocks. vLLM runs the tiny model with block 256 (=
     LMCache's chunk) and stores the Mamba state only at the last block of each prefill
     step and the one before it (align mode): a 300-token prompt, one step of two
     blocks, leaves a real state at block 0; a 600-token prompt, one step of three,
-    leaves vLLM's null block in block 0's Mamba slot.
+    leaves vLLM's null block in block 0's Mamba slot. With MTP the tiny model keeps
+    blocks of 128 and L1 is ``l1_len`` tokens (:func:`l1_tokens`).
 
     - L: the state LMCache stores and loads must be the one vLLM computes with
       (the registration must leave vLLM's views on the memory it registers): L2 takes a
@@ -214,7 +234,7 @@ def lmcache_cases(tokens, max_tokens: int) -> list[dict]:
     chunk = lmcache_mod.CHUNK_SIZE
     cases = []
     for attempt in range(1, LMCACHE_HIT_ATTEMPTS + 1):
-        l1 = tokens(300)
+        l1 = tokens(l1_len)
         again = "" if attempt == 1 else f" (attempt {attempt})"
         cases += [
             {"label": f"L1{again} plain request D computes and stores in LMCache",

@@ -332,22 +332,26 @@ CORRECTNESS_DECODE_BLOCKS = 16
 
 def _speculative_decode_blocks(o: E2EOptions, speculative: dict) -> int:
     """The correctness scenario's decode pool with speculative decoding: the smallest
-    vLLM starts with at ``--max-model-len`` (left out: the length the pool of
-    :data:`CORRECTNESS_DECODE_BLOCKS` holds without it), lookahead pages included.
+    that admits two of its concurrent requests at once (:func:`.pair.concurrent_pool_blocks`),
+    and at least the smallest vLLM starts with at ``--max-model-len`` (left out: the
+    length the pool of :data:`CORRECTNESS_DECODE_BLOCKS` holds without it).
 
-    Speculative decoding gives each Mamba group a page per speculative token and an
-    MTP drafter regroups the layers (the tiny model: 2 Mamba groups instead of 3), so
-    a pool of 16 plus those pages (22 for 3 tokens, 1.22 requests of 1024 tokens) left
-    the concurrent requests room enough that a run saw no preemption. Measured, this
-    one (19) does not preempt either: D holds one concurrent request at a time (1 + N
-    pages per Mamba group at admission), which alone never outgrows the pool; a pool
-    that preempts must admit two (docs/e2e.md)."""
+    With speculative decoding one request takes most of a small pool (1 + N pages in
+    each Mamba group), so the pool sized for one request's length alone (19 blocks for
+    N = 3 at 1024 tokens) admitted one request at a time, which never outgrows it:
+    measured with ``nixl``, N = 3, no preemption at 19 or 22 blocks. Two admitted
+    requests that cross their next block boundary do not fit, and one is preempted."""
     length = o.max_model_len
     if length is None:
         length = pair_mod.pool_max_model_len(CORRECTNESS_DECODE_BLOCKS, o.block_size,
                                              _layer_types(o, drafter=False))
-    return pair_mod.pool_blocks(length, o.block_size, _layer_types(o),
-                                speculative_tokens(speculative))
+    n = speculative_tokens(speculative)
+    types = _layer_types(o)
+    cases = correctness.CorrectnessOptions(block_size=o.block_size)
+    prefix = cases.prefix_blocks * cases.block_size
+    prompt = prefix + cases.concurrent_suffix + cases.concurrent - 1
+    return max(pair_mod.pool_blocks(length, o.block_size, types, n),
+               pair_mod.concurrent_pool_blocks(prefix, prompt, o.block_size, types, n))
 
 
 def _speculative(o: E2EOptions) -> dict | None:
@@ -616,6 +620,7 @@ class _PairRun:
                 correctness.CorrectnessOptions(block_size=o.block_size, max_tokens=o.max_tokens,
                                                seed=o.seed,
                                                lmcache=lm.uses_lmcache(self.connector),
+                                               speculative=_speculative(o) is not None,
                                                fail_fast=o.fail_fast),
                 log,
             )
@@ -807,7 +812,8 @@ def _correctness_failures(
         for r in run.requests if not r["equal"]
     ]
     if not checks.get("preemption_forced", True):
-        out.append(f"{where}: no preemption on the decode instance (the pool is too large)")
+        out.append(f"{where}: no preemption on the decode instance (its pool admitted too few "
+                       "requests at once, or held them all)")
     if expect_patched_hit and run.build == "patched" and not checks.get("decode_local_hit"):
         out.append(f"{where}: the decode instance took no local prefix hit for request B")
     if not checks.get("lmcache_served_a_hit", True):
