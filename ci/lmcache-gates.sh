@@ -4,10 +4,16 @@
 #   1. the correctness scenario with the patched vLLM and the patched lmcache, in both
 #      orders ([LMCacheMP, NIXL] and vllm#42524's [NIXL, LMCacheMP]): every output equals
 #      the single instance's, the decode instance takes its local prefix hit and
-#      LMCache serves it a hit (request L2);
+#      LMCache serves it a hit (request L2); [LMCacheMP, NIXL] with Qwen3.5's
+#      single-module MTP drafting 3 tokens on both instances (and the reference), the
+#      configuration Qwen3.5 is deployed with (the tiny model's MTP module: drafts
+#      accepted at a rate of 0.2..0.8, or the run fails);
 #   2. the correctness gate on a mutant of the patched vLLM build that resumes without
-#      the Mamba state (ci/mutant-correctness.sh) goes red on [LMCacheMP, NIXL], the
-#      order where the series' decode-side decision runs on LMCache's loads too;
+#      the Mamba state (ci/mutant-correctness.sh) goes red on [LMCacheMP, NIXL] with
+#      the same MTP, the order where the series' decode-side decision runs on
+#      LMCache's loads too;
+#   --full also runs the rest of the MTP matrix: 1 and 3 speculative tokens for nixl,
+#   nixl+lmcache and lmcache+nixl (each output checked as in 1.);
 #   3.-5. with --full only (each of those lmcache patches has its red->green patch test in
 #      every CI run, `hybridpd --series patches/lmcache test`; these runs show the same bugs
 #      in a served PD pair, and only change outcome with the LMCache pin or its series):
@@ -44,10 +50,20 @@ mkdir -p "$out"
 e2e=(e2e --pin 0.32.0 --device cpu --tiny --scenario correctness
      --role kv_producer/kv_consumer --max-model-len 1024 --expect-patched-hit)
 
-"$hpd" "${e2e[@]}" --connector lmcache+nixl --out "$out/patched"
+mtp() { echo "{\"method\":\"mtp\",\"num_speculative_tokens\":$1}"; }
+"$hpd" "${e2e[@]}" --connector lmcache+nixl --speculative-config "$(mtp 3)" --out "$out/patched"
 "$hpd" "${e2e[@]}" --connector nixl+lmcache --out "$out/patched-nixl-first"
 # While the e2e venv holds the patched lmcache (the runs below rebuild it without patches).
-bash "$(dirname "$0")/mutant-correctness.sh" "$hpd" "$out/mutant" lmcache+nixl
+bash "$(dirname "$0")/mutant-correctness.sh" "$hpd" "$out/mutant" lmcache+nixl "$(mtp 3)"
+if [ "$full" = 1 ]; then
+  for n in 1 3; do
+    for connector in nixl nixl+lmcache lmcache+nixl; do
+      [ "$connector/$n" = lmcache+nixl/3 ] && continue  # the gate above
+      "$hpd" "${e2e[@]}" --connector "$connector" --speculative-config "$(mtp "$n")" \
+        --out "$out/mtp$n-$connector"
+    done
+  done
+fi
 
 must_fail() {  # must_fail CONNECTOR WITHOUT FILE TEXT...: red, and FILE holds each TEXT
                # (FILE: "stderr", the command's, or a path under the run's --out);

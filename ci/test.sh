@@ -24,9 +24,11 @@
 #      LMCache gates run the same scenario, NIXL serving every remote prefill); the
 #      LMCache gates (ci/lmcache-gates.sh: the correctness scenario with a MultiConnector
 #      of NIXL and LMCacheMP, both child orders, on the decode instance and its own
-#      tool-started lmcache server, patched lmcache green; the same scenario on a mutant
-#      vLLM build, where it must go red at request C (`--fail-fast`); with `--full`, red
-#      with lmcache built without its allocation, null-slot or exited-worker segment fixes).
+#      tool-started lmcache server, patched lmcache green, [LMCacheMP, NIXL] with
+#      Qwen3.5's MTP drafting 3 tokens on both instances; the same scenario and MTP on a
+#      mutant vLLM build, where it must go red at request C (`--fail-fast`); with
+#      `--full`, the rest of the MTP matrix, and red with lmcache built without its
+#      allocation, null-slot or exited-worker segment fixes).
 #
 # Tiers. Every run does steps 1 (the fault sweep at one kill point per command; `--full`
 # adds every point, HYBRIDPD_FAULT_SWEEP=full, and the offline bundle's rehearsal under
@@ -207,10 +209,10 @@ if [ "$e2e" = 1 ]; then
         --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
     fi
     gates=(bash ci/lmcache-gates.sh)
-    red="red on a vLLM mutant"
+    red="[LMCacheMP, NIXL] with MTP (3 tokens), red on a vLLM mutant with it"
     if [ "$full" = 1 ]; then
       gates+=(--full)
-      red+=", red without the allocation, null-slot or exited-worker segment fixes"
+      red+=", the MTP matrix (1 and 3 tokens, three sets), red without the allocation, null-slot or exited-worker segment fixes"
     fi
     step "LMCache gates: MultiConnector of NIXL and LMCacheMP (both orders) with a tool-started lmcache server; $red" \
       "${gates[@]}" "$hpd" "${HYBRIDPD_E2E_LMCACHE_OUT:-out/e2e-lmcache}"
