@@ -804,7 +804,10 @@ def test_the_scheduler_line_says_which_kv_event_block_size_a_router_needs() -> N
                "mamba_cache_mode": "align"} for i in range(3)]
     groups.append({"group_idx": 3, "type": "FullAttentionSpec", "block_size": 1152})
     step = {"class": "Scheduler", "connector": None, "block_size": 1152,
-            "hash_block_size": 1152, "kv_events": groups}
+            "hash_block_size": 1152, "kv_events": groups,
+            # What the tree's block pool published for "--x" (stock vLLM).
+            "block_stored": {"layout": "--x", "per_run": False, "events": [
+                {"hashes": [2], "token_blocks": [0, 1, 2], "parent": None}]}}
     text = render.verdict({"steps": {"scheduler": step}}, "scheduler")
     assert text == (
         "Scheduler built, no KV connector; KV events carry block_size 1152: a router needs "
@@ -822,6 +825,33 @@ def test_the_scheduler_line_says_which_kv_event_block_size_a_router_needs() -> N
         "(SlidingWindowSpec) 16): a router that takes one --kv-event-block-size reads "
         "only the groups of that size")
     assert render.kv_events_line({"class": "Scheduler"}) is None
+
+
+def test_the_kv_events_line_says_what_the_trees_block_pool_published() -> None:
+    """The sentence on Mamba groups follows the driver's measurement of the tree's
+    block pool, not the series' patch names: per run (kv-events-stored-per-block-run),
+    over the whole range (stock, vllm#44451), or unknown where it was not measured."""
+    groups = [{"group_idx": 0, "type": "MambaSpec", "block_size": 1152,
+               "mamba_cache_mode": "align"},
+              {"group_idx": 1, "type": "FullAttentionSpec", "block_size": 1152}]
+    step = {"hash_block_size": 1152, "kv_events": groups}
+    per_run = {"layout": "--x", "per_run": True,
+               "events": [{"hashes": [2], "token_blocks": [2], "parent": 1}]}
+    whole_range = {"layout": "--x", "per_run": False,
+                   "events": [{"hashes": [2], "token_blocks": [0, 1, 2], "parent": None}]}
+    head = ("KV events carry block_size 1152: a router needs --kv-event-block-size 1152; "
+            "the Mamba groups (1, align mode) announce only the blocks that hold a state, ")
+    tail = (": a prefix counts up to its last block announced by every group, not by the "
+            "full-attention group alone")
+    assert render.kv_events_line({**step, "block_stored": per_run}) == (
+        head + "one BlockStored per run of cached blocks, each hash with its own token_ids "
+        "and the run's parent the hash of the block before it" + tail)
+    assert render.kv_events_line({**step, "block_stored": whole_range}) == (
+        head + "with token_ids over every block of the range (vllm#44451)" + tail)
+    assert render.kv_events_line(
+        {**step, "block_stored": {"error": "TypeError: boom"}}) == (
+        head + "their BlockStored token_ids and parents unknown here (TypeError: boom)" + tail)
+    assert "unknown here (not measured)" in render.kv_events_line(step)
 
 
 def test_the_scheduler_line_says_what_speculative_decoding_set() -> None:

@@ -76,6 +76,12 @@ def _both(result: runner.Explained, key: str) -> str:
     return stock
 
 
+def _schedulers(result: runner.Explained) -> list[str]:
+    """Each side's scheduler line: they differ in what the KV events say
+    (``kv-events-stored-per-block-run``)."""
+    return [render.verdict(result.answers[s], "scheduler") for s in runner.SIDES]
+
+
 def test_nixl_keeps_the_hybrid_manager_and_groups_mamba_with_attention(answers) -> None:
     result = answers["nixl"]
     assert "language model" in result.note  # the shipped config has no tokenizer
@@ -87,8 +93,9 @@ def test_nixl_keeps_the_hybrid_manager_and_groups_mamba_with_attention(answers) 
     assert groups["block_size"] > 128
     assert groups["mamba_page_size_padded"] == groups["groups"][-1]["page_size_bytes"]
     # The CPU platform turns async scheduling off (a GPU engine builds AsyncScheduler).
-    assert _both(result, "scheduler").startswith(
+    assert all(line.startswith(
         "Scheduler built, scheduler-side connector NixlPullConnector; KV events")
+        for line in _schedulers(result))
 
 
 def test_tensor_parallel_answers_for_one_rank(answers) -> None:
@@ -108,9 +115,10 @@ def test_tensor_parallel_answers_for_one_rank(answers) -> None:
 
 
 def test_nixl_beside_offloading_builds(answers) -> None:
-    assert _both(answers["nixl+offloading"], "scheduler").startswith(
+    assert all(line.startswith(
         "Scheduler built, scheduler-side connector "
         "MultiConnector[NixlPullConnector, OffloadingConnector]; KV events")
+        for line in _schedulers(answers["nixl+offloading"]))
 
 
 def test_a_router_is_told_the_realigned_block_size_the_kv_events_carry(answers) -> None:
@@ -122,8 +130,27 @@ def test_a_router_is_told_the_realigned_block_size_the_kv_events_carry(answers) 
     size = groups["block_size"]
     assert [g["block_size"] for g in scheduler["kv_events"]] == [size] * 4
     assert [g.get("mamba_cache_mode") for g in scheduler["kv_events"]] == ["align"] * 3 + [None]
-    assert (f"KV events carry block_size {size}: a router needs --kv-event-block-size "
-            f"{size}; the Mamba groups (3, align mode) announce only") in _both(result, "scheduler")
+    head = (f"KV events carry block_size {size}: a router needs --kv-event-block-size "
+            f"{size}; the Mamba groups (3, align mode) announce only the blocks that hold a "
+            "state, ")
+    stock, patched = _schedulers(result)
+    assert head + "with token_ids over every block of the range (vllm#44451)" in stock
+    assert head + "one BlockStored per run of cached blocks" in patched
+
+
+def test_stock_and_the_series_publish_a_skipping_groups_blocks_differently(answers) -> None:
+    """What each tree's own BlockPool published for a group that caches only the
+    last of three blocks (a Mamba group in align mode): stock pairs that block's hash
+    with the tokens of all three and no parent (vllm#44451); with the series
+    (kv-events-stored-per-block-run) the event holds that block's tokens alone and
+    its parent is the block before it."""
+    said = {side: answers["nixl"].answers[side]["steps"]["scheduler"]["block_stored"]
+            for side in runner.SIDES}
+    assert said == {
+        "stock": {"layout": "--x", "per_run": False, "events": [
+            {"hashes": [2], "token_blocks": [0, 1, 2], "parent": None}]},
+        "patched": {"layout": "--x", "per_run": True, "events": [
+            {"hashes": [2], "token_blocks": [2], "parent": 1}]}}
 
 
 @pytest.mark.parametrize("case", ["lmcache-v1", "nixl, no HMA"])
@@ -233,10 +260,10 @@ def test_mtp_builds_the_scheduler_with_vllms_settings_and_drops_a_block_of_the_h
     Mamba alone), and a hit that drops its last matched block, which the decode-side
     hit measured on that scheduler shows: one block less than without MTP."""
     result = answers["nixl, MTP 3"]
-    assert _both(result, "scheduler").endswith(
+    assert all(line.endswith(
         "speculative decoding mtp, 3 tokens (one draft module, reused): 3 lookahead slot(s) "
         "per request, prefill lookahead 1, NIXL backs off 1 prompt token(s), a hit drops "
-        "its last matched block")
+        "its last matched block") for line in _schedulers(result))
     mtp, plain = _followers(result), _followers(answers["nixl"])
     block = result.answers["stock"]["steps"]["decode_hit"]["block_size"]
     for side in runner.SIDES:
@@ -253,8 +280,9 @@ def test_the_prompt_lengths_that_hang_stock_with_multi_module_mtp_are_served_pat
     boundary it resumes on the boundary: served on both. The shipped Qwen3.5 config
     (one module, reused): its one probe is served on both."""
     result = answers["nixl, 3 MTP modules"]
-    assert "(one draft module per token): 3 lookahead slot(s) per request, prefill " \
-           "lookahead 3, NIXL backs off 2 prompt token(s)" in _both(result, "scheduler")
+    assert all("(one draft module per token): 3 lookahead slot(s) per request, prefill "
+               "lookahead 3, NIXL backs off 2 prompt token(s)" in line
+               for line in _schedulers(result))
     probes = {side: result.answers[side]["steps"]["hangs"] for side in runner.SIDES}
     block = probes["stock"]["block_size"]
     served = {side: {p["prompt_tokens"]: p["served"] for p in probes[side]["lookahead_chunk"]}

@@ -225,6 +225,70 @@ def kv_events(sched) -> list[dict]:
     return groups
 
 
+#: The probe's synthetic group: block i is cached where the layout has "x", a null block
+#: where "-" (a Mamba group in align mode caches only the block where a chunk ended).
+SKIPPING_LAYOUT = "--x"
+PROBE_BLOCK_SIZE = 4
+
+
+def block_stored_runs() -> dict:
+    """What this tree's ``BlockPool.cache_full_blocks`` publishes, KV events on, for a
+    group that skips blocks (:data:`SKIPPING_LAYOUT`, as the block pool's own upstream
+    test of vllm#44451 lays it out): each ``BlockStored``'s hashes, the blocks its
+    ``token_ids`` span and its parent, as block indices. ``per_run``: every event holds
+    one run of cached blocks, each hash with its own tokens and the run's parent the
+    hash of the block before it; stock vLLM pairs the cached hashes with token_ids over
+    the whole range and the parent before it (vllm#44451)."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
+                                             maybe_convert_block_hash)
+    from vllm.v1.request import Request
+    from vllm import SamplingParams
+
+    bs, n = PROBE_BLOCK_SIZE, len(SKIPPING_LAYOUT)
+    init_none_hash(sha256)
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=bs,
+                     enable_kv_cache_events=True)
+    req = Request(request_id="kv-events-probe", prompt_token_ids=list(range(100, 100 + n * bs)),
+                  sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                  block_hasher=get_request_block_hasher(bs, sha256))
+    new_blocks = iter(pool.get_new_blocks(SKIPPING_LAYOUT.count("x")))
+    blocks = [next(new_blocks) if c == "x" else pool.null_block for c in SKIPPING_LAYOUT]
+    pool.cache_full_blocks(request=req, blocks=blocks, num_cached_blocks=0,
+                           num_full_blocks=n, block_size=bs, kv_cache_group_id=1)
+    # Every hash, parent and token chunk read back as the index of its block.
+    index = {maybe_convert_block_hash(h): i for i, h in enumerate(req.block_hashes)}
+    chunks = [list(req.all_token_ids[i * bs:(i + 1) * bs]) for i in range(n)]
+    events = []
+    for event in pool.take_events():
+        if isinstance(event, BlockStored):
+            token_ids = list(event.token_ids)
+            events.append({
+                "hashes": [index.get(h) for h in event.block_hashes],
+                "token_blocks": [chunks.index(token_ids[i:i + bs]) if token_ids[i:i + bs]
+                                 in chunks else None for i in range(0, len(token_ids), bs)],
+                "parent": (None if event.parent_block_hash is None
+                           else index.get(event.parent_block_hash))})
+    runs = []
+    for i, c in enumerate(SKIPPING_LAYOUT):
+        if c == "x" and runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        elif c == "x":
+            runs.append([i])
+    per_run = events == [{"hashes": run, "token_blocks": run,
+                          "parent": run[0] - 1 if run[0] else None} for run in runs]
+    return {"layout": SKIPPING_LAYOUT, "events": events, "per_run": per_run}
+
+
+def _block_stored() -> dict:
+    try:
+        return block_stored_runs()
+    except Exception as exc:  # noqa: BLE001 - reported, the other answers stand
+        return _error(exc)
+
+
 def drops_last_matched_block(coordinator) -> bool:
     """Whether vLLM's coordinator drops a hit's last matched block for the draft: v0.33
     names the groups that drop (``drop_eagle_group_ids``; lookahead hashes flag groups
@@ -671,6 +735,7 @@ def explain(request: dict, case: int = 0) -> dict:
             "children": [type(c).__name__ for c in children],
             "block_size": block_size, "hash_block_size": hash_block_size,
             "kv_events": kv_events(sched),
+            "block_stored": _block_stored(),
             **({"speculative": _speculative(sched)} if config.speculative_config else {}),
             **({"stand_in": "LMCacheMPConnector's lmcache server: an empty stand-in with "
                             "one block per chunk (its client, lmcache's ZMQ adapter, stood "

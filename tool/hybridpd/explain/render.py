@@ -89,8 +89,10 @@ def _scheduler(step: dict) -> str:
 
 def kv_events_line(step: dict) -> str | None:
     """What a prefix-aware router reading this instance's KV events needs: the block
-    size ``BlockStored`` events carry (``--kv-event-block-size``), and whether Mamba
-    groups announce only their state blocks (vllm#44451)."""
+    size ``BlockStored`` events carry (``--kv-event-block-size``), that Mamba groups
+    announce only their state blocks, and how this tree's events pair those hashes
+    with tokens and parents (vllm#44451 on stock; measured, not read from the patch
+    names)."""
     groups = step.get("kv_events")
     if not groups:
         return None
@@ -110,10 +112,22 @@ def kv_events_line(step: dict) -> str | None:
     align = [g["group_idx"] for g in groups if g.get("mamba_cache_mode") == "align"]
     if align:
         text += (f"; the Mamba groups ({len(align)}, align mode) announce only the blocks "
-                 "that hold a state, with token_ids over every block of the range "
-                 "(vllm#44451): a prefix counts up to its last block announced by every "
-                 "group, not by the full-attention group alone")
+                 f"that hold a state, {_stored_events(step.get('block_stored'))}: a prefix "
+                 "counts up to its last block announced by every group, not by the "
+                 "full-attention group alone")
     return text
+
+
+def _stored_events(measured: dict | None) -> str:
+    """What this tree's block pool was seen to publish for a group that skips blocks
+    (the driver's ``block_stored``): per run, or over the whole range (stock)."""
+    if not measured or "per_run" not in measured:
+        why = (measured or {}).get("error", "not measured")
+        return f"their BlockStored token_ids and parents unknown here ({why})"
+    if measured["per_run"]:
+        return ("one BlockStored per run of cached blocks, each hash with its own "
+                "token_ids and the run's parent the hash of the block before it")
+    return "with token_ids over every block of the range (vllm#44451)"
 
 
 def _follower(said: dict) -> str:
