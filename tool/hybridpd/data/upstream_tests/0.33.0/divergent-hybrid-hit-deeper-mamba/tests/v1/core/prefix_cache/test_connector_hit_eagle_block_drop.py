@@ -60,9 +60,7 @@ def test_connector_lookup_keeps_full_attention_hit_below_deeper_mamba_hit(
     # With EAGLE the Mamba group hits one block deeper than full attention.
     assert per_group_hits == (full_hit, 2 * BLOCK_SIZE)
 
-    blocks, num_local, _, hit_diverged = manager.get_computed_blocks_for_connector(
-        req
-    )
+    blocks, num_local, _, hit_diverged = manager.get_computed_blocks_for_connector(req)
 
     assert num_local == full_hit
     # Diverged: only a load that restores the Mamba state may complete it.
