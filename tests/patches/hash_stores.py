@@ -14,8 +14,14 @@ Only what crosses a process or device boundary is stood in:
   client (``LMCacheMPSchedulerAdapter``) is replaced by
   :class:`StubLMCacheAdapter`, which answers lookups from a
   :class:`FakeLMCacheServer` that records stored chunks the way LMCache keys
-  them (one key per whole chunk of the token prefix, the default single object
-  group: a hit ends at any stored chunk).
+  them (one key per whole chunk of the token prefix) with the object groups
+  LMCache documents for hybrid models (``--separate-object-groups``): the
+  attention object of every stored chunk, the Mamba object only where the
+  chunk's Mamba slot held a state; a hit ends at a chunk with its Mamba object
+  behind an unbroken run of attention objects. :class:`LMCacheWorker` stores
+  what the connector's own scheduler side hands its worker in each step (its
+  STORE operations), as LMCache with ``null-recurrent-slot-not-stored`` does:
+  no Mamba object for a chunk whose last Mamba block is vLLM's null block.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import contextlib
 import dataclasses
 import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 # CPUOffloadingSpec needs a CPU budget; the scheduler side only counts chunks.
@@ -98,30 +104,42 @@ def lmcache_mp_unavailable() -> str | None:
 
 
 class FakeLMCacheServer:
-    """What an LMCache MP server holds: whole chunks of token prefixes."""
+    """What an LMCache MP server holds for a hybrid model with
+    ``--separate-object-groups``: per whole chunk of a token prefix, its
+    attention object, and its Mamba object where one was stored."""
 
     def __init__(self, chunk_tokens: int = LMCACHE_CHUNK_TOKENS):
         self.chunk_tokens = chunk_tokens
         self.chunks: set[tuple[int, ...]] = set()
+        self.states: set[tuple[int, ...]] = set()
 
-    def store(self, token_ids: Sequence[int], num_tokens: int | None = None) -> None:
-        """Store the whole chunks of ``token_ids[:num_tokens]`` (what a worker
-        store of a computed prompt commits)."""
+    def store(self, token_ids: Sequence[int], num_tokens: int | None = None,
+              start: int = 0, state_ends: Collection[int] | None = None) -> None:
+        """Store the whole chunks of ``token_ids[start:num_tokens]``; the Mamba
+        object of the chunks ending at ``state_ends`` (default: every chunk, a
+        prompt computed one chunk per step)."""
         n = len(token_ids) if num_tokens is None else num_tokens
-        for end in range(self.chunk_tokens, n + 1, self.chunk_tokens):
+        for end in range(start + self.chunk_tokens, n + 1, self.chunk_tokens):
             self.chunks.add(tuple(token_ids[:end]))
+            if state_ends is None or end in state_ends:
+                self.states.add(tuple(token_ids[:end]))
 
     def lookup(self, token_ids: Sequence[int], end: int) -> int:
-        """Tokens of the longest stored chunk prefix of ``token_ids[:end]``."""
+        """Tokens of the longest hit in ``token_ids[:end]``: the last chunk with
+        its Mamba object before the first chunk without an attention object."""
         hit = 0
         for e in range(self.chunk_tokens, end + 1, self.chunk_tokens):
-            if tuple(token_ids[:e]) not in self.chunks:
+            key = tuple(token_ids[:e])
+            if key not in self.chunks:
                 break
-            hit = e
+            if key in self.states:
+                hit = e
         return hit
 
     def holds(self, token_ids: Sequence[int], end: int) -> bool:
-        return tuple(token_ids[:end]) in self.chunks
+        """Whether a hit can end at ``end``: its chunk and Mamba object stored."""
+        key = tuple(token_ids[:end])
+        return key in self.chunks and key in self.states
 
 
 class StubLMCacheAdapter:
@@ -163,6 +181,7 @@ class StubLMCacheAdapter:
 
     def reset_cache(self) -> bool:
         self.server.chunks.clear()
+        self.server.states.clear()
         return True
 
     def shutdown(self) -> None:
@@ -188,10 +207,13 @@ def lmcache_adapter_stub(server: FakeLMCacheServer) -> Iterator[FakeLMCacheServe
 
 @dataclasses.dataclass
 class LMCacheWorker:
-    """LMCacheMPConnector's worker, seen from the scheduler: the store of each
-    finished request (the connector keeps its blocks until the worker says it
-    is done) completes in the next step, and the server then holds the whole
-    chunks of the prompt the request computed or loaded."""
+    """LMCacheMPConnector's worker, seen from the scheduler. Each step it
+    stores what the connector's scheduler side handed it (the STORE operations
+    of the step's connector metadata: whole prompt chunks as they are computed
+    or loaded), as LMCache with ``null-recurrent-slot-not-stored`` does: a
+    chunk whose last block in a Mamba group is the null block gets no Mamba
+    object. The connector keeps a finished request's blocks until the worker
+    reports its stores done, in the next step."""
 
     sched: Any
     server: FakeLMCacheServer
@@ -200,18 +222,49 @@ class LMCacheWorker:
     def report(self, output: Any, result: Any) -> None:
         from vllm.v1.outputs import KVConnectorOutput
 
+        for op in self._store_ops(output):
+            self.server.store(op.token_ids, op.end, start=op.start,
+                              state_ends=self._state_ends(op))
         held = {rid for rid, r in self.sched.requests.items() if r.is_finished()}
         done = held - self.reported
         self.reported = held
         if not done:
             return
-        for rid in done:
-            req = self.sched.requests[rid]
-            self.server.store(req.prompt_token_ids,
-                              min(req.num_computed_tokens, req.num_prompt_tokens))
         if result.kv_connector_output is None:
             result.kv_connector_output = KVConnectorOutput()
         result.kv_connector_output.finished_sending = done
+
+    @staticmethod
+    def _store_ops(output: Any) -> list[Any]:
+        meta = output.kv_connector_metadata
+        if meta is None:
+            return []
+        return [
+            r.op
+            for m in getattr(meta, "metadata", (meta,))
+            if type(m).__name__ == "LMCacheMPConnectorMetadata"
+            for r in m.requests
+            if r.direction == "STORE"
+        ]
+
+    def _state_ends(self, op: Any) -> set[int]:
+        """Ends of the chunks of ``op`` whose last block holds a Mamba state in
+        every Mamba group (``op.block_ids`` cover ``op.start``..``op.end``)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        null = self.sched.kv_cache_manager.block_pool.null_block.block_id
+        mamba = [
+            (gid, g.kv_cache_spec.block_size)
+            for gid, g in enumerate(self.sched.kv_cache_config.kv_cache_groups)
+            if isinstance(g.kv_cache_spec, MambaSpec)
+        ]
+        chunk = self.server.chunk_tokens
+        return {
+            end
+            for end in range(op.start + chunk, op.end + 1, chunk)
+            if all(op.block_ids[gid][(end - op.start) // size - 1] != null
+                   for gid, size in mamba)
+        }
 
 
 # -------------------------------------------------------------- Offloading
@@ -338,9 +391,9 @@ class HashStoreLoads:
     """What a hash-store child's load brings to the resume point, from what it
     moves (``MambaStateChecker``'s ``load_checks``): an Offloading load carries,
     for every Mamba group, the stored key of the request's own block hash at the
-    resume block; an LMCache load ends at a stored chunk of the request's own
-    token prefix. (Whether LMCache's stored chunk-end Mamba page is the genuine
-    state depends on the server's object groups, which no scheduler sees.)"""
+    resume block; an LMCache load ends at a chunk of the request's own token
+    prefix stored with its Mamba object (stored by :class:`LMCacheWorker` only
+    where the chunk's Mamba slot held a state)."""
 
     sched: Any
     server: FakeLMCacheServer
@@ -381,5 +434,5 @@ class HashStoreLoads:
         if adm.resume_point % self.server.chunk_tokens:
             return "the load ends inside an LMCache chunk"
         if not self.server.holds(req.prompt_token_ids, adm.resume_point):
-            return "no stored chunk of this request's prefix ends at the resume point"
+            return "no chunk of this request's prefix with its Mamba object ends at the resume point"
         return None

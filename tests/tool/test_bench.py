@@ -551,3 +551,28 @@ def test_lmcache_stand_in_server_holds_its_capacity_least_recently_used_first(mo
     server.store(b)  # shares a's first 2 chunks; its third evicts a's third
     assert server.evicted == 1
     assert server.lookup(b, 12) == 12 and server.lookup(a, 12) == 8
+
+
+def test_lmcache_stand_in_server_ends_a_hit_only_at_a_stored_mamba_object(monkeypatch) -> None:
+    import importlib.util
+
+    from hybridpd.bench import replay_stores
+
+    path = Path(__file__).resolve().parents[1] / "patches" / "hash_stores.py"
+    module = importlib.util.spec_from_file_location("hash_stores_for_bench", path)
+    hash_stores = importlib.util.module_from_spec(module)
+    monkeypatch.setitem(sys.modules, module.name, hash_stores)
+    module.loader.exec_module(hash_stores)
+    for server in (replay_stores.capped_server(hash_stores, chunk_tokens=4, capacity=8),
+                   hash_stores.FakeLMCacheServer(chunk_tokens=4)):
+        a = list(range(10, 26))  # 4 chunks, computed in one step: a state at 16 only
+        server.store(a, state_ends={16})
+        assert [server.lookup(a, e) for e in (4, 8, 12, 16)] == [0, 0, 0, 16]
+        assert server.holds(a, 16) and not server.holds(a, 12)
+        # A later store of the first chunks from a step ending at 8 adds that state.
+        server.store(a, 8, state_ends={8})
+        assert server.lookup(a, 12) == 8 and server.lookup(a, 16) == 16
+        # A store that starts past the first chunk leaves the earlier chunks out.
+        b = list(range(50, 66))
+        server.store(b, start=8)
+        assert server.lookup(b, 16) == 0

@@ -7,8 +7,11 @@ directory). The connectors are the real classes, built as the patch tests build 
 vLLM's CPU offloading manager, its GPU worker stood in by ``OffloadingWorker`` (every
 transfer job completes within the step); lmcache's LMCacheMPConnector keeps its
 scheduler side, its ZMQ client answering from a stand-in server. What the store holds
-comes from each connector's own store path: a request the decode instance computed or
-loaded, handed off when it finishes.
+comes from each connector's own store path: the Offloading tier gets a request the
+decode instance computed or loaded, handed off when it finishes; the LMCache server gets
+the chunks the connector hands its worker at each step, with the object groups LMCache
+documents for hybrid models (a chunk's Mamba object only where its Mamba slot held a
+state: LMCache with ``null-recurrent-slot-not-stored``).
 
 The store's capacity is ``store_blocks`` chunks of one block each: the Offloading tier
 gets the CPU bytes vLLM's own sizing turns into exactly that many chunks; the LMCache
@@ -32,28 +35,32 @@ BUILDERS_KIND = {"nixl+lmcache": "nixl+lmcachemp", "lmcache+nixl": "lmcachemp+ni
 
 
 def capped_server(hash_stores, chunk_tokens: int, capacity: int):
-    """A ``FakeLMCacheServer`` that holds at most ``capacity`` chunks (LRU), keyed by
-    the hash of each chunk's token prefix (the prefixes themselves would hold
-    gigabytes at vllm#42524's scale)."""
+    """A ``FakeLMCacheServer`` that holds at most ``capacity`` chunks (LRU; a chunk's
+    Mamba object goes with it), keyed by the hash of each chunk's token prefix (the
+    prefixes themselves would hold gigabytes at vllm#42524's scale)."""
 
     class CappedServer(hash_stores.FakeLMCacheServer):
         def __init__(self) -> None:
             super().__init__(chunk_tokens)
-            self.chunks: OrderedDict[int, None] = OrderedDict()  # type: ignore[assignment]
+            # chunk key -> whether its Mamba object is stored
+            self.chunks: OrderedDict[int, bool] = OrderedDict()  # type: ignore[assignment]
             self.capacity = capacity
             self.evicted = 0
 
-        def _keys(self, token_ids: Sequence[int], end: int):
+        def _keys(self, token_ids: Sequence[int], end: int, start: int = 0):
             h = 0
             ids = list(token_ids[:end])
             for e in range(self.chunk_tokens, end + 1, self.chunk_tokens):
                 h = hash((h, tuple(ids[e - self.chunk_tokens:e])))
-                yield e, h
+                if e > start:
+                    yield e, h
 
-        def store(self, token_ids: Sequence[int], num_tokens: int | None = None) -> None:
+        def store(self, token_ids: Sequence[int], num_tokens: int | None = None,
+                  start: int = 0, state_ends=None) -> None:
             n = len(token_ids) if num_tokens is None else num_tokens
-            for _, key in self._keys(token_ids, n):
-                self.chunks[key] = None
+            for e, key in self._keys(token_ids, n, start):
+                state = state_ends is None or e in state_ends
+                self.chunks[key] = self.chunks.get(key, False) or state
                 self.chunks.move_to_end(key)
             while len(self.chunks) > self.capacity:
                 self.chunks.popitem(last=False)
@@ -65,12 +72,14 @@ def capped_server(hash_stores, chunk_tokens: int, capacity: int):
                 if key not in self.chunks:
                     break
                 self.chunks.move_to_end(key)
-                hit = e
+                if self.chunks[key]:
+                    hit = e
             return hit
 
         def holds(self, token_ids: Sequence[int], end: int) -> bool:
             keys = list(self._keys(token_ids, end))
-            return bool(keys) and keys[-1][0] == end and keys[-1][1] in self.chunks
+            return (bool(keys) and keys[-1][0] == end
+                    and self.chunks.get(keys[-1][1], False))
 
     return CappedServer()
 
