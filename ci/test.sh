@@ -25,8 +25,8 @@
 #      LMCache gates (ci/lmcache-gates.sh: the correctness scenario with a MultiConnector
 #      of NIXL and LMCacheMP, both child orders, on the decode instance and its own
 #      tool-started lmcache server, patched lmcache green, [LMCacheMP, NIXL] with
-#      Qwen3.5's MTP drafting 3 tokens on both instances; the same scenario and MTP on a
-#      mutant vLLM build, where it must go red at request C (`--fail-fast`); with
+#      Qwen3.5's MTP drafting 3 tokens on both instances; the same scenario (without MTP)
+#      on a mutant vLLM build, where it must go red at request C (`--fail-fast`); with
 #      `--full`, the rest of the MTP matrix, and red with lmcache built without its
 #      allocation, null-slot or exited-worker segment fixes).
 #
@@ -209,7 +209,7 @@ if [ "$e2e" = 1 ]; then
         --expect-patched-hit --out "${HYBRIDPD_E2E_CORRECTNESS_OUT:-out/e2e-correctness}"
     fi
     gates=(bash ci/lmcache-gates.sh)
-    red="[LMCacheMP, NIXL] with MTP (3 tokens), red on a vLLM mutant with it"
+    red="[LMCacheMP, NIXL] with MTP (3 tokens), red on a vLLM mutant"
     if [ "$full" = 1 ]; then
       gates+=(--full)
       red+=", the MTP matrix (1 and 3 tokens, three sets), red without the allocation, null-slot or exited-worker segment fixes"
