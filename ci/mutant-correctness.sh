@@ -11,7 +11,8 @@
 # a correctness run of CONNECTOR, default nixl, which prepared the patched environment;
 # for an LMCache set, run it while that environment holds the patched lmcache:
 # ci/lmcache-gates.sh does). SPECULATIVE_CONFIG: vLLM's --speculative-config for both
-# instances (the gate must stay red with MTP on).
+# instances. With MTP, request C's hit drops its last matched block and NIXL loads the
+# state from there, so this mutant answers right (measured, N = 3): not a gate there.
 set -euo pipefail
 
 hpd="$1"
