@@ -29,6 +29,15 @@ def test_cases_cover_each_fallback_on_an_exact_block_aligned_prefix() -> None:
     assert correctness.correctness_cases(1000, OPTS) == cases  # seeded
 
 
+def test_concurrent_prompt_span_is_the_concurrent_requests_prefix_and_longest_prompt() -> None:
+    concurrent = [c for c in correctness.correctness_cases(1000, OPTS) if c["group"] == 1]
+    prefix, longest = correctness.concurrent_prompt_span(OPTS)
+    assert longest == max(len(c["prompt"]) for c in concurrent)
+    shared = concurrent[0]["prompt"][:prefix]
+    assert all(c["prompt"][:prefix] == shared for c in concurrent)
+    assert len({c["prompt"][prefix] for c in concurrent}) > 1  # they part right after it
+
+
 def _run(
     build: str, equal: bool = True, preemptions: int = 2, hit: int = 512
 ) -> report_mod.RunResult:

@@ -182,6 +182,14 @@ def correctness_cases(vocab_size: int, opts: CorrectnessOptions) -> list[dict]:
     return cases
 
 
+def concurrent_prompt_span(opts: CorrectnessOptions) -> tuple[int, int]:
+    """The shared prefix of the concurrent requests and the longest of their prompts,
+    in tokens (:func:`correctness_cases`' E requests): what a decode pool must hold for
+    two of them at once."""
+    prefix = opts.prefix_blocks * opts.block_size
+    return prefix, prefix + opts.concurrent_suffix + opts.concurrent - 1
+
+
 def longest_request(opts: CorrectnessOptions) -> int:
     """Tokens of the longest request :func:`correctness_cases` sends, prompt and
     output: what ``--max-model-len`` must hold (with the defaults a concurrent one:

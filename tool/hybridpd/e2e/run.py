@@ -347,9 +347,8 @@ def _speculative_decode_blocks(o: E2EOptions, speculative: dict) -> int:
                                              _layer_types(o, drafter=False))
     n = speculative_tokens(speculative)
     types = _layer_types(o)
-    cases = correctness.CorrectnessOptions(block_size=o.block_size)
-    prefix = cases.prefix_blocks * cases.block_size
-    prompt = prefix + cases.concurrent_suffix + cases.concurrent - 1
+    prefix, prompt = correctness.concurrent_prompt_span(
+        correctness.CorrectnessOptions(block_size=o.block_size))
     return max(pair_mod.pool_blocks(length, o.block_size, types, n),
                pair_mod.concurrent_pool_blocks(prefix, prompt, o.block_size, types, n))
 
