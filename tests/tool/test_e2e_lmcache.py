@@ -95,6 +95,9 @@ def test_with_mtp_l1_puts_vllms_checkpoint_at_the_end_of_the_chunk_l2_takes() ->
                                                                  speculative=True))
         assert s // block * block - block == 256
         assert (-(-s // block) - 1) * block == 256  # the column's end
+    # The blocks vLLM serves decide it: 512 for its blocks of 256 with a --block-size 128.
+    assert correctness.l1_tokens(correctness.CorrectnessOptions(
+        speculative=True, served_block_size=256)) == 512
     # Without speculative decoding the state at the last boundary of the step (256).
     assert correctness.l1_tokens(correctness.CorrectnessOptions()) == 300
     cases = correctness.correctness_cases(1000, correctness.CorrectnessOptions(

@@ -244,11 +244,11 @@ def test_speculative_config_goes_to_both_servers_and_sizes_the_decode_pool(
     assert [_flag(started[s], "--speculative-config") for s in ("prefill", "decode")] == [
         '{"method":"mtp","num_speculative_tokens":3}'] * 2
     # The tiny model with its MTP module, 5 layers (3 linear, 2 full): 2 Mamba groups,
-    # each holding 3 pages more per request. The smallest pool that holds 1024 tokens
-    # with them (19) admits one concurrent request at a time and never preempts; this
-    # one admits two (pair.concurrent_pool_blocks).
+    # each holding 3 pages more per request, in blocks of 256 tokens. The smallest pool
+    # that holds 1024 tokens with them (15) admits one concurrent request at a time and
+    # never preempts; this one admits two (pair.concurrent_pool_blocks).
     assert ("tiny", "qwen3_5", "state-sensitive-mtp", "mtp") in stood_in
-    assert _flag(started["decode"], "--num-gpu-blocks-override") == "27"
+    assert _flag(started["decode"], "--num-gpu-blocks-override") == "23"
     assert _flag(started["decode"], "--max-model-len") == "1024"
     # A tiny model whose drafts are accepted nearly always no longer tests rejection.
     assert result.failures == [
@@ -258,15 +258,16 @@ def test_speculative_config_goes_to_both_servers_and_sizes_the_decode_pool(
 
 
 @pytest.mark.parametrize(("given", "n", "max_model_len", "blocks"), [
-    # Two concurrent requests: 1 null + (4 prefix blocks + 2 cached states) +
-    # 2 x (2 attention blocks + 2 Mamba groups x (1 + N) pages).
-    ({"max_model_len": 1024}, 1, "1024", "19"),
-    ({"max_model_len": 1024}, 3, "1024", "27"),
-    # A --max-model-len that needs more: the smallest pool that holds it (1 + 2 x 5 + 24).
-    ({"max_model_len": 3072}, 3, "3072", "35"),
-    # Left out: what the two-request pool holds, 16 attention blocks.
-    ({}, 3, "2048", "27"),
-    ({"decode_num_blocks": 24}, 3, "1664", "24"),  # a pool given is the pool
+    # The blocks of 256 tokens vLLM serves the tiny model with (fp32 state). Two
+    # concurrent requests: 1 null + (2 prefix blocks + 2 cached states) +
+    # 2 x (1 attention block + 2 Mamba groups x (1 + N) pages).
+    ({"max_model_len": 1024}, 1, "1024", "15"),
+    ({"max_model_len": 1024}, 3, "1024", "23"),
+    # A --max-model-len that needs more: the smallest pool that holds it (1 + 2 x 5 + 16).
+    ({"max_model_len": 4096}, 3, "4096", "27"),
+    # Left out: what the two-request pool holds, 12 attention blocks of 256 tokens.
+    ({}, 3, "3072", "23"),
+    ({"decode_num_blocks": 24}, 3, "3328", "24"),  # a pool given is the pool
 ])
 def test_the_speculative_decode_pool_admits_two_concurrent_requests(
     tmp_path: Path, stood_in: _Calls, monkeypatch: pytest.MonkeyPatch,
@@ -457,3 +458,39 @@ def test_the_dry_run_prints_a_single_gpu_pair_p_and_d_sharing_its_memory(
                                            patched_venv=Path("/v/patched")), print)
     assert [l.split()[0] for l in two[1:]] == ["CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1"]
     assert all(" --gpu-memory-utilization 0.85" in l for l in two[1:])
+
+
+def test_the_served_block_size_follows_vllms_page_rule_for_the_tiny_model() -> None:
+    from hybridpd.e2e.tinymodel import SPEC
+    # fp32 Gated-DeltaNet state (the CPU instances'): 3 072 + 65 536 bytes without
+    # speculative decoding, 6 144 + 65 536 with 3 tokens, over a 64 KiB page of 128.
+    assert [pair_mod.served_block_size(SPEC, 128, n) for n in (0, 1, 3)] == [256] * 3
+    # bf16 state (vLLM's choice on a CPU without AVX-512 BF16) fits 128.
+    assert [pair_mod.served_block_size(SPEC, 128, n, 2) for n in (0, 3)] == [128] * 2
+    assert pair_mod.served_block_size(SPEC, 512, 3) == 512  # never lowered
+
+
+def test_cpu_instances_keep_the_mamba_state_in_fp32_on_every_host(tmp_path: Path) -> None:
+    env = Env("patched", tmp_path / "venv" / "bin" / "python", tmp_path / "venv", None, None,
+              False, {})
+    cmd = pair_mod.server_command(env, "m", 8000, {}, pair_mod.ServerOptions(), True)
+    assert cmd[cmd.index("--mamba-ssm-cache-dtype") + 1] == "float32"
+    cuda = pair_mod.server_command(env, "m", 8000, {}, pair_mod.ServerOptions(device="cuda"),
+                                   True)
+    assert "--mamba-ssm-cache-dtype" not in cuda
+
+
+def test_the_correctness_scenario_stops_where_d_serves_another_block_size(monkeypatch) -> None:
+    from hybridpd.e2e import metrics
+
+    def served(size: int):
+        return lambda url, timeout=10.0: metrics.parse(
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{size}",engine="0"}} 1.0\n')
+
+    monkeypatch.setattr(metrics, "scrape", served(256))
+    correctness.check_served_block_size("http://d", 256)
+    monkeypatch.setattr(metrics, "scrape", served(128))
+    with pytest.raises(E2EError, match="serves blocks of 128 tokens; the scenario was derived "
+                                       "for 256"):
+        correctness.check_served_block_size("http://d", 256)

@@ -59,6 +59,11 @@ class CorrectnessOptions:
     # Both instances draft with MTP (--speculative-config): vLLM keeps Mamba
     # checkpoints a block back (see lmcache_cases).
     speculative: bool = False
+    # The block size the decode instance serves (vLLM raises --block-size until an
+    # attention page holds a Mamba state; run._served_block_size): where the Mamba
+    # checkpoints of a prefill step lie. None: block_size. Checked against the
+    # instance's vllm:cache_config_info when the run starts.
+    served_block_size: int | None = None
     # Stop at the first request whose free-running output differs from the reference
     # (beyond a near-tie): a gate that must go red needs no concurrent phase and no
     # teacher-forced scoring, which are most of a run's time.
@@ -211,11 +216,12 @@ def l1_tokens(opts: CorrectnessOptions) -> int:
     the step, 256 for 300 tokens with blocks of 128 or 256. With MTP it keeps it a
     block further back (``use_eagle_block_drop``: ``floor(s / B) * B - B`` in column
     ``cdiv(s, B) - 2``), at a column's end only for a multiple of the block size: a
-    prompt of a chunk and a block (384 with the MTP model's blocks of 128) puts it at
-    256. Any other length stores the chunk with no state (a checkpoint that is not at
-    its column's end is not stored), and LMCache serves L2 nothing."""
+    prompt of a chunk and a block (384 at blocks of 128; 512 at the blocks of 256 vLLM
+    serves the tiny model with, ``served_block_size``) puts it at 256. Any
+    other length stores the chunk with no state (a checkpoint that is not at its
+    column's end is not stored), and LMCache serves L2 nothing."""
     if opts.speculative:
-        return lmcache_mod.CHUNK_SIZE + opts.block_size
+        return lmcache_mod.CHUNK_SIZE + (opts.served_block_size or opts.block_size)
     return 300
 
 
@@ -227,7 +233,7 @@ def lmcache_cases(tokens, max_tokens: int, l1_len: int = 300) -> list[dict]:
     step and the one before it (align mode): a 300-token prompt, one step of two
     blocks, leaves a real state at block 0; a 600-token prompt, one step of three,
     leaves vLLM's null block in block 0's Mamba slot. With MTP the tiny model keeps
-    blocks of 128 and L1 is ``l1_len`` tokens (:func:`l1_tokens`).
+    the blocks vLLM serves and L1 is ``l1_len`` tokens (:func:`l1_tokens`).
 
     - L: the state LMCache stores and loads must be the one vLLM computes with
       (the registration must leave vLLM's views on the memory it registers): L2 takes a
@@ -262,11 +268,24 @@ def lmcache_cases(tokens, max_tokens: int, l1_len: int = 300) -> list[dict]:
     ]
 
 
+def check_served_block_size(decode: str, expected: int) -> None:
+    """Raise E2EError unless the decode instance serves blocks of ``expected`` tokens
+    (``block_size`` of its ``vllm:cache_config_info``): the scenario's lengths (L1, the
+    pool with speculative decoding) were derived from it."""
+    served = metrics.info_label(metrics.scrape(decode), metrics.CACHE_CONFIG_INFO,
+                                "block_size")
+    if served != str(expected):
+        raise E2EError(f"the decode instance serves blocks of {served} tokens; the scenario "
+                       f"was derived for {expected} (pair.served_block_size)")
+
+
 def run_correctness(
     pair: Pair, procs: Processes, vocab_size: int, opts: CorrectnessOptions, log: Log
 ) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
+    if opts.served_block_size is not None:
+        check_served_block_size(pair.decode, opts.served_block_size)
     cases = correctness_cases(vocab_size, opts)
     extra = {"logprobs": TOP_LOGPROBS}
     trouble = (lmcache_mod.Trouble(procs.log_dir / "decode.log", procs.log_dir / "lmcache.log")

@@ -25,6 +25,8 @@ NUM_PREEMPTIONS = "vllm:num_preemptions"
 #: Speculative decoding: tokens drafted and accepted (by the target's verification).
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+#: An info gauge whose labels are the engine's resolved CacheConfig (block_size, ...).
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
 OF_INTEREST = (
     PREFIX_CACHE_HITS,
@@ -41,9 +43,11 @@ OF_INTEREST = (
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Sample name -> value summed over label sets."""
+    """Sample name -> value summed over label sets; an ``*_info`` gauge's labels (its
+    first label set) in ``info``."""
 
     samples: dict[str, float] = field(default_factory=dict)
+    info: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def value(self, name: str, default: float = 0.0) -> float:
         for candidate in (name, f"{name}_total"):
@@ -78,10 +82,18 @@ def parse(text: str) -> Snapshot:
     from prometheus_client.parser import text_string_to_metric_families
 
     samples: dict[str, float] = {}
+    info: dict[str, dict[str, str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[sample.name] = samples.get(sample.name, 0.0) + float(sample.value)
-    return Snapshot(samples)
+            if sample.name.endswith("_info"):
+                info.setdefault(sample.name, dict(sample.labels))
+    return Snapshot(samples, info)
+
+
+def info_label(snapshot: Snapshot, name: str, label: str) -> str | None:
+    """Label ``label`` of info gauge ``name`` (None where either is missing)."""
+    return snapshot.info.get(name, {}).get(label)
 
 
 def scrape(base_url: str, timeout: float = 10.0) -> Snapshot:

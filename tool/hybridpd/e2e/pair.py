@@ -128,6 +128,11 @@ def server_command(
     ]
     if opts.speculative_config is not None:
         cmd += ["--speculative-config", opts.speculative_config]
+    if opts.device == "cpu":
+        # vLLM keeps the Gated-DeltaNet state in fp32 on a CPU with AVX-512 BF16 and in
+        # the model's dtype elsewhere, which changes the block size it serves (see
+        # served_block_size); fp32 everywhere gives every host the same geometry.
+        cmd += ["--mamba-ssm-cache-dtype", CPU_SSM_CACHE_DTYPE]
     if opts.device == "cuda":
         cmd += ["--async-scheduling", "--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     return cmd + list(opts.extra_args)
@@ -218,6 +223,34 @@ def cpu_binding(side: str, cores: list[int] | None = None) -> str:
 
 
 # --------------------------------------------------------------------------- the decode pool
+
+#: The Gated-DeltaNet state dtype of a CPU instance (``--mamba-ssm-cache-dtype``).
+CPU_SSM_CACHE_DTYPE = "float32"
+
+
+def served_block_size(
+    config: dict, block_size: int, speculative_tokens: int = 0, ssm_state_bytes: int = 4,
+) -> int:
+    """The block size vLLM serves a Qwen3.5-style model (``config``: its text config)
+    with when asked for ``block_size``: raised to the smallest multiple of it whose
+    attention page (bf16 K and V of one layer) holds a Gated-DeltaNet state
+    (``Platform.update_block_size_for_backend``), never lowered. The state is the conv
+    state, ``kernel - 1 + speculative_tokens`` positions of the bf16 q, k and v
+    channels, and the recurrent state, ``value heads x key dim x value dim`` of
+    ``ssm_state_bytes`` (4: fp32, :data:`CPU_SSM_CACHE_DTYPE`).
+
+    The tiny model: 512 bytes of attention a token; a state of 3 072 + 65 536 bytes
+    without speculative decoding and 6 144 + 65 536 with 3 speculative tokens, over
+    the 64 KiB of a 128-token page: 256 tokens either way (bf16 states would fit 128).
+    """
+    attention = 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    conv = (config["linear_conv_kernel_dim"] - 1 + speculative_tokens) * (2 * key + value) * 2
+    ssm = (config["linear_num_value_heads"] * config["linear_key_head_dim"]
+           * config["linear_value_head_dim"] * ssm_state_bytes)
+    return block_size * -(-(conv + ssm) // (block_size * attention))
+
 
 #: Blocks a request holds in each Mamba group in align mode (``--mamba-cache-mode
 #: align``): the state at the last block boundary and the running one (vLLM's

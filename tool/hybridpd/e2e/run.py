@@ -349,8 +349,26 @@ def _speculative_decode_blocks(o: E2EOptions, speculative: dict) -> int:
     types = _layer_types(o)
     prefix, prompt = correctness.concurrent_prompt_span(
         correctness.CorrectnessOptions(block_size=o.block_size))
-    return max(pair_mod.pool_blocks(length, o.block_size, types, n),
-               pair_mod.concurrent_pool_blocks(prefix, prompt, o.block_size, types, n))
+    block = _served_block_size(o, n)
+    return max(pair_mod.pool_blocks(length, block, types, n),
+               pair_mod.concurrent_pool_blocks(prefix, prompt, block, types, n))
+
+
+def _served_block_size(o: E2EOptions, speculative_tokens: int) -> int:
+    """The block size the instances serve on CPU (:func:`.pair.served_block_size`, the
+    state in :data:`.pair.CPU_SSM_CACHE_DTYPE`) for the tiny model or a local model's
+    config; ``--block-size`` elsewhere (a hub id, a GPU)."""
+    if o.device != "cpu":
+        return o.block_size
+    config: dict = dict(SPEC) if o.tiny else {}
+    cfg = Path(o.model) / "config.json" if o.model and not o.tiny else None
+    if cfg is not None and cfg.exists():
+        config = json.loads(cfg.read_text())
+        config = config.get("text_config", config)
+    try:
+        return pair_mod.served_block_size(config, o.block_size, speculative_tokens)
+    except KeyError:
+        return o.block_size
 
 
 def _speculative(o: E2EOptions) -> dict | None:
@@ -389,9 +407,12 @@ def _max_model_len(o: E2EOptions, blocks: int | None, lmcache: bool) -> int:
     if blocks is not None:
         # P's pool is sized from memory; D's is `blocks` blocks, and vLLM starts D only
         # when one request of --max-model-len tokens fits it (pair.pool_max_model_len).
-        holds = pair_mod.pool_max_model_len(blocks, o.block_size, _layer_types(o),
-                                            speculative_tokens(_speculative(o)))
-        pool = (f"a decode pool of {blocks} blocks of {o.block_size} tokens holds one "
+        # With speculative decoding the pool was sized in the blocks vLLM serves
+        # (_speculative_decode_blocks); without, --block-size, which fits on every host.
+        n = speculative_tokens(_speculative(o))
+        block = _served_block_size(o, n) if n else o.block_size
+        holds = pair_mod.pool_max_model_len(blocks, block, _layer_types(o), n)
+        pool = (f"a decode pool of {blocks} blocks of {block} tokens holds one "
                 f"request of at most {holds} tokens")
         if holds < longest:
             raise E2EUsageError(
@@ -419,8 +440,10 @@ def _longest_request(o: E2EOptions, lmcache: bool) -> int:
     if o.scenario == "smoke":
         return o.prompt_tokens + o.max_tokens
     if o.scenario == "correctness":
+        n = speculative_tokens(_speculative(o))
         return correctness.longest_request(correctness.CorrectnessOptions(
-            block_size=o.block_size, max_tokens=o.max_tokens, seed=o.seed, lmcache=lmcache))
+            block_size=o.block_size, max_tokens=o.max_tokens, seed=o.seed, lmcache=lmcache,
+            speculative=n > 0, served_block_size=_served_block_size(o, n)))
     return o.prefix_len + o.suffix_len + o.output_len
 
 
@@ -616,11 +639,12 @@ class _PairRun:
         if o.scenario == "correctness":
             return correctness.run_correctness(
                 pair, procs, self.vocab,
-                correctness.CorrectnessOptions(block_size=o.block_size, max_tokens=o.max_tokens,
-                                               seed=o.seed,
-                                               lmcache=lm.uses_lmcache(self.connector),
-                                               speculative=_speculative(o) is not None,
-                                               fail_fast=o.fail_fast),
+                correctness.CorrectnessOptions(
+                    block_size=o.block_size, max_tokens=o.max_tokens, seed=o.seed,
+                    lmcache=lm.uses_lmcache(self.connector),
+                    speculative=_speculative(o) is not None, fail_fast=o.fail_fast,
+                    served_block_size=_served_block_size(
+                        o, speculative_tokens(_speculative(o)))),
                 log,
             )
         return prefix_repetition.run_prefix_repetition(
