@@ -51,15 +51,22 @@ def _manager_with_cached_prompt(use_eagle: bool, num_blocks: int = 2):
     return manager, prefix, block_ids
 
 
+def _extending_request(manager, prefix: list[int]):
+    """A request extending the cached prompt by a block and a token, and its hit per
+    KV cache group."""
+    req = make_request("1", prefix + [100] * (BLOCK_SIZE + 1), BLOCK_SIZE, sha256)
+    _, per_group_hits = manager.coordinator.find_longest_cache_hit_per_group(
+        req.block_hashes, req.num_tokens - 1
+    )
+    return req, per_group_hits
+
+
 @pytest.mark.parametrize("use_eagle", [False, True])
 def test_connector_lookup_keeps_full_attention_hit_below_deeper_mamba_hit(
     use_eagle: bool,
 ):
     manager, prefix, _ = _manager_with_cached_prompt(use_eagle)
-    req = make_request("1", prefix + [100] * (BLOCK_SIZE + 1), BLOCK_SIZE, sha256)
-    _, per_group_hits = manager.coordinator.find_longest_cache_hit_per_group(
-        req.block_hashes, req.num_tokens - 1
-    )
+    req, per_group_hits = _extending_request(manager, prefix)
     full_hit = BLOCK_SIZE if use_eagle else 2 * BLOCK_SIZE
     # With EAGLE the Mamba group hits one block deeper than full attention.
     assert per_group_hits == (full_hit, 2 * BLOCK_SIZE)
@@ -85,10 +92,7 @@ def test_connector_lookup_after_evicted_full_attention_blocks(use_eagle: bool):
         use_eagle, num_blocks=4
     )
     manager.block_pool.evict_blocks({full_ids[2], full_ids[3]})
-    req = make_request("2", prefix + [100] * (BLOCK_SIZE + 1), BLOCK_SIZE, sha256)
-    _, per_group_hits = manager.coordinator.find_longest_cache_hit_per_group(
-        req.block_hashes, req.num_tokens - 1
-    )
+    req, per_group_hits = _extending_request(manager, prefix)
     full_hit = BLOCK_SIZE if use_eagle else 2 * BLOCK_SIZE
     assert per_group_hits == (full_hit, 4 * BLOCK_SIZE)
 
