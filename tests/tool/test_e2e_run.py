@@ -494,3 +494,19 @@ def test_the_correctness_scenario_stops_where_d_serves_another_block_size(monkey
     with pytest.raises(E2EError, match="serves blocks of 128 tokens; the scenario was derived "
                                        "for 256"):
         correctness.check_served_block_size("http://d", 256)
+
+
+def test_the_served_block_size_is_derived_only_where_the_model_and_host_tell_it(
+    tmp_path: Path,
+) -> None:
+    _, series = standard_project(tmp_path)
+    assert run_mod._served_block_size(_options(tmp_path, series), 3) == 256
+    # A GPU picks its own kernel alignment and state dtype; a model whose config has no
+    # Gated-DeltaNet sizes gives nothing to derive: neither is sized by it nor checked.
+    assert run_mod._served_block_size(_options(tmp_path, series, device="cuda"), 3) is None
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"head_dim": 64}}))
+    local = run_mod.E2EOptions(pin=series.pin("1.0"), model=str(model),
+                               out_dir=tmp_path / "out")
+    assert run_mod._served_block_size(local, 3) is None

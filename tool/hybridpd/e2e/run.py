@@ -349,26 +349,34 @@ def _speculative_decode_blocks(o: E2EOptions, speculative: dict) -> int:
     types = _layer_types(o)
     prefix, prompt = correctness.concurrent_prompt_span(
         correctness.CorrectnessOptions(block_size=o.block_size))
-    block = _served_block_size(o, n)
+    block = _served_block_size(o, n) or o.block_size
     return max(pair_mod.pool_blocks(length, block, types, n),
                pair_mod.concurrent_pool_blocks(prefix, prompt, block, types, n))
 
 
-def _served_block_size(o: E2EOptions, speculative_tokens: int) -> int:
+def _served_block_size(o: E2EOptions, speculative_tokens: int) -> int | None:
     """The block size the instances serve on CPU (:func:`.pair.served_block_size`, the
     state in :data:`.pair.CPU_SSM_CACHE_DTYPE`) for the tiny model or a local model's
-    config; ``--block-size`` elsewhere (a hub id, a GPU)."""
+    config; None where it cannot be derived (a GPU, a hub id, a config without
+    Gated-DeltaNet sizes): sizes then use ``--block-size`` and nothing checks it."""
     if o.device != "cpu":
-        return o.block_size
-    config: dict = dict(SPEC) if o.tiny else {}
-    cfg = Path(o.model) / "config.json" if o.model and not o.tiny else None
-    if cfg is not None and cfg.exists():
-        config = json.loads(cfg.read_text())
-        config = config.get("text_config", config)
+        return None
     try:
-        return pair_mod.served_block_size(config, o.block_size, speculative_tokens)
+        return pair_mod.served_block_size(_text_config(o), o.block_size, speculative_tokens)
     except KeyError:
-        return o.block_size
+        return None
+
+
+def _text_config(o: E2EOptions) -> dict:
+    """The model's text config before anything is built: the tiny model's spec, a local
+    model's config.json (its ``text_config``), else nothing (a hub id)."""
+    if o.tiny:
+        return dict(SPEC)
+    cfg = Path(o.model) / "config.json" if o.model else None
+    if cfg is None or not cfg.exists():
+        return {}
+    data = json.loads(cfg.read_text())
+    return data.get("text_config", data)
 
 
 def _speculative(o: E2EOptions) -> dict | None:
@@ -410,7 +418,7 @@ def _max_model_len(o: E2EOptions, blocks: int | None, lmcache: bool) -> int:
         # With speculative decoding the pool was sized in the blocks vLLM serves
         # (_speculative_decode_blocks); without, --block-size, which fits on every host.
         n = speculative_tokens(_speculative(o))
-        block = _served_block_size(o, n) if n else o.block_size
+        block = (_served_block_size(o, n) if n else None) or o.block_size
         holds = pair_mod.pool_max_model_len(blocks, block, _layer_types(o), n)
         pool = (f"a decode pool of {blocks} blocks of {block} tokens holds one "
                 f"request of at most {holds} tokens")
@@ -455,11 +463,7 @@ def _layer_types(o: E2EOptions, drafter: bool = True) -> list[str] | tuple[str, 
     mtp = drafter and _is_mtp(_speculative(o))
     if o.tiny:
         return list(SPEC["layer_types"]) + ["full_attention"] * mtp
-    data: dict = {}
-    cfg = Path(o.model) / "config.json"
-    if cfg.exists():
-        data = json.loads(cfg.read_text())
-        data = data.get("text_config", data)
+    data = _text_config(o)
     types = list(data.get("layer_types") or pair_mod.QWEN35_LAYER_TYPES)
     return types + ["full_attention"] * (spec_mod.mtp_modules(data) if mtp else 0)
 
