@@ -279,11 +279,16 @@ class _Plan:
 
 
 def fleet_options(o: E2EOptions) -> fleet_mod.FleetOptions:
+    """The fleet's sizes, counted in the blocks vLLM serves (:func:`_served_block_size`;
+    ``--block-size`` where that cannot be derived): a pool and a prefix estimated in
+    ``--block-size`` blocks on CPU, where vLLM raises it to hold a Mamba state, held
+    every prefix and never evicted (measured: 18 blocks of 256 tokens)."""
+    n = speculative_tokens(_speculative(o))
     return fleet_mod.FleetOptions(
         o.decode_instances, tuple(o.policies),
         prefix_repetition.BenchOptions(o.prefix_len, o.suffix_len, o.num_prefixes,
                                        o.output_len, o.num_prompts, o.concurrency, o.seed),
-        o.block_size)
+        _served_block_size(o, n) or o.block_size)
 
 
 def _fleet_plan(o: E2EOptions, blocks: int | None) -> int:
@@ -311,9 +316,9 @@ def _fleet_plan(o: E2EOptions, blocks: int | None) -> int:
         raise E2EUsageError(f"--num-prompts {o.num_prompts} is fewer than --num-prefixes "
                             f"{o.num_prefixes}: every prefix needs a request")
     fo = fleet_options(o)
-    if fleet_mod.prefix_blocks(o.prefix_len, o.block_size) == 0:
+    if fleet_mod.prefix_blocks(o.prefix_len, fo.block_size) == 0:
         raise E2EUsageError(f"--prefix-len {o.prefix_len} is shorter than a block "
-                            f"({o.block_size} tokens): no decode-side hit is possible")
+                            f"({fo.block_size} tokens): no decode-side hit is possible")
     types = _layer_types(o)
     blocks = fleet_mod.decode_blocks(fo, types) if blocks is None else blocks
     if fleet_mod.holds_every_prefix(fo, blocks, types):
@@ -415,10 +420,12 @@ def _max_model_len(o: E2EOptions, blocks: int | None, lmcache: bool) -> int:
     if blocks is not None:
         # P's pool is sized from memory; D's is `blocks` blocks, and vLLM starts D only
         # when one request of --max-model-len tokens fits it (pair.pool_max_model_len).
-        # With speculative decoding the pool was sized in the blocks vLLM serves
-        # (_speculative_decode_blocks); without, --block-size, which fits on every host.
+        # With speculative decoding, and in the fleet, the pool was sized in the blocks
+        # vLLM serves (_speculative_decode_blocks, fleet_options); else --block-size,
+        # which fits on every host.
         n = speculative_tokens(_speculative(o))
-        block = (_served_block_size(o, n) if n else None) or o.block_size
+        served = n or o.scenario == "fleet"
+        block = (_served_block_size(o, n) if served else None) or o.block_size
         holds = pair_mod.pool_max_model_len(blocks, block, _layer_types(o), n)
         pool = (f"a decode pool of {blocks} blocks of {block} tokens holds one "
                 f"request of at most {holds} tokens")
