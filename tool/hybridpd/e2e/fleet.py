@@ -87,13 +87,20 @@ def _request_blocks(bench: prefix_repetition.BenchOptions, block_size: int) -> i
 def decode_blocks(o: FleetOptions, layer_types) -> int:
     """The default decode pool: the cached prefixes of an even share of the fleet
     (``ceil(num_prefixes / decode_instances)``, each its whole blocks in the attention
-    group and one Mamba state per Mamba group), one running request beyond its prefix
-    (its other attention blocks and align mode's 2 pages per Mamba group) and the null
-    block. An estimate of vLLM's allocation (pair.pool_max_model_len has the rules);
-    the run measures what it gives."""
+    groups), one running request beyond its prefix (its other attention blocks and align
+    mode's 2 pages per Mamba group) and the null block.
+
+    A decode instance keeps no Mamba state per prefix: its hit takes the prefix's
+    attention blocks, and the state at the prompt's end arrives from the prefill
+    instance with the rest of the prompt. Measured (0.32.0, CPU, the tiny model at
+    256-token blocks): one instance of 16 blocks held 8 prefixes of one block each and
+    a running request, with no miss but each prefix's first; with a Mamba state per
+    prefix counted, the pool held every prefix and nothing evicted. An estimate of
+    vLLM's allocation (pair.pool_max_model_len has the rules); the run measures what
+    it gives."""
     mamba, attention = pair_mod.kv_cache_groups(layer_types)
     share = -(-o.bench.num_prefixes // o.decode_instances)
-    per_prefix = prefix_blocks(o.bench.prefix_len, o.block_size) * attention + mamba
+    per_prefix = prefix_blocks(o.bench.prefix_len, o.block_size) * attention
     running = ((_request_blocks(o.bench, o.block_size)
                 - prefix_blocks(o.bench.prefix_len, o.block_size)) * attention
                + pair_mod.MAMBA_ALIGN_BLOCKS * mamba)

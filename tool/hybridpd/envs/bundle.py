@@ -184,6 +184,14 @@ def stub_wheel(dest: Path, name: str, release: str) -> Path:
     return path
 
 
+def _satisfying(specifier) -> str:
+    """A version ``specifier`` (a SpecifierSet) allows: one it names, else 0."""
+    for candidate in [*(s.version for s in specifier), "0"]:
+        if specifier.contains(candidate, prereleases=True):
+            return candidate
+    raise BundleError(f"no stand-in version satisfies {specifier}")
+
+
 def _wheels(directory: Path) -> dict[str, Path]:
     """``normalized name -> wheel`` of the wheels in ``directory``."""
     out = {}
@@ -389,7 +397,7 @@ def _make(
             stubs.append(f"{name} @ {stub_wheel(stubs_dir, name, exact).as_uri()}")
     dropped = sorted(n for n in build_mod.CPU_DROPPED if n in pins) if variant == "cpu" else []
     for name in dropped:
-        stubs.append(f"{name} @ {stub_wheel(stubs_dir, name, '0').as_uri()}")
+        stubs.append(f"{name} @ {stub_wheel(stubs_dir, name, _satisfying(pins[name])).as_uri()}")
     nixl_name = f"nixl-cu{cuda}" if cuda else "nixl-cu12"
     nixl_req = pdextras.requirement(checkout, nixl_name)
     left_out = [*reuse, *dropped]
