@@ -43,8 +43,10 @@ def test_the_default_pool_holds_an_even_share_of_the_prefixes_and_not_all() -> N
     # decode instance: it comes from the prefill instance) + the running request's 3rd
     # attention block + 2 pages x 3 Mamba groups
     assert fleet_mod.decode_blocks(o, TINY) == 1 + 2 * 2 + 1 + 6
-    assert not fleet_mod.holds_every_prefix(o, 1 + 4 * 2 + 1 + 6 - 1, TINY)
-    assert fleet_mod.holds_every_prefix(o, 1 + 4 * 2 + 1 + 6, TINY)
+    # Refused where every prefix may fit beside a running request taking one page per
+    # Mamba group (the fewest it takes).
+    assert not fleet_mod.holds_every_prefix(o, 1 + 4 * 2 + 1 + 3 - 1, TINY)
+    assert fleet_mod.holds_every_prefix(o, 1 + 4 * 2 + 1 + 3, TINY)
     three = fleet_mod.FleetOptions(3, bench=BENCH)  # ceil(4 / 3) = 2 prefixes each
     assert fleet_mod.decode_blocks(three, TINY) == 12
 
@@ -54,15 +56,23 @@ def test_the_fleet_counts_its_pool_in_the_blocks_vllm_serves(tmp_path: Path) -> 
     # --block-size 128: a pool and a prefix counted in blocks of 128 held every prefix
     # on one instance and nothing evicted.
     _, series = standard_project(tmp_path)
-    o = run_mod.fleet_options(_options(tmp_path, series))
+    o = run_mod.fleet_options(_options(tmp_path, series, num_prefixes=4, num_prompts=16))
     assert o.block_size == run_mod.pair_mod.served_block_size(dict(run_mod.SPEC), 128, 0) == 256
     # null block + 2 prefixes x 1 attention block + the running request's 2nd attention
     # block + 2 pages x 3 Mamba groups
     assert fleet_mod.decode_blocks(o, TINY) == 1 + 2 * 1 + 1 + 6 == 10
-    assert fleet_mod.holds_every_prefix(o, 1 + 4 * 1 + 1 + 6, TINY)
+    # Measured: 10 blocks held all 4 prefixes (nothing evicted), so it is refused; with
+    # 8 prefixes the default pool (4 each) is 12 and one pool may hold 7 at most.
+    assert fleet_mod.holds_every_prefix(o, 10, TINY)
+    eight = run_mod.fleet_options(_options(tmp_path, series))
+    assert fleet_mod.decode_blocks(eight, TINY) == 12
+    assert not fleet_mod.holds_every_prefix(eight, 12, TINY)
     assert fleet_mod.hit_limit(o.bench, o.block_size) == 12 * 256
     # Where it cannot be derived (a GPU), --block-size.
     assert run_mod.fleet_options(_options(tmp_path, series, device="cuda")).block_size == 128
+    # The documented workload's 4 prefixes fit one pool of 10 blocks: refused.
+    with pytest.raises(run_mod.E2EUsageError, match="^a decode pool of 10 blocks holds all 4"):
+        run_mod.run(series, _options(tmp_path, series, num_prefixes=4, num_prompts=16), [], print)
 
 
 def test_each_instance_gets_cores_of_its_own_where_there_are_enough() -> None:
@@ -75,8 +85,8 @@ def test_each_instance_gets_cores_of_its_own_where_there_are_enough() -> None:
 
 
 def _options(tmp_path: Path, series, **kw) -> run_mod.E2EOptions:
-    given = dict(scenario="fleet", prefix_len=300, suffix_len=32, num_prefixes=4,
-                 output_len=8, num_prompts=16, concurrency=1)
+    given = dict(scenario="fleet", prefix_len=300, suffix_len=32, num_prefixes=8,
+                 output_len=8, num_prompts=24, concurrency=1)
     return run_mod.E2EOptions(pin=series.pin("1.0"), tiny=True, out_dir=tmp_path / "out",
                               **{**given, **kw})
 
@@ -86,9 +96,9 @@ def _options(tmp_path: Path, series, **kw) -> run_mod.E2EOptions:
     ({"front": "proxy"}, "the fleet scenario needs --front router"),
     ({"decode_instances": 1}, "--decode-instances 1: a fleet has at least 2"),
     ({"policies": ("least_busy",)}, "--policy least_busy: choose from random, round_robin"),
-    ({"num_prompts": 3}, "--num-prompts 3 is fewer than --num-prefixes 4"),
+    ({"num_prompts": 3}, "--num-prompts 3 is fewer than --num-prefixes 8"),
     ({"prefix_len": 100}, "--prefix-len 100 is shorter than a block"),
-    ({"decode_num_blocks": 40}, "a decode pool of 40 blocks holds all 4 prefixes"),
+    ({"decode_num_blocks": 40}, "a decode pool of 40 blocks holds all 8 prefixes"),
     ({"connectors": ("lmcache+nixl",)}, "lmcache+nixl: the fleet scenario does not start"),
     ({"hosts": "netns"}, "--hosts netns: the fleet scenario runs its instances on this host"),
 ])
@@ -220,7 +230,7 @@ def test_each_build_starts_one_fleet_and_each_policy_a_router_over_it(
     # Each decode instance has the shrunken pool (in the 256-token blocks vLLM serves the
     # tiny model in on CPU); the prefill instance's is from memory.
     assert [_flag(started[n], "--num-gpu-blocks-override") for n in started] == [
-        [], ["10"], ["10"]]
+        [], ["12"], ["12"]]
     router = next(e[2] for e in events if e[:2] == ("start", "router-round_robin"))
     assert _flag(router, "--prefill") == [f"http://127.0.0.1:{ports['prefill']}"]
     assert _flag(router, "--decode") == [f"http://127.0.0.1:{ports['decode-1']}",
@@ -236,15 +246,15 @@ def test_each_build_starts_one_fleet_and_each_policy_a_router_over_it(
     rr = runs[0]
     assert rr.decode_prefix_cache_hits == sum(
         i["prefix_cache_hits"] for i in rr.figures["instances"])
-    assert rr.figures["hit_limit_tokens"] == 12 * 256
-    assert rr.figures["hit_of_limit"] == round(rr.decode_prefix_cache_hits / (12 * 256), 3)
+    assert rr.figures["hit_limit_tokens"] == 16 * 256
+    assert rr.figures["hit_of_limit"] == round(rr.decode_prefix_cache_hits / (16 * 256), 3)
     assert result.failures == []
 
     table = report_mod.table(result.report)
     assert table[2:] == [
-        "| nixl | round_robin | 3 072 | 0 | 1 536 | 0.0% | 50.0% | 0 (8) / 0 (8) "
+        "| nixl | round_robin | 4 096 | 0 | 1 536 | 0.0% | 37.5% | 0 (8) / 0 (8) "
         "| 1024 (8) / 512 (8) | 100 | 100 |",
-        "| nixl | cache_aware | 3 072 | 0 | 3 072 | 0.0% | 100.0% | 0 (8) / 0 (8) "
+        "| nixl | cache_aware | 4 096 | 0 | 3 072 | 0.0% | 75.0% | 0 (8) / 0 (8) "
         "| 1536 (8) / 1536 (8) | 100 | 100 |",
     ]
     data = json.loads(result.paths["json"].read_text())

@@ -81,6 +81,8 @@ def _render(result: bundle_mod.BundleResult) -> None:
                f"{len(m['overlay']['files'])} patched files, {len(m['models'])} tiny models")
     click.echo(f"  {result.size / 2**20:.1f} MiB in {len(m['parts'])} part(s); timings (s): "
                + ", ".join(f"{k} {v}" for k, v in m["timings"].items()))
+    if m.get("dropped"):
+        click.echo(f"  left out, as a CPU install does: {', '.join(m['dropped'])}")
     if m["reuse"]:
         click.echo("  the host must have: " + ", ".join(
             f"{name}{','.join(sorted({r['specifier'] for r in entry['requires']} - {''}))}"

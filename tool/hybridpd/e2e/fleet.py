@@ -88,30 +88,39 @@ def decode_blocks(o: FleetOptions, layer_types) -> int:
     """The default decode pool: the cached prefixes of an even share of the fleet
     (``ceil(num_prefixes / decode_instances)``, each its whole blocks in the attention
     groups), one running request beyond its prefix (its other attention blocks and align
-    mode's 2 pages per Mamba group) and the null block.
+    mode's 2 pages per Mamba group, the most it takes) and the null block, so a router
+    that keeps each prefix on one instance evicts nothing.
 
     A decode instance keeps no Mamba state per prefix: its hit takes the prefix's
     attention blocks, and the state at the prompt's end arrives from the prefill
     instance with the rest of the prompt. Measured (0.32.0, CPU, the tiny model at
-    256-token blocks): one instance of 16 blocks held 8 prefixes of one block each and
-    a running request, with no miss but each prefix's first; with a Mamba state per
-    prefix counted, the pool held every prefix and nothing evicted. An estimate of
-    vLLM's allocation (pair.pool_max_model_len has the rules); the run measures what
-    it gives."""
-    mamba, attention = pair_mod.kv_cache_groups(layer_types)
+    256-token blocks, every request on one instance): 10 blocks held 4 prefixes of one
+    block each and 16 blocks held 8, each with a running request, with no miss but each
+    prefix's first. An estimate of vLLM's allocation (pair.pool_max_model_len has the
+    rules); the run measures what it gives."""
     share = -(-o.bench.num_prefixes // o.decode_instances)
-    per_prefix = prefix_blocks(o.bench.prefix_len, o.block_size) * attention
-    running = ((_request_blocks(o.bench, o.block_size)
-                - prefix_blocks(o.bench.prefix_len, o.block_size)) * attention
-               + pair_mod.MAMBA_ALIGN_BLOCKS * mamba)
-    return 1 + share * per_prefix + running
+    return 1 + share * _prefix_footprint(o, layer_types) + _running(o, layer_types)
 
 
 def holds_every_prefix(o: FleetOptions, blocks: int, layer_types) -> bool:
-    """Whether one decode pool of ``blocks`` holds every prefix of the workload and a
-    running request (then nothing evicts and every policy reaches the limit)."""
-    whole = FleetOptions(1, o.policies, o.bench, o.block_size)
-    return blocks >= decode_blocks(whole, layer_types)
+    """Whether one decode pool of ``blocks`` may hold every prefix of the workload and a
+    running request taking one page per Mamba group, the fewest it takes (then a router
+    that piles every prefix onto one instance may evict nothing: measured, 10 blocks
+    held 4 prefixes of the tiny model's)."""
+    lean = _running(o, layer_types, mamba_pages=1)
+    return blocks >= 1 + o.bench.num_prefixes * _prefix_footprint(o, layer_types) + lean
+
+
+def _prefix_footprint(o: FleetOptions, layer_types) -> int:
+    _, attention = pair_mod.kv_cache_groups(layer_types)
+    return prefix_blocks(o.bench.prefix_len, o.block_size) * attention
+
+
+def _running(o: FleetOptions, layer_types, mamba_pages: int = pair_mod.MAMBA_ALIGN_BLOCKS) -> int:
+    """Blocks one running request takes beyond its cached prefix."""
+    mamba, attention = pair_mod.kv_cache_groups(layer_types)
+    rest = _request_blocks(o.bench, o.block_size) - prefix_blocks(o.bench.prefix_len, o.block_size)
+    return rest * attention + mamba_pages * mamba
 
 
 # --------------------------------------------------------------------------- servers
