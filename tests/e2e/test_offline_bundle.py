@@ -105,5 +105,8 @@ def test_a_real_cpu_bundle_serves_smoke_and_correctness_with_no_network(tmp_path
         e2e = json.loads((out / scenario / "report.json").read_text())
         assert steps[f"e2e {scenario}"]["detail"]["failures"] == []
         assert {r["build"] for r in e2e["runs"]} == {"patched", "stock"}, scenario
+        # The bundle's own Qwen3.5 models, served (not Qwen3-Next standing in).
+        assert Path(e2e["model"]).name.startswith("tiny-qwen3_5-"), e2e["model"]
+        assert Path(e2e["model"]).parent == bundle / "cache" / "e2e" / "models"
     # The models and everything the runs wrote stayed in the bundle and the results.
     assert sorted(p.name for p in (bundle / "cache" / "e2e" / "models").iterdir())

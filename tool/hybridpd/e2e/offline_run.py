@@ -3,7 +3,9 @@
 What ``run.sh`` (:mod:`hybridpd.envs.runkit`) hands over to, in the unpacked bundle:
 
 1. ``patched``: the bundle installed offline into ``venvs/patched`` and proven
-   (:func:`hybridpd.envs.wheelhouse.install`);
+   (:func:`hybridpd.envs.wheelhouse.install`); where the bundle left torchvision out (a
+   CPU bundle), vLLM's Qwen3.5 module is made to import without it, as in the e2e's own
+   CPU venvs (:mod:`hybridpd.e2e.qwen35`), so the bundle's Qwen3.5 models are served;
 2. ``stock``: the same wheels without the patched files into ``venvs/stock``, proven to
    import the release's own files (the e2e's OFF column; skipped with ``--no-stock``);
 3. ``models``: the bundle's tiny seeded models copied to where the e2e looks for them
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridpd import cache
+from hybridpd.e2e import qwen35
 from hybridpd.e2e import run as run_mod
 from hybridpd.e2e import tinymodel
 from hybridpd.envs import wheelhouse
@@ -142,6 +145,8 @@ def run_bundle(
             result = wheelhouse.install(bundle, venvs / ("stock" if stock else "patched"),
                                         python=o.python, stock=stock, log=log)
             s.detail = result.to_json()
+            if "torchvision" in (manifest.get("dropped") or ()):
+                s.detail["qwen35_alias"] = str(qwen35.install(result.python))
         return body
 
     def models(s: Step) -> None:
