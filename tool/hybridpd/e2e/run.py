@@ -279,16 +279,15 @@ class _Plan:
 
 
 def fleet_options(o: E2EOptions) -> fleet_mod.FleetOptions:
-    """The fleet's sizes, counted in the blocks vLLM serves (:func:`_served_block_size`;
-    ``--block-size`` where that cannot be derived): a pool and a prefix estimated in
-    ``--block-size`` blocks on CPU, where vLLM raises it to hold a Mamba state, held
-    every prefix and never evicted (measured: 18 blocks of 256 tokens)."""
-    n = speculative_tokens(_speculative(o))
+    """The fleet's sizes, counted in the blocks vLLM serves (:func:`_pool_block_size`):
+    a pool and a prefix estimated in ``--block-size`` blocks on CPU, where vLLM raises
+    it to hold a Mamba state, held every prefix and never evicted (measured: 18 blocks
+    of 256 tokens)."""
     return fleet_mod.FleetOptions(
         o.decode_instances, tuple(o.policies),
         prefix_repetition.BenchOptions(o.prefix_len, o.suffix_len, o.num_prefixes,
                                        o.output_len, o.num_prompts, o.concurrency, o.seed),
-        _served_block_size(o, n) or o.block_size)
+        _pool_block_size(o))
 
 
 def _fleet_plan(o: E2EOptions, blocks: int | None) -> int:
@@ -354,9 +353,20 @@ def _speculative_decode_blocks(o: E2EOptions, speculative: dict) -> int:
     types = _layer_types(o)
     prefix, prompt = correctness.concurrent_prompt_span(
         correctness.CorrectnessOptions(block_size=o.block_size))
-    block = _served_block_size(o, n) or o.block_size
+    block = _pool_block_size(o)
     return max(pair_mod.pool_blocks(length, block, types, n),
                pair_mod.concurrent_pool_blocks(prefix, prompt, block, types, n))
+
+
+def _pool_block_size(o: E2EOptions) -> int:
+    """The block size the decode pool is counted in: the one vLLM serves
+    (:func:`_served_block_size`, else ``--block-size``) with speculative decoding and in
+    the fleet, whose pools are sized from it; ``--block-size`` for the other scenarios,
+    whose pools were measured in it and fit on every host."""
+    n = speculative_tokens(_speculative(o))
+    if n or o.scenario == "fleet":
+        return _served_block_size(o, n) or o.block_size
+    return o.block_size
 
 
 def _served_block_size(o: E2EOptions, speculative_tokens: int) -> int | None:
@@ -420,12 +430,8 @@ def _max_model_len(o: E2EOptions, blocks: int | None, lmcache: bool) -> int:
     if blocks is not None:
         # P's pool is sized from memory; D's is `blocks` blocks, and vLLM starts D only
         # when one request of --max-model-len tokens fits it (pair.pool_max_model_len).
-        # With speculative decoding, and in the fleet, the pool was sized in the blocks
-        # vLLM serves (_speculative_decode_blocks, fleet_options); else --block-size,
-        # which fits on every host.
         n = speculative_tokens(_speculative(o))
-        served = n or o.scenario == "fleet"
-        block = (_served_block_size(o, n) if served else None) or o.block_size
+        block = _pool_block_size(o)
         holds = pair_mod.pool_max_model_len(blocks, block, _layer_types(o), n)
         pool = (f"a decode pool of {blocks} blocks of {block} tokens holds one "
                 f"request of at most {holds} tokens")
