@@ -108,5 +108,3 @@ def test_a_real_cpu_bundle_serves_smoke_and_correctness_with_no_network(tmp_path
         # The bundle's own Qwen3.5 models, served (not Qwen3-Next standing in).
         assert Path(e2e["model"]).name.startswith("tiny-qwen3_5-"), e2e["model"]
         assert Path(e2e["model"]).parent == bundle / "cache" / "e2e" / "models"
-    # The models and everything the runs wrote stayed in the bundle and the results.
-    assert sorted(p.name for p in (bundle / "cache" / "e2e" / "models").iterdir())

@@ -256,14 +256,15 @@ def install(
     log(f"installing {', '.join(manifest['install'])} from the bundle (no index)")
     if manifest.get("dropped"):
         # The release requires what the bundle left out (a CPU venv's CPU_DROPPED): pip
-        # would look for it; the bundled wheels are the resolved set without it.
+        # would look for it; the bundled wheels (no_deps ones too) are the resolved set
+        # without it.
         log(f"leaving out {', '.join(manifest['dropped'])}, as a CPU install does")
         _pip(py, "install", "-q", "--no-index", "--no-deps", *sorted(wheels.glob("*.whl")))
     else:
         _pip(py, "install", "-q", "--no-index", "--find-links", wheels, *manifest["install"])
-    if manifest.get("no_deps"):
-        _pip(py, "install", "-q", "--no-index", "--no-deps", "--find-links", wheels,
-             *manifest["no_deps"])
+        if manifest.get("no_deps"):
+            _pip(py, "install", "-q", "--no-index", "--no-deps", "--find-links", wheels,
+                 *manifest["no_deps"])
 
     distribution = canonicalize_name(manifest["distribution"])
     release = next((w for w in wheels.glob("*.whl")
